@@ -1,0 +1,180 @@
+"""The Stable Diffusion 1.x family: CLIP text encoder, UNet2DConditionModel, AutoencoderKL.
+
+The diffusers `StableDiffusionPipeline` is built around whichever components this process
+loaded and its own methods do the encoding, noise preparation and post-processing, so the
+served result stays equal to the pipeline's.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Collection, Sequence
+
+import diffusers
+import numpy as np
+import torch
+from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionPipeline, UNet2DConditionModel
+from diffusers.utils.torch_utils import randn_tensor
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+from .base import ALL_PARTS, DENOISER, TEXT, VAE, DiffusionFamily, ModelSource
+from ..tokenizer import byte_level_clip_tokenizer, byte_level_vocab
+
+# SD1.5's noise schedule; presets step it with Euler (steps == num_inference_steps exactly).
+SD_SCHEDULER = dict(
+    beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", num_train_timesteps=1000,
+    steps_offset=1, timestep_spacing="leading",
+)
+
+# Tiny: same classes, small widths. The VAE keeps four blocks so the 8x downscale matches SD.
+TINY = dict(
+    text=dict(
+        vocab_size=len(byte_level_vocab()), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4,
+    ),
+    unet=dict(
+        sample_size=32, layers_per_block=1, block_out_channels=(32, 64),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=32, attention_head_dim=8, norm_num_groups=8,
+    ),
+    vae=dict(block_out_channels=(8, 16, 32, 32), layers_per_block=1, norm_num_groups=8, sample_size=256),
+)
+
+# Full size: the published SD1.5 component configs (random weights, for GPU speed runs).
+FULL = dict(
+    text=dict(
+        vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+        projection_dim=768, hidden_act="quick_gelu",
+    ),
+    unet=dict(
+        sample_size=64, layers_per_block=2, block_out_channels=(320, 640, 1280, 1280),
+        down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+        up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
+        cross_attention_dim=768, attention_head_dim=8, norm_num_groups=32,
+    ),
+    vae=dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2, norm_num_groups=32, sample_size=512),
+)
+
+PRESETS = {"tiny": TINY, "full": FULL}
+
+
+def _text_encoder(cfg: dict) -> CLIPTextModel:
+    # Token ids follow the byte-level tokenizer: bos 0, eos (= pad) 1.
+    config = CLIPTextConfig(max_position_embeddings=77, bos_token_id=0, eos_token_id=1, pad_token_id=1, **cfg)
+    return CLIPTextModel(config)
+
+
+def _vae(cfg: dict) -> AutoencoderKL:
+    n = len(cfg["block_out_channels"])
+    return AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=4,
+        down_block_types=("DownEncoderBlock2D",) * n, up_block_types=("UpDecoderBlock2D",) * n, **cfg,
+    )
+
+
+def build_preset_components(preset: str, seed: int, parts: Collection[str]) -> dict[str, Any]:
+    """Random-weight components of the real classes. Each component is seeded on its own so a
+    process that builds only the UNet gets the same UNet as one that builds everything."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown sd15 preset {preset!r}; known: {sorted(PRESETS)}")
+    cfg = PRESETS[preset]
+    out: dict[str, Any] = {"scheduler": EulerDiscreteScheduler(**SD_SCHEDULER)}
+    builders = {
+        TEXT: lambda: _text_encoder(cfg["text"]),
+        DENOISER: lambda: UNet2DConditionModel(in_channels=4, out_channels=4, **cfg["unet"]),
+        VAE: lambda: _vae(cfg["vae"]),
+    }
+    for offset, part in enumerate((TEXT, DENOISER, VAE)):
+        if part in parts:
+            torch.manual_seed(seed * 1009 + offset)
+            out[part] = builders[part]()
+    if TEXT in parts:
+        out["tokenizer"] = byte_level_clip_tokenizer()
+    vae_blocks = len(cfg["vae"]["block_out_channels"])
+    out["vae_scale_factor"] = 2 ** (vae_blocks - 1)
+    return out
+
+
+def load_folder_components(path: str, parts: Collection[str]) -> dict[str, Any]:
+    """Components from a local diffusers-format folder; safetensors only, never the hub."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model folder {path!r} does not exist")
+    local = dict(use_safetensors=True, local_files_only=True)
+    scheduler_cls = getattr(diffusers, StableDiffusionPipeline.load_config(path)["scheduler"][1])
+    out: dict[str, Any] = {"scheduler": scheduler_cls.from_pretrained(path, subfolder="scheduler")}
+    if TEXT in parts:
+        out["tokenizer"] = CLIPTokenizer.from_pretrained(path, subfolder="tokenizer", local_files_only=True)
+        out[TEXT] = CLIPTextModel.from_pretrained(path, subfolder="text_encoder", **local)
+    if DENOISER in parts:
+        out[DENOISER] = UNet2DConditionModel.from_pretrained(path, subfolder="unet", **local)
+    if VAE in parts:
+        out[VAE] = AutoencoderKL.from_pretrained(path, subfolder="vae", **local)
+    vae_config = AutoencoderKL.load_config(path, subfolder="vae")
+    out["vae_scale_factor"] = 2 ** (len(vae_config["block_out_channels"]) - 1)
+    return out
+
+
+class SD15Family(DiffusionFamily):
+    def __init__(self, source: ModelSource, components: dict[str, Any], device: torch.device):
+        self.source = source
+        self.device = device
+        self.dtype = source.torch_dtype
+        for part in (TEXT, DENOISER, VAE):
+            if part in components:
+                components[part].to(device=device, dtype=self.dtype).eval().requires_grad_(False)
+        scheduler = components["scheduler"]
+        if source.scheduler is not None:
+            scheduler_cls = getattr(diffusers, source.scheduler, None)
+            if scheduler_cls is None or not hasattr(scheduler_cls, "from_config"):
+                raise ValueError(f"model {source.name!r}: unknown scheduler {source.scheduler!r}")
+            scheduler = scheduler_cls.from_config(scheduler.config)
+        self.unet = components.get(DENOISER)
+        self.vae = components.get(VAE)
+        self.vae_scale_factor = components["vae_scale_factor"]
+        self.latent_channels = self.unet.config.in_channels if self.unet is not None else 4
+        # The pipeline object is only a holder for diffusers' own helper methods.
+        self.pipe = StableDiffusionPipeline(
+            vae=self.vae, text_encoder=components.get(TEXT), tokenizer=components.get("tokenizer"),
+            unet=self.unet, scheduler=scheduler, safety_checker=None, feature_extractor=None,
+            requires_safety_checker=False,
+        )
+        self.pipe.set_progress_bar_config(disable=True)
+
+    @classmethod
+    def load(cls, source: ModelSource, parts: Collection[str], device: str | torch.device) -> "SD15Family":
+        unknown = set(parts) - ALL_PARTS
+        if unknown:
+            raise ValueError(f"unknown parts {sorted(unknown)}")
+        if source.preset is not None:
+            components = build_preset_components(source.preset, source.seed, parts)
+        else:
+            components = load_folder_components(source.path, parts)
+        return cls(source, components, torch.device(device))
+
+    @torch.inference_mode()
+    def encode_text(self, texts: Sequence[str]) -> torch.Tensor:
+        embeds, _ = self.pipe.encode_prompt(list(texts), self.device, 1, False)
+        return embeds
+
+    def make_scheduler(self) -> Any:
+        return type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
+
+    def initial_latents(self, height: int, width: int, scheduler: Any, generator: torch.Generator) -> torch.Tensor:
+        # `StableDiffusionPipeline.prepare_latents` reads the pipeline's shared scheduler; the
+        # per-request scheduler's `init_noise_sigma` depends on its own timesteps, so inline it.
+        shape = (1, self.latent_channels, height // self.vae_scale_factor, width // self.vae_scale_factor)
+        latents = randn_tensor(shape, generator=generator, device=self.device, dtype=self.dtype)
+        return latents * scheduler.init_noise_sigma
+
+    @torch.inference_mode()
+    def denoise(self, sample: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        return self.unet(sample, timesteps, encoder_hidden_states=context, return_dict=False)[0]
+
+    @torch.inference_mode()
+    def decode(self, latents: torch.Tensor) -> np.ndarray:
+        latents = latents.to(device=self.device, dtype=self.dtype)
+        image = self.vae.decode(latents / self.vae.config.scaling_factor, return_dict=False)[0]
+        return self.pipe.image_processor.postprocess(
+            image, output_type="np", do_denormalize=[True] * image.shape[0]
+        )

@@ -1,0 +1,65 @@
+"""Presets are deterministic; real folders load from local safetensors only."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from stepserve.engine.families import ALL_PARTS, DENOISER, ModelSource, load_family
+from stepserve.engine.text_encoding import CachedTextEncoder
+
+from ...tiny import TINY, make_spec, solo_pipeline_image
+
+
+def test_preset_parts_are_seeded_independently(tiny_family):
+    unet_only = load_family(TINY, {DENOISER}, "cpu")
+    for a, b in zip(unet_only.unet.parameters(), tiny_family.unet.parameters()):
+        assert torch.equal(a, b)
+    other_seed = load_family(ModelSource(name="x", family="sd15", preset="tiny", seed=1), {DENOISER}, "cpu")
+    assert not torch.equal(next(other_seed.unet.parameters()), next(tiny_family.unet.parameters()))
+
+
+def test_local_safetensors_folder_round_trip(tiny_family, tmp_path):
+    tiny_family.pipe.save_pretrained(tmp_path, safe_serialization=True)
+    assert any(f.endswith(".safetensors") for _, _, fs in os.walk(tmp_path) for f in fs)
+    loaded = load_family(ModelSource(name="local", family="sd15", path=str(tmp_path)), ALL_PARTS, "cpu")
+    spec = make_spec("r", steps=3, seed=5)
+    np.testing.assert_allclose(
+        solo_pipeline_image(loaded, spec), solo_pipeline_image(tiny_family, spec), atol=1e-6
+    )
+
+
+def test_folder_without_safetensors_is_refused(tiny_family, tmp_path):
+    tiny_family.pipe.save_pretrained(tmp_path, safe_serialization=False)
+    with pytest.raises(Exception, match="safetensors|\\.safetensors"):
+        load_family(ModelSource(name="bin", family="sd15", path=str(tmp_path)), ALL_PARTS, "cpu")
+
+
+def test_missing_folder_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_family(ModelSource(name="nope", family="sd15", path=str(tmp_path / "nope")), ALL_PARTS, "cpu")
+
+
+def test_model_source_needs_exactly_one_origin():
+    with pytest.raises(ValueError, match="exactly one"):
+        ModelSource(name="x", family="sd15")
+    with pytest.raises(ValueError, match="exactly one"):
+        ModelSource(name="x", family="sd15", preset="tiny", path="/tmp")
+
+
+def test_text_cache_hits_and_equals_direct_encoding(tiny_family):
+    enc = CachedTextEncoder({"tiny-sd": tiny_family}, cache_size=2)
+    first = enc.encode("tiny-sd", ["a cat", ""])
+    again = enc.encode("tiny-sd", ["", "a cat"])
+    assert enc.misses == 2 and enc.hits == 2
+    np.testing.assert_array_equal(first[0], again[1])
+    direct = tiny_family.encode_text(["a cat"]).numpy()
+    np.testing.assert_allclose(first[0], direct, atol=1e-6)
+    enc.encode("tiny-sd", ["a dog"])  # evicts the least recently used: "" (used before "a cat")
+    enc.encode("tiny-sd", ["a cat"])
+    assert enc.misses == 3
+    enc.encode("tiny-sd", [""])
+    assert enc.misses == 4
+    with pytest.raises(ValueError, match="no text encoder"):
+        enc.encode("unknown", ["x"])

@@ -1,0 +1,30 @@
+"""Shared builders for tests: the tiny model, request specs, and the plain-diffusers reference."""
+
+import torch
+
+from stepserve.engine.families import ModelSource
+from stepserve.engine.sampler import Conditioning
+from stepserve.policies.types import RequestSpec
+
+TINY = ModelSource(name="tiny-sd", family="sd15", preset="tiny", seed=0)
+
+
+def make_spec(rid: str, steps: int = 6, seed: int = 0, guidance: float = 7.5, size: int = 64, prompt: str = "a red fox",
+              negative: str = "") -> RequestSpec:
+    return RequestSpec(request_id=rid, model="tiny-sd", prompt=prompt, width=size, height=size,
+                       num_inference_steps=steps, guidance_scale=guidance, seed=seed, negative_prompt=negative)
+
+
+def conditioning_for(family, spec: RequestSpec) -> Conditioning:
+    cond, uncond = family.encode_text([spec.prompt, spec.negative_prompt]).split(1)
+    return Conditioning(cond, uncond if spec.uses_cfg else None)
+
+
+def solo_pipeline_image(family, spec: RequestSpec):
+    """Plain diffusers: the pipeline alone, same components, same seed."""
+    with torch.inference_mode():
+        return family.pipe(
+            spec.prompt, negative_prompt=spec.negative_prompt or None, height=spec.height, width=spec.width,
+            num_inference_steps=spec.num_inference_steps, guidance_scale=spec.guidance_scale,
+            generator=torch.Generator("cpu").manual_seed(spec.seed), output_type="np",
+        ).images[0]
