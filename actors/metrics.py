@@ -1,0 +1,37 @@
+"""Prometheus metrics of the router: one registry per router, served by the ingress."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.queue_length = Gauge("stepserve_queue_length", "Requests waiting for a worker.", registry=r)
+        self.running = Gauge("stepserve_running_requests", "Requests resident on workers.", registry=r)
+        self.step_latency = Histogram(
+            "stepserve_step_latency_seconds", "Time to execute one worker round (all its groups).",
+            ["worker"], buckets=STEP_BUCKETS, registry=r,
+        )
+        self.batch_size = Histogram(
+            "stepserve_batch_size", "Requests stepping together in one worker round.",
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32), registry=r,
+        )
+        self.requests = Counter(
+            "stepserve_requests", "Requests by final status.", ["status"], registry=r,
+        )
+        self.queue_wait = Histogram(
+            "stepserve_queue_wait_seconds", "Arrival to admission on a worker.", buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.denoise_latency = Histogram(
+            "stepserve_denoise_latency_seconds", "Arrival to last denoising step.", buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

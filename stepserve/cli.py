@@ -1,0 +1,104 @@
+"""`stepserve serve` runs a Serve config locally; `stepserve generate` makes one image."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import sys
+import time
+import uuid
+from pathlib import Path
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from ray import serve
+
+    from .runtime import load_serve_config, run_app, start_local_ray
+
+    config = load_serve_config(args.config)
+    start_local_ray(args.num_cpus)
+    run_app(config, http=True)
+    http = config.get("http_options") or {}
+    print(f"stepserve is up on http://{http.get('host', '127.0.0.1')}:{http.get('port', 8000)} (Ctrl-C to stop)")
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+    from tqdm import tqdm
+
+    from .deployments.errors import APIError
+    from .runtime import load_serve_config, run_app, start_local_ray
+
+    request = {"prompt": args.prompt, "n": 1}
+    for key in ("model", "size", "negative_prompt", "num_inference_steps", "guidance_scale", "seed"):
+        if getattr(args, key) is not None:
+            request[key] = getattr(args, key)
+    start_local_ray(args.num_cpus)
+    try:
+        print("starting stepserve (in-process)...", file=sys.stderr)
+        handle = run_app(load_serve_config(args.config), http=False)
+        request_id = f"cli-{uuid.uuid4().hex[:12]}"
+        response = handle.generate.remote(request, request_id)
+        with tqdm(desc="denoising", unit="step", total=request.get("num_inference_steps")) as bar:
+            while True:
+                try:
+                    result = response.result(timeout_s=0.1)
+                    break
+                except TimeoutError:
+                    pass
+                progress = handle.progress.remote(request_id).result()
+                if progress:
+                    bar.total = progress["steps_total"]
+                    bar.update(progress["steps_done"] - bar.n)
+            bar.update((bar.total or bar.n) - bar.n)
+    except APIError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    image = result["data"][0]
+    Path(args.output).write_bytes(base64.b64decode(image["b64_json"]))
+    print(f"wrote {args.output} (seed {image['seed']})")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .runtime import default_config_path
+
+    parser = argparse.ArgumentParser(prog="stepserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve_p = sub.add_parser("serve", help="start a lean local Ray and serve a config until Ctrl-C")
+    serve_p.add_argument("config", nargs="?", default=str(default_config_path()), help="Serve YAML")
+    serve_p.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may use (default: all)")
+    serve_p.set_defaults(func=_serve)
+
+    gen = sub.add_parser("generate", help="generate one image in-process and write it as PNG")
+    gen.add_argument("prompt")
+    gen.add_argument("-o", "--output", default="out.png")
+    gen.add_argument("--config", default=str(default_config_path()), help="Serve YAML")
+    gen.add_argument("--model")
+    gen.add_argument("--size", help="WIDTHxHEIGHT")
+    gen.add_argument("--negative-prompt", dest="negative_prompt")
+    gen.add_argument("--steps", dest="num_inference_steps", type=int)
+    gen.add_argument("--guidance-scale", dest="guidance_scale", type=float)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may use (default: all)")
+    gen.set_defaults(func=_generate)
+
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

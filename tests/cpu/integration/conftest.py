@@ -1,0 +1,37 @@
+import copy
+import socket
+import time
+
+import httpx
+import pytest
+
+from stepserve.runtime import default_config_path, load_serve_config, run_app, start_local_ray
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="package")
+def live_app():
+    """configs/local.yaml served by a real local Ray + Serve, on a free port."""
+    import ray
+    from ray import serve
+
+    config = copy.deepcopy(load_serve_config(default_config_path()))
+    port = free_port()
+    config["http_options"] = {"host": "127.0.0.1", "port": port}
+    start_local_ray(num_cpus=2)
+    try:
+        handle = run_app(config, http=True)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while httpx.get(f"{url}/ready", timeout=10).status_code != 200:
+            assert time.monotonic() < deadline, "app never became ready"
+            time.sleep(0.5)
+        yield url, handle
+    finally:
+        serve.shutdown()
+        ray.shutdown()

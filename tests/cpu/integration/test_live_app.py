@@ -1,0 +1,143 @@
+"""The embedded default served for real: HTTP (httpx and the official openai client) and a handle."""
+
+import asyncio
+import base64
+import io
+import json
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+from diffusers.image_processor import VaeImageProcessor
+from PIL import Image
+
+from stepserve.deployments.errors import APIError
+from stepserve.deployments.protocol import ImageGenerationRequest
+from stepserve.engine.families import ALL_PARTS, load_family
+
+from ...tiny import TINY, make_spec, solo_pipeline_image
+
+
+def png_array(b64: str) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
+
+
+def body(**kw):
+    return {"prompt": "a red fox", "size": "64x64", "num_inference_steps": 4, **kw}
+
+
+def test_openai_client_gets_a_png_of_the_requested_size(live_app):
+    url, _ = live_app
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    result = client.images.generate(
+        model="tiny-sd", prompt="a lighthouse", size="128x64", response_format="b64_json", n=2,
+        extra_body={"num_inference_steps": 5, "seed": 11},
+    )
+    assert len(result.data) == 2
+    for item in result.data:
+        assert png_array(item.b64_json).shape == (64, 128, 3)
+    assert not np.array_equal(png_array(result.data[0].b64_json), png_array(result.data[1].b64_json))
+    assert [m.id for m in client.models.list().data] == ["tiny-sd"]
+
+
+def test_served_image_in_a_mixed_batch_equals_solo_diffusers(live_app):
+    """Other requests with other step counts run concurrently; the target is still exact."""
+    url, _ = live_app
+    target = dict(prompt="a castle on a hill", negative_prompt="fog", size="64x64", num_inference_steps=9,
+                  guidance_scale=6.0, seed=1234)
+    others = [body(num_inference_steps=s, seed=s, guidance_scale=g) for s, g in [(3, 7.5), (14, 1.0), (6, 3.0)]]
+
+    async def fire():
+        async with httpx.AsyncClient(timeout=120) as client:
+            calls = [client.post(f"{url}/v1/images/generations", json=b) for b in others[:2]]
+            calls.append(client.post(f"{url}/v1/images/generations", json=target))
+            calls.append(client.post(f"{url}/v1/images/generations", json=others[2]))
+            return await asyncio.gather(*calls)
+
+    responses = asyncio.run(fire())
+    assert [r.status_code for r in responses] == [200] * 4
+    served = png_array(responses[2].json()["data"][0]["b64_json"])
+    assert responses[2].json()["data"][0]["seed"] == 1234
+
+    family = load_family(TINY, ALL_PARTS, "cpu")
+    spec = make_spec("t", steps=9, seed=1234, guidance=6.0, prompt=target["prompt"], negative="fog")
+    expected = np.asarray(VaeImageProcessor.numpy_to_pil(solo_pipeline_image(family, spec)[None])[0])
+    # PNG is 8-bit: float noise at 1e-5 can flip a rounding, nothing more.
+    assert np.abs(served.astype(int) - expected.astype(int)).max() <= 1
+
+
+def test_bad_input_gets_openai_errors_and_others_still_succeed(live_app):
+    url, _ = live_app
+    bad = [
+        (b"{not json", 400, None),
+        (json.dumps(body(size="65x64")).encode(), 400, "size"),
+        (json.dumps(body(size="100000x100000")).encode(), 400, "size"),
+        (json.dumps(body(num_inference_steps=10_000)).encode(), 400, "num_inference_steps"),
+        (json.dumps(body(guidance_scale=-3)).encode(), 400, "guidance_scale"),
+        (json.dumps(body(n=50)).encode(), 400, "n"),
+        (json.dumps(body(prompt="")).encode(), 400, "prompt"),
+        (json.dumps(body(prompt="x" * 100_000)).encode(), 400, "prompt"),
+        (json.dumps(body(model="nope")).encode(), 404, "model"),
+        (json.dumps(body(frobnicate=1)).encode(), 400, "frobnicate"),
+        (b"[" * 200_000 + b"]" * 200_000, 400, None),  # nesting bomb under the size cap
+        (b"x" * (2 << 20), 413, None),
+    ]
+
+    async def fire():
+        async with httpx.AsyncClient(timeout=120) as client:
+            good = [client.post(f"{url}/v1/images/generations", json=body(num_inference_steps=8, seed=i))
+                    for i in range(3)]
+            wrong = [client.post(f"{url}/v1/images/generations", content=raw,
+                                 headers={"content-type": "application/json"}) for raw, _, _ in bad]
+            return await asyncio.gather(*good), await asyncio.gather(*wrong)
+
+    good, wrong = asyncio.run(fire())
+    assert [r.status_code for r in good] == [200, 200, 200]
+    for (raw, status, param), response in zip(bad, wrong):
+        assert response.status_code == status, (raw[:40], response.text[:200])
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"]
+        assert error["param"] == param
+    after = httpx.post(f"{url}/v1/images/generations", json=body(), timeout=60)
+    assert after.status_code == 200
+
+
+def test_handle_api_and_errors(live_app):
+    _, handle = live_app
+    result = handle.generate.remote(ImageGenerationRequest(prompt="a boat", size="64x64", num_inference_steps=3,
+                                                           seed=5)).result()
+    assert png_array(result["data"][0]["b64_json"]).shape == (64, 64, 3)
+    with pytest.raises(APIError) as info:
+        handle.generate.remote({"prompt": "a boat", "size": "63x63"}).result()
+    assert info.value.status == 400 and info.value.param == "size"
+
+
+def test_cancel_frees_the_request_at_a_step_boundary(live_app):
+    _, handle = live_app
+    response = handle.generate.remote(body(num_inference_steps=100, size="256x256"), "to-cancel")
+    for _ in range(200):
+        progress = handle.progress.remote("to-cancel").result()
+        if progress and progress["steps_done"] > 0:
+            break
+        asyncio.run(asyncio.sleep(0.05))
+    assert handle.cancel.remote("to-cancel").result() is True
+    with pytest.raises(APIError) as info:
+        response.result(timeout_s=60)
+    assert info.value.code == "cancelled"
+    assert handle.progress.remote("to-cancel").result() is None  # forgotten once delivered
+
+
+def test_health_ready_models_and_metrics(live_app):
+    url, _ = live_app
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+    ready = httpx.get(f"{url}/ready").json()
+    assert ready["status"] == "ready" and ready["workers"] == 2
+    assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "tiny-sd"
+    httpx.post(f"{url}/v1/images/generations", json=body(), timeout=60).raise_for_status()
+    metrics = httpx.get(f"{url}/metrics").text
+    for name in ("stepserve_queue_length", "stepserve_running_requests", "stepserve_step_latency_seconds_bucket",
+                 "stepserve_batch_size_bucket", 'stepserve_requests_total{status="finished"}',
+                 'stepserve_http_requests_total{code="200",route="/v1/images/generations"}'):
+        assert name in metrics, name
