@@ -35,31 +35,38 @@ def _generate(args: argparse.Namespace) -> int:
     from ray import serve
     from tqdm import tqdm
 
+    from .deployments.config import AppConfig
     from .deployments.errors import APIError
+    from .deployments.validation import to_specs
     from .runtime import load_serve_config, run_app, start_local_ray
 
     request = {"prompt": args.prompt, "n": 1}
     for key in ("model", "size", "negative_prompt", "num_inference_steps", "guidance_scale", "seed"):
         if getattr(args, key) is not None:
             request[key] = getattr(args, key)
+    config = load_serve_config(args.config)
+    try:  # fail fast, before paying for a Ray start; the server validates again
+        (spec,) = to_specs(request, AppConfig.model_validate(config["applications"][0]["args"]), "cli")
+    except APIError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    request["seed"] = spec.seed
     start_local_ray(args.num_cpus)
     try:
         print("starting stepserve (in-process)...", file=sys.stderr)
-        handle = run_app(load_serve_config(args.config), http=False)
+        handle = run_app(config, http=False)
         request_id = f"cli-{uuid.uuid4().hex[:12]}"
         response = handle.generate.remote(request, request_id)
-        with tqdm(desc="denoising", unit="step", total=request.get("num_inference_steps")) as bar:
+        with tqdm(desc="denoising", unit="step", total=spec.num_inference_steps) as bar:
             while True:
                 try:
                     result = response.result(timeout_s=0.1)
                     break
                 except TimeoutError:
-                    pass
-                progress = handle.progress.remote(request_id).result()
-                if progress:
-                    bar.total = progress["steps_total"]
-                    bar.update(progress["steps_done"] - bar.n)
-            bar.update((bar.total or bar.n) - bar.n)
+                    progress = handle.progress.remote(request_id).result()
+                    if progress:
+                        bar.update(progress["steps_done"] - bar.n)
+            bar.update(bar.total - bar.n)
     except APIError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -141,3 +141,17 @@ def test_health_ready_models_and_metrics(live_app):
                  "stepserve_batch_size_bucket", 'stepserve_requests_total{status="finished"}',
                  'stepserve_http_requests_total{code="200",route="/v1/images/generations"}'):
         assert name in metrics, name
+
+
+def test_python_client(live_app):
+    from stepserve import StepserveClient
+
+    url, _ = live_app
+    with StepserveClient(url) as client:
+        client.wait_ready()
+        assert client.models() == ["tiny-sd"]
+        (png,) = client.generate("a tree", size="64x64", num_inference_steps=3, seed=1)
+        assert Image.open(io.BytesIO(png)).size == (64, 64)
+        with pytest.raises(APIError) as info:
+            client.generate("a tree", num_inference_steps=0)
+        assert info.value.status == 400 and info.value.param == "num_inference_steps"
