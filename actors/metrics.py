@@ -22,6 +22,10 @@ class RouterMetrics:
             "stepserve_batch_size", "Requests stepping together in one worker round.",
             buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32), registry=r,
         )
+        self.plan_latency = Histogram(
+            "stepserve_plan_seconds", "Router decision time per worker round (snapshot + policy + checks).",
+            buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2), registry=r,
+        )
         self.requests = Counter(
             "stepserve_requests", "Requests by final status.", ["status"], registry=r,
         )

@@ -142,7 +142,9 @@ class Router:
     async def _worker_loop(self, wid: str) -> None:
         worker, wake = self.workers[wid], self._wake[wid]
         while True:
+            start = time.perf_counter()
             plan = self.core.next_plan(wid, time.monotonic())
+            self.metrics.plan_latency.observe(time.perf_counter() - start)
             if plan.is_empty:
                 wake.clear()
                 await wake.wait()

@@ -34,12 +34,12 @@ api = FastAPI(title="stepserve", description="Diffusion serving scheduled by the
 
 
 @api.exception_handler(APIError)
-async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+async def _on_api_error(_: Request, exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status)
 
 
 @api.exception_handler(Exception)
-async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
     logger.exception("unhandled error")
     return JSONResponse(APIError(500, "internal server error", code="internal_error").body(), status_code=500)
 
@@ -58,6 +58,17 @@ async def read_json(request: Request, limit: int) -> Any:
         return json.loads(body)
     except (ValueError, RecursionError):
         raise invalid(None, "request body is not valid JSON", code="invalid_json") from None
+
+
+def _as_api_error(exc: BaseException) -> BaseException:
+    """Router outcomes as API errors; anything else (e.g. CancelledError) passes unchanged."""
+    if isinstance(exc, QueueFullError):
+        return APIError(429, "the server is at capacity; retry later", code="queue_full", type="rate_limit_error")
+    if isinstance(exc, RequestFailedError):
+        return APIError(500, f"generation failed: {exc}", code="generation_failed")
+    if isinstance(exc, RequestCancelledError):
+        return APIError(409, str(exc), code="cancelled")
+    return exc
 
 
 class HTTPMetrics:
@@ -86,16 +97,10 @@ class Ingress:
         specs = to_specs(request, self.config, request_id or f"img-{uuid.uuid4().hex}")
         try:
             latents = await asyncio.gather(*(self.router.submit.remote(spec) for spec in specs))
-        except QueueFullError:
-            raise APIError(429, "the server is at capacity; retry later", code="queue_full",
-                           type="rate_limit_error") from None
-        except RequestFailedError as exc:
-            raise APIError(500, f"generation failed: {exc}", code="generation_failed") from None
-        except RequestCancelledError as exc:
-            raise APIError(409, str(exc), code="cancelled") from None
-        finally:
-            for spec in specs:  # no-op for finished requests; frees siblings of a failed one
+        except BaseException as exc:
+            for spec in specs:  # free the siblings of a failed or abandoned request
                 self.router.cancel.remote(spec.request_id)
+            raise _as_api_error(exc) from None
         pngs = await asyncio.gather(
             *(self.vae_decoder.decode_png.remote(spec.model, lat) for spec, lat in zip(specs, latents))
         )

@@ -7,6 +7,7 @@ served result stays equal to the pipeline's.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Any, Collection, Sequence
 
@@ -131,6 +132,8 @@ class SD15Family(DiffusionFamily):
             scheduler = scheduler_cls.from_config(scheduler.config)
         self.unet = components.get(DENOISER)
         self.vae = components.get(VAE)
+        if self.unet is not None and device.type == "cuda" and importlib.util.find_spec("xformers"):
+            self.unet.enable_xformers_memory_efficient_attention()  # optional GPU extra
         self.vae_scale_factor = components["vae_scale_factor"]
         self.latent_channels = self.unet.config.in_channels if self.unet is not None else 4
         # The pipeline object is only a holder for diffusers' own helper methods.
