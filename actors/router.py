@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,8 +41,10 @@ class Router:
     # Async so the replica reports healthy only once every worker has loaded its models (Serve
     # awaits async constructors); this class is only ever built as a Serve deployment.
     async def __init__(self, models: Sequence[ModelSource], pool: WorkerPoolSpec, policy: str,
-                 policy_options: dict[str, Any], max_queue_len: int, text_encoder: Any, name: str = "stepserve"):
+                 policy_options: dict[str, Any], max_queue_len: int, text_encoder: Any, pipeline_depth: int = 2,
+                 name: str = "stepserve"):
         self.text_encoder = text_encoder
+        self.pipeline_depth = pipeline_depth
         self.workers = start_workers(pool, models, name)
         slots = [WorkerSlot(wid, pool.max_batch_size) for wid in self.workers]
         self.core = RouterCore(make_policy(policy, policy_options), slots, max_queue_len)
@@ -140,28 +143,52 @@ class Router:
         self._wake_all()
 
     async def _worker_loop(self, wid: str) -> None:
+        """Keep up to `pipeline_depth` plans queued at the worker.
+
+        A plan's outcome is known in advance (every listed request advances one step), so the
+        next plan can be made and sent while the current one runs: the worker never idles for a
+        round trip. Ray runs one caller's calls to an actor in order; requests that finished in
+        an earlier plan are simply skipped by the worker. The price: a newcomer may join one
+        step later than with depth 1.
+        """
         worker, wake = self.workers[wid], self._wake[wid]
+        in_flight: deque[ray.ObjectRef] = deque()
         while True:
-            start = time.perf_counter()
-            plan = self.core.next_plan(wid, time.monotonic())
-            self.metrics.plan_latency.observe(time.perf_counter() - start)
-            if plan.is_empty:
-                wake.clear()
-                await wake.wait()
+            plan = None
+            if len(in_flight) < self.pipeline_depth:
+                plan = self._next_plan(wid)
+                if not plan.is_empty:
+                    admissions = {rid: (self._specs[rid], self._embeds[rid]) for rid in plan.admit}
+                    in_flight.append(worker.execute.remote(plan, admissions))
+                    continue
+            if in_flight:
+                try:
+                    report, latents = await in_flight.popleft()
+                except ray.exceptions.RayActorError as exc:
+                    logger.error("worker %s died: %s", wid, exc)
+                    in_flight.clear()
+                    self._finish_failed(self.core.worker_failed(wid, f"worker {wid} died", time.monotonic()), None)
+                    await self._await_restart(worker)
+                    continue
+                self._apply(report, latents)
                 continue
-            admissions = {rid: (self._specs[rid], self._embeds[rid]) for rid in plan.admit}
-            now = time.monotonic()
-            for rid in plan.admit:
-                self.metrics.queue_wait.observe(now - self.core.state(rid).arrival_time)
-            self._update_gauges()
+            wake.clear()
+            timeout = None if plan.wake_at is None else max(0.0, plan.wake_at - time.monotonic())
             try:
-                report, latents = await worker.execute.remote(plan, admissions)
-            except ray.exceptions.RayActorError as exc:
-                logger.error("worker %s died: %s", wid, exc)
-                self._finish_failed(self.core.worker_failed(wid, f"worker {wid} died", time.monotonic()), None)
-                await self._await_restart(worker)
-                continue
-            self._apply(report, latents)
+                await asyncio.wait_for(wake.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+
+    def _next_plan(self, wid: str):
+        start = time.perf_counter()
+        now = time.monotonic()
+        plan = self.core.next_plan(wid, now)
+        self.metrics.plan_latency.observe(time.perf_counter() - start)
+        for rid in plan.admit:
+            self.metrics.queue_wait.observe(now - self.core.state(rid).arrival_time)
+        if plan.admit:
+            self._update_gauges()
+        return plan
 
     async def _await_restart(self, worker) -> None:
         while True:

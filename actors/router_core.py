@@ -134,7 +134,8 @@ class RouterCore:
             worker.residents[rid] = None
         drops = tuple(worker.drops)
         worker.drops.clear()
-        return WorkerPlan(worker_id=worker_id, admit=plan.admit, groups=plan.groups, drop=drops)
+        return WorkerPlan(worker_id=worker_id, admit=plan.admit, groups=plan.groups, drop=drops,
+                          wake_at=plan.wake_at)
 
     def apply(self, report: StepReport, now: float) -> list[str]:
         """Fold a worker's report in; returns the ids that became terminal, in report order."""

@@ -44,7 +44,8 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
     rc = config.router
     router = serve.deployment(Router, name="Router").options(
         num_replicas=1, max_ongoing_requests=LONG_CALLS, ray_actor_options={"num_cpus": 0},
-    ).bind(sources, config.workers.to_spec(), rc.policy, rc.policy_options, rc.max_queue_len, text_encoder)
+    ).bind(sources, config.workers.to_spec(), rc.policy, rc.policy_options, rc.max_queue_len, text_encoder,
+           rc.pipeline_depth)
 
     ing = config.ingress
     return serve.deployment(Ingress, name="Ingress").options(

@@ -72,6 +72,10 @@ class RouterConfig(_Strict):
     policy: str = Field(default="continuous", description="Scheduling policy name (policies registry).")
     policy_options: dict[str, Any] = Field(default_factory=dict, description="Options of the policy's config.")
     max_queue_len: int = Field(default=256, ge=1, description="Queued requests beyond which new ones get 429.")
+    pipeline_depth: int = Field(
+        default=2, ge=1, le=4,
+        description="Plans queued per worker: 2 hides the router round trip; 1 is strict lockstep.",
+    )
 
 
 class ComponentConfig(_Strict):

@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from ray import serve
 
 from ..actors.router import RequestCancelledError, RequestFailedError
-from ..actors.router_core import QueueFullError
+from ..actors.router_core import DuplicateRequestError, QueueFullError
 from .config import AppConfig
 from .errors import APIError, invalid
 from .protocol import ImageGenerationRequest
@@ -68,6 +68,8 @@ def _as_api_error(exc: BaseException) -> BaseException:
         return APIError(500, f"generation failed: {exc}", code="generation_failed")
     if isinstance(exc, RequestCancelledError):
         return APIError(409, str(exc), code="cancelled")
+    if isinstance(exc, DuplicateRequestError):
+        return APIError(409, str(exc), param="request_id", code="duplicate_request_id")
     return exc
 
 
@@ -98,8 +100,11 @@ class Ingress:
         try:
             latents = await asyncio.gather(*(self.router.submit.remote(spec) for spec in specs))
         except BaseException as exc:
-            for spec in specs:  # free the siblings of a failed or abandoned request
-                self.router.cancel.remote(spec.request_id)
+            # Free the siblings of a failed or abandoned request; but a duplicate id belongs to
+            # another caller's live request, which must not be cancelled.
+            if not isinstance(exc, DuplicateRequestError):
+                for spec in specs:
+                    self.router.cancel.remote(spec.request_id)
             raise _as_api_error(exc) from None
         pngs = await asyncio.gather(
             *(self.vae_decoder.decode_png.remote(spec.model, lat) for spec, lat in zip(specs, latents))

@@ -108,13 +108,16 @@ class WorkerPlan:
     """One round for one worker: drop, admit, then one forward per group.
 
     `drop` is filled by the router (cancellations), never by a policy. Every id in `groups`
-    advances exactly one step; requests in a group share a shape key.
+    advances exactly one step; requests in a group share a shape key. A policy that holds work
+    back on purpose (a batching window) sets `wake_at`: the router asks again at that time even
+    if nothing else happens.
     """
 
     worker_id: str
     admit: tuple[str, ...] = ()
     groups: tuple[tuple[str, ...], ...] = ()
     drop: tuple[str, ...] = ()
+    wake_at: float | None = None
 
     @property
     def stepping(self) -> tuple[str, ...]:

@@ -49,6 +49,7 @@ def run_app(config: dict[str, Any], http: bool = True):
     from .deployments.app import build_app
 
     app = config["applications"][0]
+    # Serve keeps the proxy options of its first start in this Ray; later calls only warn.
     if http:
         serve.start(proxy_location=config.get("proxy_location", "HeadOnly"), http_options=config.get("http_options"))
     else:

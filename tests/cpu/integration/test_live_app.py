@@ -112,6 +112,11 @@ def test_handle_api_and_errors(live_app):
     with pytest.raises(APIError) as info:
         handle.generate.remote({"prompt": "a boat", "size": "63x63"}).result()
     assert info.value.status == 400 and info.value.param == "size"
+    slow = handle.generate.remote(body(num_inference_steps=60, size="128x128"), "same-id")
+    with pytest.raises(APIError) as info:
+        handle.generate.remote(body(), "same-id").result()
+    assert info.value.status == 409 and info.value.code == "duplicate_request_id"
+    assert slow.result()["data"][0]["b64_json"]  # the first holder of the id is unaffected
 
 
 def test_cancel_frees_the_request_at_a_step_boundary(live_app):

@@ -1,0 +1,88 @@
+"""PNG figures of benchmark results, drawn with matplotlib's Agg canvas.
+
+Figures are built with the object API on their own Agg canvas, not pyplot, so no global
+backend or figure registry is touched and nothing needs a display.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from .metrics import Summary
+from .records import RequestRecord
+
+
+def _figure(width: float, height: float) -> Figure:
+    figure = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(figure)
+    return figure
+
+
+def plot_batching(records: Mapping[str, Sequence[RequestRecord]], summaries: Mapping[str, Summary],
+                  offered_rps: float, title: str, path: Path) -> None:
+    """Latency CDF per policy, P50/P95 bars, and throughput against the offered rate."""
+    figure = _figure(15, 4.5)
+    cdf, tails, rates = figure.subplots(1, 3, width_ratios=(2, 1.2, 1))
+    figure.suptitle(title)
+    policies = list(records)
+    colors = {p: f"C{i}" for i, p in enumerate(policies)}
+
+    for policy in policies:
+        latencies = sorted(r.latency_s for r in records[policy] if r.ok)
+        if not latencies:
+            continue
+        fractions = [(i + 1) / len(latencies) for i in range(len(latencies))]
+        cdf.step(latencies, fractions, where="post", color=colors[policy], label=policy)
+        cdf.axvline(summaries[policy].latency_p95_s, color=colors[policy], linestyle="--", linewidth=0.8)
+    cdf.axhline(0.95, color="grey", linestyle=":", linewidth=0.8)
+    cdf.set(xlabel="latency (s, from scheduled send)", ylabel="fraction of successful requests",
+            title="latency CDF (dashed: P95)", ylim=(0, 1.02))
+    cdf.grid(alpha=0.3)
+    cdf.legend(loc="lower right")
+
+    width = 0.8 / max(1, len(policies))
+    for i, policy in enumerate(policies):
+        s = summaries[policy]
+        values = [s.latency_p50_s or 0.0, s.latency_p95_s or 0.0]
+        bars = tails.bar([x + i * width for x in (0, 1)], values, width, color=colors[policy], label=policy)
+        tails.bar_label(bars, fmt="%.2f", fontsize=8)
+    tails.set_xticks([x + width * (len(policies) - 1) / 2 for x in (0, 1)], ["P50", "P95"])
+    tails.set(ylabel="latency (s)", title="latency percentiles")
+    tails.legend()
+
+    bars = rates.bar(policies, [summaries[p].throughput_rps for p in policies],
+                     color=[colors[p] for p in policies])
+    rates.bar_label(bars, fmt="%.2f", fontsize=8)
+    rates.axhline(offered_rps, color="grey", linestyle="--", linewidth=0.8, label=f"offered {offered_rps:g}/s")
+    rates.set(ylabel="completed requests / s", title="throughput")
+    rates.legend(loc="lower right")
+    figure.savefig(path, dpi=110)
+
+
+def plot_overhead(panels: Mapping[str, Sequence[Mapping]], path: Path) -> None:
+    """One panel per level (engine, live): median latency of stepserve vs diffusers per case,
+    every repeat as a dot, the ratio over each pair of bars.
+
+    Each row of a panel has `label`, `stepserve_s` and `diffusers_s` (lists of repeats),
+    their medians and `ratio`.
+    """
+    figure = _figure(6 * len(panels), 4.5)
+    axes = figure.subplots(1, len(panels), squeeze=False)[0]
+    for ax, (level, rows) in zip(axes, panels.items()):
+        for offset, key, color in ((-0.2, "stepserve", "C0"), (0.2, "diffusers", "C1")):
+            xs = [i + offset for i in range(len(rows))]
+            ax.bar(xs, [row[f"{key}_median_s"] for row in rows], 0.4, color=color, alpha=0.7, label=key)
+            for x, row in zip(xs, rows):
+                ax.scatter([x] * len(row[f"{key}_s"]), row[f"{key}_s"], color="black", s=6, zorder=3)
+        for i, row in enumerate(rows):
+            top = max(row["stepserve_median_s"], row["diffusers_median_s"])
+            ax.annotate(f"{row['ratio']:.2f}x", (i, top), textcoords="offset points", xytext=(0, 6),
+                        ha="center", fontsize=9)
+        ax.set_xticks(range(len(rows)), [row["label"] for row in rows])
+        ax.set(ylabel="solo request latency (s)", title=f"{level}: stepserve / diffusers (median)")
+        ax.legend(loc="upper left")
+    figure.savefig(path, dpi=110)

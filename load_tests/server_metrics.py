@@ -1,0 +1,52 @@
+"""The server's own view of a load run, from the app's Prometheus `GET /metrics`.
+
+Client latencies say how long requests took; these say why: how many requests stepped
+together per worker round, how long a round took, how long requests queued. The router's
+histograms count from app start, so a run is the difference of a scrape before and after it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from .live import loopback_client
+
+# What the router exports (actors/metrics.py), by the name results use.
+HISTOGRAMS = {
+    "batch_size": "stepserve_batch_size",
+    "round_s": "stepserve_step_latency_seconds",
+    "queue_wait_s": "stepserve_queue_wait_seconds",
+    "denoise_s": "stepserve_denoise_latency_seconds",
+    "plan_s": "stepserve_plan_seconds",  # router decision time per round; must stay far below round_s
+}
+
+
+def histogram_totals(exposition: str) -> dict[str, float]:
+    """`<histogram>_sum` and `_count` of each histogram in HISTOGRAMS, summed over labels
+    (e.g. over workers)."""
+    wanted = {f"{name}{suffix}" for name in HISTOGRAMS.values() for suffix in ("_sum", "_count")}
+    totals = dict.fromkeys(sorted(wanted), 0.0)
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            if sample.name in wanted:
+                totals[sample.name] += sample.value
+    return totals
+
+
+def run_means(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, dict[str, float | None]]:
+    """Observations and their mean for each histogram between two scrapes."""
+    out: dict[str, dict[str, float | None]] = {}
+    for key, name in HISTOGRAMS.items():
+        count = after[f"{name}_count"] - before[f"{name}_count"]
+        total = after[f"{name}_sum"] - before[f"{name}_sum"]
+        out[key] = {"count": count, "mean": total / count if count else None}
+    return out
+
+
+async def scrape(base_url: str) -> dict[str, float]:
+    async with loopback_client(base_url) as client:
+        response = await client.get("/metrics", timeout=10.0)
+        response.raise_for_status()
+        return histogram_totals(response.text)

@@ -1,0 +1,25 @@
+"""Router histograms between two scrapes, on real exposition text from the router's registry."""
+
+from __future__ import annotations
+
+import pytest
+
+from stepserve.actors.metrics import RouterMetrics
+from stepserve.load_tests.server_metrics import histogram_totals, run_means
+
+
+def test_means_over_a_run_sum_workers_and_exclude_earlier_observations():
+    metrics = RouterMetrics()
+    metrics.batch_size.observe(8)  # warm-up, before the run
+    metrics.step_latency.labels("w0").observe(1.0)
+    before = histogram_totals(metrics.exposition().decode())
+    for size in (1, 2, 3):
+        metrics.batch_size.observe(size)
+    metrics.step_latency.labels("w0").observe(0.02)
+    metrics.step_latency.labels("w1").observe(0.04)
+    after = histogram_totals(metrics.exposition().decode())
+
+    means = run_means(before, after)
+    assert means["batch_size"] == {"count": 3, "mean": pytest.approx(2.0)}
+    assert means["round_s"] == {"count": 2, "mean": pytest.approx(0.03)}
+    assert means["queue_wait_s"] == {"count": 0, "mean": None}
