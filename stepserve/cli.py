@@ -1,4 +1,5 @@
-"""`stepserve serve` runs a Serve config locally; `stepserve generate` makes one image."""
+"""`stepserve serve` runs a Serve config locally; `stepserve generate` makes one image;
+`stepserve profile` measures this device's latencies into a cost-model profile CSV."""
 
 from __future__ import annotations
 
@@ -79,6 +80,12 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _profile(args: argparse.Namespace) -> int:
+    from .profile import run_profile  # torch and Ray load only when profiling
+
+    return run_profile(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     from .runtime import default_config_path
 
@@ -102,6 +109,20 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may use (default: all)")
     gen.set_defaults(func=_generate)
+
+    prof = sub.add_parser("profile", help="measure this device's latency grid and write a profile CSV")
+    prof.add_argument("--model", help="model name from the config (default: its first model)")
+    prof.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: %(default)s)")
+    prof.add_argument("--config", default=str(default_config_path()), help="Serve YAML: model, threads, app")
+    prof.add_argument("--out", help="CSV to write (default: configs/profiles/<model>-<device>.csv)")
+    prof.add_argument("--quick", action="store_true", help="a tiny grid and no live app (for tests)")
+    prof.add_argument("--live", action=argparse.BooleanOptionalAction, default=None,
+                      help="measure request_overhead on the config's live app (default: on unless --quick)")
+    prof.add_argument("--sizes", type=int, nargs="+", help="square sizes in px (overrides the grid)")
+    prof.add_argument("--batches", type=int, nargs="+", help="requests per forward (overrides the grid)")
+    prof.add_argument("--repeats", type=int, help="timed repeats per point (overrides the grid)")
+    prof.add_argument("--num-cpus", type=int, default=None, help="CPUs the local Ray may use (default: all)")
+    prof.set_defaults(func=_profile)
 
     args = parser.parse_args(argv)
     return args.func(args)

@@ -1,0 +1,615 @@
+"""Latency cost models: what a denoiser forward, a worker round, text encoding, decoding and a
+whole request cost on one device, fitted from the profile CSVs `stepserve profile` writes.
+
+Pure Python, like every policy: the simulator and the live router ask the same model.
+
+Profiles measure a grid; requests fall between grid points (PatchedServe: the combinations
+explode), so each component is fitted by a few candidate methods and the one with the lowest
+leave-one-out error over the grid wins (ties go to the simpler method, which extrapolates
+better). Every fitted curve is non-decreasing in rows, pixels and texts by construction, so a
+policy can rely on "more work never costs less".
+
+CSV schema (one for every device), one row per measured point:
+
+    model,device,component,height,width,rows,frames,latency_ms,samples,source
+
+- `component`: denoise | round_overhead | text_encode | vae_decode | request_overhead
+- `rows`: batch rows of one denoiser forward (2 per CFG request, 1 otherwise) for denoise and
+  for the per-group part of round_overhead; the number of texts for text_encode; 1 otherwise.
+- round_overhead rows with height = width = 0 are the fixed cost of one round (the RPC that
+  carries the plan and the report); rows with a shape are the per-group sampler bookkeeping.
+- `latency_ms`: the median of `samples` repeats; `source`: "measured <date> <device>" or a
+  citation (derived tables say so).
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import math
+import os
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+DENOISE = "denoise"
+ROUND_OVERHEAD = "round_overhead"
+TEXT_ENCODE = "text_encode"
+VAE_DECODE = "vae_decode"
+REQUEST_OVERHEAD = "request_overhead"
+COMPONENTS = (DENOISE, ROUND_OVERHEAD, TEXT_ENCODE, VAE_DECODE, REQUEST_OVERHEAD)
+
+CSV_COLUMNS = ("model", "device", "component", "height", "width", "rows", "frames", "latency_ms", "samples", "source")
+
+# Methods are tried in this order; a later one must beat an earlier one's held-out error by
+# more than this factor to be chosen.
+SIMPLER_WINS_WITHIN = 1.05
+
+MEGA = 1e6  # pixels are fitted in megapixels, which keeps the normal equations well scaled
+
+
+class ProfileError(ValueError):
+    """A profile CSV is malformed or inconsistent."""
+
+
+class UnknownModelError(LookupError):
+    """The cost model has no profile for this model (or not for this component)."""
+
+
+@dataclass(frozen=True)
+class GroupShape:
+    """One denoiser forward on one worker: requests of one shape key stepping together."""
+
+    model: str
+    height: int
+    width: int
+    rows: int  # batch rows: 2 per CFG request, 1 per non-CFG request
+    frames: int = 1  # images are one frame; video multiplies the work per row
+
+    def __post_init__(self) -> None:
+        for field in ("height", "width", "rows", "frames"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"GroupShape.{field} must be a positive int, got {value!r}")
+
+    @property
+    def pixels(self) -> int:
+        return self.height * self.width * self.frames
+
+
+@runtime_checkable
+class CostModel(Protocol):
+    """Latencies in seconds on one device. Policies and the simulator code against this."""
+
+    def denoise_seconds(self, group: GroupShape) -> float:
+        """One forward of one group."""
+
+    def round_seconds(self, groups: Sequence[GroupShape]) -> float:
+        """One worker round: its groups one after another, plus the per-round overhead."""
+
+    def text_encode_seconds(self, model: str, texts: int) -> float:
+        """One text-encoder call for `texts` strings."""
+
+    def decode_seconds(self, model: str, height: int, width: int) -> float:
+        """VAE decode + PNG encode of one image."""
+
+    def request_overhead_seconds(self, model: str) -> float:
+        """Fixed per-request cost outside the above (HTTP, ingress, hops, admission)."""
+
+    def solo_seconds(self, model: str, height: int, width: int, steps: int, cfg: bool) -> float:
+        """One request alone: encode + steps * round + decode + overhead (SLO = sigma * solo)."""
+
+
+# -- the CSV ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProfileRow:
+    model: str
+    device: str
+    component: str
+    height: int
+    width: int
+    rows: int
+    frames: int
+    latency_ms: float
+    samples: int
+    source: str
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ProfileError("model must not be empty")
+        if self.component not in COMPONENTS:
+            raise ProfileError(f"unknown component {self.component!r}; known: {list(COMPONENTS)}")
+        if min(self.height, self.width) < 0 or self.rows < 1 or self.frames < 1 or self.samples < 1:
+            raise ProfileError(f"bad sizes in {self}")
+        if not (math.isfinite(self.latency_ms) and self.latency_ms >= 0):
+            raise ProfileError(f"latency_ms must be finite and >= 0, got {self.latency_ms!r}")
+        shaped = self.height > 0 and self.width > 0
+        if (self.height > 0) != (self.width > 0):
+            raise ProfileError(f"height and width must both be 0 or both positive: {self}")
+        if self.component in (DENOISE, VAE_DECODE) and not shaped:
+            raise ProfileError(f"{self.component} rows need a height and width: {self}")
+
+    @property
+    def pixels(self) -> int:
+        return self.height * self.width * self.frames
+
+    @property
+    def seconds(self) -> float:
+        return self.latency_ms / 1000.0
+
+    def to_csv(self) -> dict[str, str]:
+        return {
+            "model": self.model, "device": self.device, "component": self.component,
+            "height": str(self.height), "width": str(self.width), "rows": str(self.rows),
+            "frames": str(self.frames), "latency_ms": f"{self.latency_ms:.4f}", "samples": str(self.samples),
+            "source": self.source,
+        }
+
+
+def _parse_row(raw: dict[str, str], where: str) -> ProfileRow:
+    try:
+        return ProfileRow(
+            model=raw["model"].strip(), device=raw["device"].strip(), component=raw["component"].strip(),
+            height=int(raw["height"]), width=int(raw["width"]), rows=int(raw["rows"]), frames=int(raw["frames"]),
+            latency_ms=float(raw["latency_ms"]), samples=int(raw["samples"]), source=(raw["source"] or "").strip(),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ProfileError(f"{where}: {exc}") from None
+
+
+def read_profile(path: str | os.PathLike) -> list[ProfileRow]:
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        missing = [c for c in CSV_COLUMNS if c not in (reader.fieldnames or ())]
+        if missing:
+            raise ProfileError(f"{path}: missing columns {missing}; expected {list(CSV_COLUMNS)}")
+        return [_parse_row(raw, f"{path}:{reader.line_num}") for raw in reader]
+
+
+def write_profile(path: str | os.PathLike, rows: Iterable[ProfileRow]) -> None:
+    """Write rows sorted by model, component, shape: diffs between two profiles stay readable."""
+    ordered = sorted(rows, key=lambda r: (r.model, COMPONENTS.index(r.component), r.pixels, r.height, r.rows))
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, lineterminator="\n")
+        writer.writeheader()
+        for row in ordered:
+            writer.writerow(row.to_csv())
+
+
+# -- fitting: small, exact, pure-Python numerics ----------------------------------------------
+
+Predictor = Callable[[tuple[float, ...]], float]
+Method = Callable[[list[tuple[tuple[float, ...], float]]], Predictor]
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting; None when singular."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    scale = max((abs(v) for row in a for v in row), default=0.0) or 1.0
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) <= 1e-12 * scale:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(col + 1, n):
+            f = m[r][col] / m[col][col]
+            if f:
+                for c in range(col, n + 1):
+                    m[r][c] -= f * m[col][c]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
+    return x
+
+
+def _nnls(features: Callable[[tuple[float, ...]], tuple[float, ...]]) -> Method:
+    """Least squares of the *relative* error with non-negative coefficients.
+
+    Every feature is non-decreasing in every input, so non-negative coefficients make the fit
+    monotone. The exact optimum is the best unconstrained solution, over supports (subsets of
+    features), that comes out non-negative: with five features or fewer that is 31 solves.
+    """
+
+    def fit(points: list[tuple[tuple[float, ...], float]]) -> Predictor:
+        rows = [[v / y for v in features(x)] for x, y in points]  # row scaled by 1/y: relative error
+        k = len(rows[0])
+        gram = [[sum(r[i] * r[j] for r in rows) for j in range(k)] for i in range(k)]
+        rhs = [sum(r[i] for r in rows) for i in range(k)]
+        best: tuple[float, list[float]] | None = None
+        for size in range(1, k + 1):
+            for support in itertools.combinations(range(k), size):
+                sol = _solve([[gram[i][j] for j in support] for i in support], [rhs[i] for i in support])
+                if sol is None or min(sol) < -1e-12:
+                    continue
+                coef = [0.0] * k
+                for i, v in zip(support, sol):
+                    coef[i] = max(v, 0.0)
+                # ||A c - 1||^2 up to the constant term: c'Gc - 2 c'h
+                obj = sum(coef[i] * gram[i][j] * coef[j] for i in range(k) for j in range(k))
+                obj -= 2 * sum(coef[i] * rhs[i] for i in range(k))
+                if best is None or obj < best[0] - 1e-15:
+                    best = (obj, coef)
+        if best is None:
+            raise ValueError("no non-negative least-squares solution")
+        coef = best[1]
+        return lambda x: sum(c * v for c, v in zip(coef, features(x)))
+
+    return fit
+
+
+def _isotonic(ys: list[float]) -> list[float]:
+    """Pool adjacent violators: the closest non-decreasing sequence (least squares)."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for y in ys:
+        blocks.append([y, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, c = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += c
+    out: list[float] = []
+    for s, c in blocks:
+        out.extend([s / c] * int(c))
+    return out
+
+
+class _Curve:
+    """Piecewise-linear, non-decreasing interpolation through (x, y) points; linear beyond the
+    ends with the end segments' slopes, and never below proportional scaling toward zero."""
+
+    def __init__(self, xs: Sequence[float], ys: Sequence[float]):
+        pairs = sorted(zip(xs, ys))
+        self.xs = [x for x, _ in pairs]
+        self.ys = _isotonic([y for _, y in pairs])
+
+    def __call__(self, x: float) -> float:
+        xs, ys = self.xs, self.ys
+        if len(xs) == 1:
+            return ys[0]
+        if x <= xs[0]:
+            slope = (ys[1] - ys[0]) / (xs[1] - xs[0])
+            linear = ys[0] - (xs[0] - x) * slope
+            return max(linear, ys[0] * x / xs[0]) if xs[0] > 0 else linear
+        if x >= xs[-1]:
+            return ys[-1] + (x - xs[-1]) * (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        hi = next(i for i, v in enumerate(xs) if v >= x)
+        w = (x - xs[hi - 1]) / (xs[hi] - xs[hi - 1])
+        return ys[hi - 1] * (1 - w) + ys[hi] * w
+
+
+def _fit_curve(points: list[tuple[tuple[float, ...], float]]) -> Predictor:
+    curve = _Curve([x[0] for x, _ in points], [y for _, y in points])
+    return lambda x: curve(x[0])
+
+
+def _fit_grid(points: list[tuple[tuple[float, ...], float]]) -> Predictor:
+    """Denoise over (megapixels, rows): a rows curve per measured resolution, interpolated
+    linearly in pixels between resolutions and extrapolated linearly beyond them.
+
+    Each resolution's curve is the running max of the curves below it, so a larger image never
+    costs less; the slope used above the largest resolution is a running max over rows, so
+    extrapolated latency still grows with rows.
+    """
+    by_res: dict[float, list[tuple[float, float]]] = {}
+    for (mpx, rows), y in points:
+        by_res.setdefault(mpx, []).append((rows, y))
+    res = sorted(by_res)
+    curves = [_Curve([r for r, _ in by_res[p]], [y for _, y in by_res[p]]) for p in res]
+    knots = sorted({r for pts in by_res.values() for r, _ in pts})
+
+    def level(i: int, rows: float) -> float:
+        return max(curves[j](rows) for j in range(i + 1))
+
+    def slope(i: int, rows: float) -> float:  # between resolution i-1 and i
+        return max(0.0, (level(i, rows) - level(i - 1, rows)) / (res[i] - res[i - 1]))
+
+    def predict(x: tuple[float, ...]) -> float:
+        mpx, rows = x
+        if len(res) == 1:
+            return curves[0](rows) * mpx / res[0]
+        if mpx >= res[-1]:
+            k = len(res) - 1
+            s = max([slope(k, rows)] + [slope(k, r) for r in knots if r <= rows])
+            return level(k, rows) + (mpx - res[-1]) * s
+        if mpx <= res[0]:
+            s_min = min(slope(1, r) for r in knots)
+            base = level(0, rows)
+            return max(base - (res[0] - mpx) * s_min, base * mpx / res[0])
+        hi = next(i for i, p in enumerate(res) if p >= mpx)
+        w = (mpx - res[hi - 1]) / (res[hi] - res[hi - 1])
+        return level(hi - 1, rows) * (1 - w) + level(hi, rows) * w
+
+    return predict
+
+
+def _constant(points: list[tuple[tuple[float, ...], float]]) -> Predictor:
+    ys = sorted(y for _, y in points)
+    mid = len(ys) // 2
+    value = ys[mid] if len(ys) % 2 else (ys[mid - 1] + ys[mid]) / 2
+    return lambda x: value
+
+
+def _features_denoise_linear(x):
+    mpx, rows = x
+    return (1.0, rows, mpx, rows * mpx)
+
+
+def _features_denoise_quadratic(x):
+    mpx, rows = x
+    return (1.0, rows, mpx, rows * mpx, rows * mpx * mpx)
+
+
+# Candidate methods per component, simplest first.
+_METHODS: dict[str, tuple[tuple[str, Method], ...]] = {
+    DENOISE: (
+        ("linear", _nnls(_features_denoise_linear)),
+        ("quadratic", _nnls(_features_denoise_quadratic)),
+        ("grid", _fit_grid),
+    ),
+    TEXT_ENCODE: (("linear", _nnls(lambda x: (1.0, x[0]))), ("interp", _fit_curve)),
+    VAE_DECODE: (
+        ("linear", _nnls(lambda x: (1.0, x[0]))),
+        ("quadratic", _nnls(lambda x: (1.0, x[0], x[0] * x[0]))),
+        ("interp", _fit_curve),
+    ),
+    ROUND_OVERHEAD: (("constant", _constant), ("linear", _nnls(lambda x: (1.0, x[1], x[1] * x[0])))),
+}
+
+
+@dataclass(frozen=True)
+class FitResult:
+    method: str
+    points: int
+    loo_mean: float | None  # leave-one-out relative error of the chosen method; None with < 3 points
+    loo_max: float | None
+    candidates: dict[str, tuple[float, float]]  # method -> (mean, max) held-out relative error
+
+
+def _loo(method: Method, points) -> tuple[float, float]:
+    errors = []
+    for i, (x, y) in enumerate(points):
+        try:
+            pred = method(points[:i] + points[i + 1 :])(x)
+        except (ValueError, ZeroDivisionError, StopIteration):
+            return math.inf, math.inf
+        errors.append(abs(pred - y) / y if y > 0 else abs(pred))
+    return sum(errors) / len(errors), max(errors)
+
+
+def _merge_duplicates(points) -> list[tuple[tuple[float, ...], float]]:
+    grouped: dict[tuple[float, ...], list[float]] = {}
+    for x, y in points:
+        grouped.setdefault(x, []).append(y)
+    return [(x, sum(ys) / len(ys)) for x, ys in sorted(grouped.items())]
+
+
+def _fit(component: str, points) -> tuple[Predictor, FitResult]:
+    points = _merge_duplicates(points)
+    methods = _METHODS[component]
+    if len(points) < 3:  # too few points to hold one out and still fit; take the simplest that fits
+        for name, method in methods:
+            try:
+                return method(points), FitResult(name, len(points), None, None, {})
+            except (ValueError, ZeroDivisionError, StopIteration):
+                continue
+        raise ProfileError(f"cannot fit {component} from {len(points)} points")
+    scores = {name: _loo(method, points) for name, method in methods}
+    best = min(mean for mean, _ in scores.values())
+    if not math.isfinite(best):
+        raise ProfileError(f"cannot fit {component} from {len(points)} points")
+    name, method = next((n, m) for n, m in methods if scores[n][0] <= best * SIMPLER_WINS_WITHIN + 1e-12)
+    mean, worst = scores[name]
+    return method(points), FitResult(name, len(points), mean, worst, scores)
+
+
+# -- the fitted model ------------------------------------------------------------------------
+
+
+class _ModelCosts:
+    """Fitted curves of one model on one device."""
+
+    def __init__(self, model: str, rows: list[ProfileRow]):
+        self.model = model
+        devices = sorted({r.device for r in rows})
+        if len(devices) != 1:
+            raise ProfileError(f"model {model!r}: rows from several devices {devices}; load one device at a time")
+        self.device = devices[0]
+        self.sources = sorted({r.source for r in rows})
+        by_component: dict[str, list[ProfileRow]] = {c: [] for c in COMPONENTS}
+        for r in rows:
+            by_component[r.component].append(r)
+        self.fits: dict[str, FitResult] = {}
+        self._denoise = self._fit(
+            DENOISE, [((r.pixels / MEGA, float(r.rows)), r.seconds) for r in by_component[DENOISE]]
+        )
+        self._text = self._fit(TEXT_ENCODE, [((float(r.rows),), r.seconds) for r in by_component[TEXT_ENCODE]])
+        self._vae = self._fit(VAE_DECODE, [((r.pixels / MEGA,), r.seconds) for r in by_component[VAE_DECODE]])
+        fixed = [r.seconds for r in by_component[ROUND_OVERHEAD] if r.height == 0]
+        self.round_fixed = sorted(fixed)[len(fixed) // 2] if fixed else 0.0
+        self._per_group = self._fit(
+            ROUND_OVERHEAD, [((r.pixels / MEGA, float(r.rows)), r.seconds) for r in by_component[ROUND_OVERHEAD]
+                             if r.height > 0]
+        )
+        overheads = sorted(r.seconds for r in by_component[REQUEST_OVERHEAD])
+        self.request_overhead = overheads[len(overheads) // 2] if overheads else 0.0
+        self.missing = [c for c in COMPONENTS if not by_component[c]]
+        self._cache: dict[tuple, float] = {}
+
+    def _fit(self, component: str, points) -> Predictor | None:
+        if not points:
+            return None
+        predictor, result = _fit(component, points)
+        self.fits[component] = result
+        return predictor
+
+    def _need(self, predictor: Predictor | None, component: str) -> Predictor:
+        if predictor is None:
+            raise UnknownModelError(f"model {self.model!r} has no {component} rows in its profile")
+        return predictor
+
+    def denoise(self, pixels: int, rows: int) -> float:
+        key = (DENOISE, pixels, rows)
+        if key not in self._cache:
+            self._cache[key] = max(0.0, self._need(self._denoise, DENOISE)((pixels / MEGA, float(rows))))
+        return self._cache[key]
+
+    def per_group_overhead(self, pixels: int, rows: int) -> float:
+        if self._per_group is None:
+            return 0.0
+        key = (ROUND_OVERHEAD, pixels, rows)
+        if key not in self._cache:
+            self._cache[key] = max(0.0, self._per_group((pixels / MEGA, float(rows))))
+        return self._cache[key]
+
+    def text(self, texts: int) -> float:
+        key = (TEXT_ENCODE, texts)
+        if key not in self._cache:
+            self._cache[key] = max(0.0, self._need(self._text, TEXT_ENCODE)((float(texts),)))
+        return self._cache[key]
+
+    def vae(self, pixels: int) -> float:
+        key = (VAE_DECODE, pixels)
+        if key not in self._cache:
+            self._cache[key] = max(0.0, self._need(self._vae, VAE_DECODE)((pixels / MEGA,)))
+        return self._cache[key]
+
+
+class ProfiledCostModel:
+    """A `CostModel` fitted from profile rows: one device, any number of models."""
+
+    def __init__(self, rows: Iterable[ProfileRow]):
+        by_model: dict[str, list[ProfileRow]] = {}
+        for row in rows:
+            by_model.setdefault(row.model, []).append(row)
+        if not by_model:
+            raise ProfileError("no profile rows")
+        self._models = {name: _ModelCosts(name, model_rows) for name, model_rows in by_model.items()}
+
+    @classmethod
+    def from_csv(cls, *paths: str | os.PathLike) -> "ProfiledCostModel":
+        if not paths:
+            raise ValueError("give at least one profile CSV")
+        return cls([row for path in paths for row in read_profile(path)])
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        return tuple(sorted(self._models))
+
+    def _costs(self, model: str) -> _ModelCosts:
+        try:
+            return self._models[model]
+        except KeyError:
+            raise UnknownModelError(f"no profile for model {model!r}; profiled: {list(self.models)}") from None
+
+    # -- CostModel ---------------------------------------------------------------------------
+
+    def denoise_seconds(self, group: GroupShape) -> float:
+        return self._costs(group.model).denoise(group.pixels, group.rows)
+
+    def round_overhead_seconds(self, groups: Sequence[GroupShape]) -> float:
+        """Beyond the forwards: one fixed cost per round (the plan/report RPC; the largest of the
+        models present, as one message carries all groups) plus bookkeeping per group."""
+        if not groups:
+            return 0.0
+        fixed = max(self._costs(g.model).round_fixed for g in groups)
+        return fixed + sum(self._costs(g.model).per_group_overhead(g.pixels, g.rows) for g in groups)
+
+    def round_seconds(self, groups: Sequence[GroupShape]) -> float:
+        """A worker runs its groups one after another; an empty round costs nothing."""
+        return sum(self.denoise_seconds(g) for g in groups) + self.round_overhead_seconds(groups)
+
+    def text_encode_seconds(self, model: str, texts: int) -> float:
+        if texts < 1:
+            raise ValueError(f"texts must be >= 1, got {texts}")
+        return self._costs(model).text(texts)
+
+    def decode_seconds(self, model: str, height: int, width: int) -> float:
+        if height < 1 or width < 1:
+            raise ValueError(f"bad image size {width}x{height}")
+        return self._costs(model).vae(height * width)
+
+    def request_overhead_seconds(self, model: str) -> float:
+        return self._costs(model).request_overhead
+
+    def solo_seconds(self, model: str, height: int, width: int, steps: int, cfg: bool) -> float:
+        """The prompt (and, with CFG, the negative prompt) encoded in one call, `steps` rounds of
+        one group alone, one decode, and the fixed per-request overhead."""
+        if steps < 0:
+            raise ValueError(f"steps must be >= 0, got {steps}")
+        rows = 2 if cfg else 1
+        return (
+            self.text_encode_seconds(model, rows)
+            + steps * self.round_seconds([GroupShape(model, height, width, rows)])
+            + self.decode_seconds(model, height, width)
+            + self.request_overhead_seconds(model)
+        )
+
+    # -- reporting ---------------------------------------------------------------------------
+
+    def device(self, model: str) -> str:
+        return self._costs(model).device
+
+    def fit_report(self) -> dict:
+        """Per model and component: the chosen method and its leave-one-out relative error
+        (mean and max over the grid points), with every candidate's score. `round_overhead`
+        here is its per-group part; the fixed per-round cost is `round_fixed_ms`."""
+        report: dict = {}
+        for name in self.models:
+            costs = self._models[name]
+            components = {}
+            for component, fit in costs.fits.items():
+                components[component] = {
+                    "method": fit.method, "points": fit.points,
+                    "loo_mean_rel_err": fit.loo_mean, "loo_max_rel_err": fit.loo_max,
+                    "candidates": {m: {"mean": mean, "max": worst} for m, (mean, worst) in fit.candidates.items()},
+                }
+            report[name] = {
+                "device": costs.device,
+                "components": components,
+                "round_fixed_ms": costs.round_fixed * 1000,
+                "request_overhead_ms": costs.request_overhead * 1000,
+                "missing": costs.missing,
+                "sources": costs.sources,
+            }
+        return report
+
+
+def format_fit_report(report: dict) -> str:
+    """The fit report as a small text table."""
+    lines = []
+    for model, entry in report.items():
+        lines.append(f"{model} ({entry['device']}): round fixed {entry['round_fixed_ms']:.3f} ms, "
+                     f"request overhead {entry['request_overhead_ms']:.3f} ms"
+                     + (f", missing {entry['missing']}" if entry["missing"] else ""))
+        for component, fit in entry["components"].items():
+            if fit["loo_mean_rel_err"] is None:
+                err = "held-out error n/a (< 3 points)"
+            else:
+                err = f"held-out rel. error mean {fit['loo_mean_rel_err']:.1%}, max {fit['loo_max_rel_err']:.1%}"
+            others = ", ".join(f"{m} {s['mean']:.1%}" for m, s in fit["candidates"].items() if m != fit["method"])
+            label = f"{component}/group" if component == ROUND_OVERHEAD else component  # fixed part: above
+            lines.append(f"  {label:<20} {fit['method']:<10} {fit['points']:>3} pts  {err}"
+                         + (f"  (others: {others})" if others else ""))
+    return "\n".join(lines)
+
+
+def profile_path(name: str) -> Path:
+    """Where a shipped profile named `name` lives (configs/profiles/<name>.csv)."""
+    from importlib.resources import files
+
+    return Path(str(files("stepserve.configs") / "profiles" / f"{name}.csv"))
+
+
+def load_profile(name_or_path: str | os.PathLike) -> ProfiledCostModel:
+    """A path to a CSV, or the name of a shipped profile ("tiny-sd-cpu")."""
+    path = Path(name_or_path)
+    if path.suffix == ".csv" or path.exists():
+        return ProfiledCostModel.from_csv(path)
+    shipped = profile_path(str(name_or_path))
+    if not shipped.exists():
+        known = sorted(p.stem for p in shipped.parent.glob("*.csv")) if shipped.parent.exists() else []
+        raise FileNotFoundError(f"no profile {str(name_or_path)!r}; shipped: {known}")
+    return ProfiledCostModel.from_csv(shipped)

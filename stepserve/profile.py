@@ -1,0 +1,527 @@
+"""`stepserve profile`: measure, on this device, the latencies a cost model is fitted from.
+
+What is measured, each the median of interleaved repeats after a warm-up:
+
+- denoise: one `family.denoise` forward per (resolution, batch rows); CFG on and off are covered
+  by the rows they produce (a CFG request is 2 rows, so both settings meet at even rows, which
+  are measured once).
+- round_overhead, per group: `StepRunner.execute(plan)` wall time minus the time spent inside
+  `family.denoise` during that very call (the family is wrapped to time its forwards), i.e.
+  the sampler bookkeeping a round adds around the forward.
+- round_overhead, fixed: what the live loop adds around a worker round (the live per-step
+  latency minus the worker's own execute time, from the router's metrics); without the live
+  app, a bare Ray actor round trip carrying a `WorkerPlan` for a full batch and answering a
+  `StepReport`, as the router does with a worker every round.
+- text_encode: `family.encode_text` for 1, 2, 4, ... texts.
+- vae_decode: `family.decode` of one latent plus `encode_png`, per resolution.
+- request_overhead (unless --no-live): the config's real app on a lean local Ray, solo HTTP
+  requests with two step counts; the latency line's intercept minus the measured text-encode
+  and decode is what a request pays beyond its model work (HTTP, Serve and Ray hops, the
+  text-encoder batch wait, admission).
+
+Threads follow the config: the denoiser with `workers.torch_threads`, the encoder and decoder
+with their own, so the numbers are what each deployment would see.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime as dt
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .policies.cost_model import (
+    DENOISE,
+    REQUEST_OVERHEAD,
+    ROUND_OVERHEAD,
+    TEXT_ENCODE,
+    VAE_DECODE,
+    GroupShape,
+    ProfiledCostModel,
+    ProfileRow,
+    format_fit_report,
+    write_profile,
+)
+from .runtime import CONFIGS, load_serve_config
+
+
+@dataclass(frozen=True)
+class ProfileGrid:
+    sizes: tuple[int, ...]  # square sides, px
+    batches: tuple[int, ...]  # requests per forward
+    texts: tuple[int, ...]  # strings per text-encoder call
+    overhead_batches: tuple[int, ...]  # batches whose round bookkeeping is measured
+    warmup: int = 1
+    repeats: int = 7
+    rpc_repeats: int = 200
+    live_steps: tuple[int, int] = (1, 11)
+    live_repeats: int = 5
+
+    @property
+    def rows(self) -> tuple[int, ...]:
+        """Batch rows of every forward the grid asks for: b without CFG, 2b with it."""
+        return tuple(sorted({b for b in self.batches} | {2 * b for b in self.batches}))
+
+
+GRIDS = {
+    "cpu": ProfileGrid(sizes=(64, 128, 256), batches=tuple(range(1, 9)), texts=(1, 2, 4, 8, 16),
+                       overhead_batches=(1, 4, 8)),
+    "cuda": ProfileGrid(sizes=(512, 768, 1024), batches=tuple(range(1, 17)), texts=(1, 2, 4, 8, 16, 32),
+                        overhead_batches=(1, 8, 16), warmup=2, repeats=10),
+}
+QUICK = ProfileGrid(sizes=(64,), batches=(1, 2), texts=(1, 2), overhead_batches=(1, 2), warmup=1, repeats=3,
+                    rpc_repeats=50, live_repeats=3)
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def device_description(device: str) -> str:
+    if device.startswith("cuda"):
+        return f"{torch.cuda.get_device_name(torch.device(device))}, torch {torch.__version__}"
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu} ({os.cpu_count()} cores), torch {torch.__version__}"
+
+
+class Stopwatch:
+    """Wall time of a call; on CUDA it synchronizes first and after, so queued kernels count."""
+
+    def __init__(self, device: str):
+        self.cuda = device.startswith("cuda")
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def time(self, fn: Callable[[], Any]) -> float:
+        self.sync()
+        start = time.perf_counter()
+        fn()
+        self.sync()
+        return time.perf_counter() - start
+
+
+def interleaved_medians(cases: dict[Any, Callable[[], Any]], watch: Stopwatch, warmup: int, repeats: int,
+                        label: Callable[[Any], str]) -> dict[Any, float]:
+    """Warm every case, then time them round-robin `repeats` times: drift on a shared machine
+    then hits every case alike instead of whichever happened to run during it."""
+    for _ in range(warmup):
+        for fn in cases.values():
+            fn()
+    times: dict[Any, list[float]] = {key: [] for key in cases}
+    for _ in range(repeats):
+        for key, fn in cases.items():
+            times[key].append(watch.time(fn))
+    medians = {key: statistics.median(ts) for key, ts in times.items()}
+    for key, value in medians.items():
+        log(f"  {label(key)}: {value * 1e3:.3f} ms")
+    return medians
+
+
+DEFAULT_THREADS = torch.get_num_threads()
+
+
+def set_threads(threads: int | None) -> int:
+    """A component's configured thread count, or torch's default when it sets none."""
+    torch.set_num_threads(threads or DEFAULT_THREADS)
+    return torch.get_num_threads()
+
+
+@dataclass
+class Context:
+    model: str
+    device: str
+    family: Any
+    grid: ProfileGrid
+    watch: Stopwatch
+    source: str  # "measured <date>"
+
+    def row(self, component: str, latency_s: float, samples: int, height: int = 0, width: int = 0, rows: int = 1,
+            note: str = "") -> ProfileRow:
+        return ProfileRow(self.model, self.device, component, height, width, rows, 1, latency_s * 1e3, samples,
+                          f"{self.source}; {note}" if note else self.source)
+
+
+# -- the model's own work --------------------------------------------------------------------
+
+
+def first_timestep(family) -> torch.Tensor:
+    scheduler = family.make_scheduler()
+    scheduler.set_timesteps(20, device=family.device)
+    return scheduler.timesteps[0]
+
+
+def measure_denoise(ctx: Context, threads: int) -> list[ProfileRow]:
+    family, grid = ctx.family, ctx.grid
+    log(f"[denoise] {len(grid.sizes)} sizes x rows {list(grid.rows)}, {threads} thread(s)")
+    context = family.encode_text(["a photograph of a red fox in the snow"])
+    t = first_timestep(family)
+    generator = torch.Generator("cpu").manual_seed(0)
+    rows_out = []
+    for size in grid.sizes:  # sizes in turn (their costs differ ~16x); rows interleaved within a size
+        side = size // family.vae_scale_factor
+        cases = {}
+        for rows in grid.rows:
+            sample = torch.randn(rows, family.latent_channels, side, side, generator=generator)
+            sample = sample.to(device=family.device, dtype=family.dtype)
+            timesteps = t.reshape(1).expand(rows)
+            ctx_rows = context.expand(rows, -1, -1).contiguous()
+            cases[rows] = (lambda s=sample, ts=timesteps, c=ctx_rows: family.denoise(s, ts, c))
+        medians = interleaved_medians(cases, ctx.watch, grid.warmup, grid.repeats, lambda r: f"{size}px rows {r}")
+        rows_out += [ctx.row(DENOISE, v, grid.repeats, size, size, r, f"family.denoise, {threads} thread(s)")
+                     for r, v in medians.items()]
+    return rows_out
+
+
+class TimedFamily:
+    """A family whose `denoise` calls are timed, so a round's overhead can be separated from
+    its forwards inside one and the same `StepRunner.execute` call."""
+
+    def __init__(self, family, watch: Stopwatch):
+        self._family = family
+        self._watch = watch
+        self.denoise_s = 0.0
+
+    def __getattr__(self, name: str):
+        return getattr(self._family, name)
+
+    def denoise(self, *args):
+        out = None
+
+        def run():
+            nonlocal out
+            out = self._family.denoise(*args)
+
+        self.denoise_s += self._watch.time(run)
+        return out
+
+
+def measure_round_bookkeeping(ctx: Context, threads: int) -> list[ProfileRow]:
+    from .engine.sampler import Conditioning
+    from .engine.step_runner import StepRunner
+    from .policies.types import RequestSpec, WorkerPlan
+
+    family, grid, watch = ctx.family, ctx.grid, ctx.watch
+    log(f"[round_overhead] StepRunner.execute minus its forwards: sizes {list(grid.sizes)}, "
+        f"batches {list(grid.overhead_batches)}, CFG off/on")
+    cond, uncond = family.encode_text(["a photograph of a red fox in the snow", ""]).split(1)
+    steps = grid.warmup + grid.repeats + 2  # nobody finishes while measured
+    out = []
+    admission = []
+    for size in grid.sizes:
+        for batch in grid.overhead_batches:
+            for cfg in (False, True):
+                timed = TimedFamily(family, watch)
+                runner = StepRunner("profile", {ctx.model: timed})
+                admissions = {}
+                for i in range(batch):
+                    spec = RequestSpec(f"r{i}", ctx.model, "fox", size, size, steps, 7.5 if cfg else 1.0, i)
+                    admissions[spec.request_id] = (spec, Conditioning(cond, uncond if cfg else None))
+                ids = tuple(admissions)
+                admission.append(watch.time(lambda: runner.execute(WorkerPlan("profile", admit=ids), admissions))
+                                 / batch)
+                plan = WorkerPlan("profile", groups=(ids,))
+                overheads = []
+                for i in range(grid.warmup + grid.repeats):
+                    timed.denoise_s = 0.0
+                    total = watch.time(lambda: runner.execute(plan, {}))
+                    if i >= grid.warmup:
+                        overheads.append(total - timed.denoise_s)
+                value = statistics.median(overheads)
+                rows = batch * (2 if cfg else 1)
+                log(f"  {size}px batch {batch} cfg {'on' if cfg else 'off'} (rows {rows}): {value * 1e3:.3f} ms")
+                out.append(ctx.row(ROUND_OVERHEAD, value, len(overheads), size, size, rows,
+                                   f"StepRunner.execute minus family.denoise, batch {batch} cfg "
+                                   f"{'on' if cfg else 'off'}, {threads} thread(s)"))
+    log(f"  (admission, per request: median {statistics.median(admission) * 1e3:.2f} ms; "
+        "paid once, inside request_overhead when measured live)")
+    return out
+
+
+def measure_text_encode(ctx: Context, threads: int) -> list[ProfileRow]:
+    grid = ctx.grid
+    log(f"[text_encode] texts {list(grid.texts)}, {threads} thread(s)")
+    cases = {n: (lambda n=n: ctx.family.encode_text([f"prompt number {i}, a red fox" for i in range(n)]))
+             for n in grid.texts}
+    medians = interleaved_medians(cases, ctx.watch, grid.warmup, grid.repeats, lambda n: f"{n} text(s)")
+    return [ctx.row(TEXT_ENCODE, v, grid.repeats, rows=n, note=f"family.encode_text, {threads} thread(s)")
+            for n, v in medians.items()]
+
+
+def measure_vae_decode(ctx: Context, threads: int) -> list[ProfileRow]:
+    from .deployments.vae_decoder import encode_png
+
+    family, grid = ctx.family, ctx.grid
+    log(f"[vae_decode] decode + PNG, sizes {list(grid.sizes)}, {threads} thread(s)")
+    generator = torch.Generator("cpu").manual_seed(1)
+    cases = {}
+    for size in grid.sizes:
+        side = size // family.vae_scale_factor
+        latents = torch.randn(1, family.latent_channels, side, side, generator=generator)
+        cases[size] = (lambda lat=latents: encode_png(family.decode(lat)[0]))
+    medians = interleaved_medians(cases, ctx.watch, grid.warmup, grid.repeats, lambda s: f"{s}px")
+    return [ctx.row(VAE_DECODE, v, grid.repeats, s, s, 1, f"family.decode + encode_png, {threads} thread(s)")
+            for s, v in medians.items()]
+
+
+# -- Ray and the live app --------------------------------------------------------------------
+
+
+class EchoWorker:
+    """Answers a plan the way a denoiser worker does, without doing the work."""
+
+    def execute(self, plan, admissions):
+        from .policies.types import RequestProgress, StepReport
+
+        progress = tuple(RequestProgress(rid, 1, 20) for rid in plan.stepping)
+        report = StepReport(worker_id=plan.worker_id, progress=progress, finished=(), duration_s=0.0,
+                            batch_size=len(plan.stepping))
+        return report, {}
+
+
+def measure_rpc(ctx: Context, batch: int) -> ProfileRow:
+    import ray
+
+    from .policies.types import WorkerPlan
+
+    grid = ctx.grid
+    log(f"[round_overhead] Ray actor round trip, plan of {batch} requests, {grid.rpc_repeats} repeats")
+    actor = ray.remote(EchoWorker).options(num_cpus=0, max_concurrency=1).remote()
+    plan = WorkerPlan("w0", groups=(tuple(f"img-{i:032x}" for i in range(batch)),))
+    try:
+        for _ in range(max(10, grid.warmup)):
+            ray.get(actor.execute.remote(plan, {}))
+        times = [ctx.watch.time(lambda: ray.get(actor.execute.remote(plan, {}))) for _ in range(grid.rpc_repeats)]
+    finally:
+        ray.kill(actor)
+    value = statistics.median(times)
+    log(f"  round trip: {value * 1e3:.3f} ms")
+    return ctx.row(ROUND_OVERHEAD, value, len(times), note=f"Ray actor round trip, WorkerPlan of {batch}")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class LiveResult:
+    size: int
+    steps: tuple[int, int]
+    medians_s: tuple[float, float]
+    samples: int
+    worker_round_s: float | None  # mean worker `execute` time per round, from the router's metrics
+
+    @property
+    def per_step_s(self) -> float:
+        (lo, hi), (l_lo, l_hi) = self.steps, self.medians_s
+        return (l_hi - l_lo) / (hi - lo)
+
+    @property
+    def intercept_s(self) -> float:
+        return self.medians_s[0] - self.steps[0] * self.per_step_s
+
+    @property
+    def round_residual_s(self) -> float | None:
+        """Per round, what the live loop adds around the worker's own execute: the router's
+        plan and bookkeeping and the Ray round trip."""
+        return None if self.worker_round_s is None else self.per_step_s - self.worker_round_s
+
+
+def round_totals(metrics_text: str) -> tuple[float, float]:
+    """(sum, count) of the router's per-round worker execute times, over all workers."""
+    total = count = 0.0
+    for line in metrics_text.splitlines():
+        if line.startswith("stepserve_step_latency_seconds_sum"):
+            total += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("stepserve_step_latency_seconds_count"):
+            count += float(line.rsplit(" ", 1)[1])
+    return total, count
+
+
+def measure_live(ctx: Context, serve_config: dict, size: int) -> LiveResult:
+    """Solo requests through the config's real app: HTTP → ingress → router → text encoder,
+    worker rounds, VAE decoder. Each prompt is new, so the encoder's cache never answers."""
+    import httpx
+    from ray import serve
+
+    from .runtime import run_app
+
+    grid = ctx.grid
+    config = copy.deepcopy(serve_config)
+    port = free_port()
+    config["http_options"] = {**(config.get("http_options") or {}), "host": "127.0.0.1", "port": port}
+    url = f"http://127.0.0.1:{port}"
+    log(f"[request_overhead] deploying the config's app on {url} ...")
+    run_app(config, http=True)
+    lo, hi = grid.live_steps
+    latencies: dict[int, list[float]] = {lo: [], hi: []}
+    try:
+        with httpx.Client(base_url=url, timeout=300.0, trust_env=False) as client:
+            deadline = time.monotonic() + 300
+            while True:
+                try:
+                    if client.get("/ready", timeout=5.0).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{url}/ready never answered 200")
+                time.sleep(0.5)
+            log(f"  solo requests {size}x{size}, CFG, steps {lo} and {hi}, {grid.live_repeats} each")
+            before = (0.0, 0.0)
+            for i in range(1 + grid.live_repeats):  # the first pair warms every replica
+                if i == 1:
+                    before = round_totals(client.get("/metrics").text)
+                for steps in ((lo, hi) if i % 2 else (hi, lo)):
+                    body = {"model": ctx.model, "prompt": f"profile request {i}-{steps}: a red fox",
+                            "negative_prompt": f"blurry {i}-{steps}", "size": f"{size}x{size}",
+                            "num_inference_steps": steps, "guidance_scale": 7.5, "seed": i}
+                    start = time.perf_counter()
+                    response = client.post("/v1/images/generations", json=body)
+                    elapsed = time.perf_counter() - start
+                    if response.status_code != 200:
+                        raise RuntimeError(f"live request failed ({response.status_code}): {response.text[:300]}")
+                    if i:
+                        latencies[steps].append(elapsed)
+            after = round_totals(client.get("/metrics").text)
+    finally:
+        serve.delete(config["applications"][0].get("name", "stepserve"))
+    medians = (statistics.median(latencies[lo]), statistics.median(latencies[hi]))
+    rounds = after[1] - before[1]
+    worker_round = (after[0] - before[0]) / rounds if rounds else None
+    result = LiveResult(size, (lo, hi), medians, grid.live_repeats, worker_round)
+    log(f"  median latency: {lo} step(s) {medians[0] * 1e3:.1f} ms, {hi} steps {medians[1] * 1e3:.1f} ms; "
+        f"per step {result.per_step_s * 1e3:.2f} ms, intercept {result.intercept_s * 1e3:.1f} ms")
+    if worker_round is not None:
+        log(f"  worker execute per round (router metrics, {rounds:.0f} rounds): {worker_round * 1e3:.2f} ms; "
+            f"the live loop adds {result.round_residual_s * 1e3:.2f} ms per round around it")
+    return result
+
+
+# -- the command -----------------------------------------------------------------------------
+
+
+def choose_grid(args: argparse.Namespace, device: str) -> ProfileGrid:
+    grid = QUICK if args.quick else GRIDS["cuda" if device.startswith("cuda") else "cpu"]
+    changes = {}
+    if args.sizes:
+        changes["sizes"] = tuple(args.sizes)
+    if args.batches:
+        changes["batches"] = tuple(args.batches)
+    if args.repeats:
+        changes["repeats"] = args.repeats
+    return grid if not changes else ProfileGrid(**{**grid.__dict__, **changes})
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    import ray
+
+    from .actors.denoiser import resolve_device
+    from .deployments.config import AppConfig
+    from .engine.families import ALL_PARTS, load_family
+    from .runtime import start_local_ray
+
+    started = time.perf_counter()
+    serve_config = load_serve_config(args.config)
+    app = AppConfig.model_validate(serve_config["applications"][0].get("args", {}))
+    model_config = app.model(args.model)
+    if model_config is None:
+        print(f"error: model {args.model!r} is not in {args.config}; it has {[m.name for m in app.models]}",
+              file=sys.stderr)
+        return 2
+    device = resolve_device(args.device)
+    out = Path(args.out) if args.out else CONFIGS / "profiles" / f"{model_config.name}-{device.split(':')[0]}.csv"
+    grid = choose_grid(args, device)
+    live = (not args.quick) if args.live is None else args.live
+
+    torch.manual_seed(0)
+    family = load_family(model_config.to_source(), ALL_PARTS, device)
+    watch = Stopwatch(device)
+    worker_threads = set_threads(app.workers.torch_threads)
+    today = dt.date.today().isoformat()
+    ctx = Context(model_config.name, device.split(":")[0], family, grid, watch,
+                  f"measured {today} {device_description(device)}")
+    log(f"profiling {model_config.name} on {device} ({'quick' if args.quick else 'full'} grid) -> {out}")
+
+    rows = measure_denoise(ctx, worker_threads)
+    rows += measure_round_bookkeeping(ctx, worker_threads)
+    rows += measure_text_encode(ctx, set_threads(app.text_encoder.torch_threads))
+    rows += measure_vae_decode(ctx, set_threads(app.vae_decoder.torch_threads))
+    set_threads(app.workers.torch_threads)
+
+    live_result = None
+    start_local_ray(args.num_cpus)
+    try:
+        echo = measure_rpc(ctx, app.workers.max_batch_size)
+        if live:
+            live_result = measure_live(ctx, serve_config, min(grid.sizes))
+    finally:
+        from ray import serve
+
+        serve.shutdown()
+        ray.shutdown()
+
+    residual = None if live_result is None else live_result.round_residual_s
+    if residual is not None and residual > 0:
+        # The real loop's cost around a worker round (router plan + Ray call from the router's
+        # event loop) is what the simulator must charge; the echo actor is its lower bound.
+        rows.append(ctx.row(
+            ROUND_OVERHEAD, residual, live_result.samples,
+            note=f"live app: per-step latency minus the worker's execute time ({live_result.size}px CFG solo); "
+                 f"bare Ray round trip {echo.latency_ms:.3f} ms",
+        ))
+    else:
+        rows.append(echo)
+    if live_result is not None:
+        size = live_result.size
+        text = next(r for r in rows if r.component == TEXT_ENCODE and r.rows == 2).seconds
+        decode = next(r for r in rows if r.component == VAE_DECODE and r.height == size).seconds
+        overhead = live_result.intercept_s - text - decode
+        if overhead < 0:
+            log(f"  warning: intercept below encode + decode by {-overhead * 1e3:.1f} ms (noise); recording 0")
+        lo, hi = live_result.steps
+        rows.append(ctx.row(
+            REQUEST_OVERHEAD, max(0.0, overhead), live_result.samples,
+            note=f"live app over HTTP, solo {size}x{size} CFG requests at {lo} and {hi} steps: "
+                 "latency intercept minus text_encode(2) and vae_decode",
+        ))
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_profile(out, rows)
+    model = ProfiledCostModel.from_csv(out)
+    log(f"wrote {len(rows)} rows to {out} in {time.perf_counter() - started:.0f} s")
+    print(format_fit_report(model.fit_report()))
+    if live_result is not None:
+        size, (lo, hi) = live_result.size, live_result.steps
+        group = GroupShape(model_config.name, size, size, 2)
+        predicted, measured = model.round_seconds([group]), live_result.per_step_s
+        print(f"live check ({size}px, CFG): per step {measured * 1e3:.2f} ms live vs {predicted * 1e3:.2f} ms "
+              f"from the profile ({(predicted - measured) / measured:+.1%})")
+        if live_result.worker_round_s is not None:
+            fixed_s = model.fit_report()[model_config.name]["round_fixed_ms"] / 1e3
+            in_process = model.round_seconds([group]) - fixed_s
+            print(f"  of which the worker's execute: {live_result.worker_round_s * 1e3:.2f} ms live vs "
+                  f"{in_process * 1e3:.2f} ms in-process")
+        solo, live_solo = model.solo_seconds(model_config.name, size, size, hi, True), live_result.medians_s[1]
+        print(f"live check ({size}px, CFG, {hi} steps): solo {live_solo * 1e3:.1f} ms live vs {solo * 1e3:.1f} ms "
+              f"from the profile ({(solo - live_solo) / live_solo:+.1%})")
+    return 0

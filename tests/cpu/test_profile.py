@@ -1,0 +1,45 @@
+"""`stepserve profile --quick` measures tiny-sd on this CPU and writes a CSV the cost model loads."""
+
+import subprocess
+import sys
+
+from stepserve.policies.cost_model import (
+    DENOISE,
+    ROUND_OVERHEAD,
+    TEXT_ENCODE,
+    VAE_DECODE,
+    GroupShape,
+    ProfiledCostModel,
+    read_profile,
+)
+
+
+def test_quick_profile_writes_a_loadable_csv(tmp_path):
+    out = tmp_path / "tiny-sd-cpu.csv"
+    proc = subprocess.run(
+        [sys.executable, "-m", "stepserve.cli", "profile", "--model", "tiny-sd", "--device", "cpu", "--quick",
+         "--out", str(out), "--num-cpus", "2"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[denoise]" in proc.stderr and "wrote" in proc.stderr  # progress is printed
+
+    rows = read_profile(out)
+    assert {r.model for r in rows} == {"tiny-sd"} and {r.device for r in rows} == {"cpu"}
+    assert all(r.latency_ms > 0 and r.source.startswith("measured ") for r in rows)
+    by = lambda component: [r for r in rows if r.component == component]  # noqa: E731
+    # Quick grid: 64 px, batches 1-2 with CFG off/on -> rows 1, 2, 4.
+    assert sorted((r.height, r.rows) for r in by(DENOISE)) == [(64, 1), (64, 2), (64, 4)]
+    assert sorted(r.rows for r in by(TEXT_ENCODE)) == [1, 2]
+    assert [r.height for r in by(VAE_DECODE)] == [64]
+    fixed = [r for r in by(ROUND_OVERHEAD) if r.height == 0]
+    assert len(fixed) == 1 and "Ray actor round trip" in fixed[0].source
+    assert len(by(ROUND_OVERHEAD)) > 1  # plus per-group bookkeeping
+
+    model = ProfiledCostModel.from_csv(out)
+    group = GroupShape("tiny-sd", 64, 64, 2)
+    assert model.round_seconds([group]) > model.denoise_seconds(group) > 0
+    assert model.solo_seconds("tiny-sd", 64, 64, 10, True) > 10 * model.denoise_seconds(group)
+    report = model.fit_report()["tiny-sd"]
+    assert report["missing"] == ["request_overhead"]  # --quick skips the live app
+    assert "denoise" in proc.stdout  # the fit report is printed
