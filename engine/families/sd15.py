@@ -123,7 +123,9 @@ class SD15Family(DiffusionFamily):
         self.dtype = source.torch_dtype
         for part in (TEXT, DENOISER, VAE):
             if part in components:
-                components[part].to(device=device, dtype=self.dtype).eval().requires_grad_(False)
+                module = components[part].to(device).eval().requires_grad_(False)
+                if module.dtype != self.dtype:  # diffusers warns on a no-op cast
+                    module.to(dtype=self.dtype)
         scheduler = components["scheduler"]
         if source.scheduler is not None:
             scheduler_cls = getattr(diffusers, source.scheduler, None)
