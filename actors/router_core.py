@@ -61,6 +61,7 @@ class _Record:
     admit_time: float | None = None
     finish_time: float | None = None
     error: str | None = None
+    view: RequestView | None = None  # cached; cleared whenever a field the view shows changes
 
 
 @dataclass
@@ -70,6 +71,9 @@ class _Worker:
     residents: dict[str, None] = field(default_factory=dict)
     # Cancelled while resident: the worker still holds their latents until its next plan.
     drops: dict[str, None] = field(default_factory=dict)
+    # (resident views, worker view), cached between changes: the simulator asks for a
+    # snapshot hundreds of thousands of times, and most of a snapshot has not changed.
+    views: tuple[tuple[RequestView, ...], WorkerView] | None = None
 
 
 class RouterCore:
@@ -94,6 +98,7 @@ class RouterCore:
             self._workers[slot.worker_id] = _Worker(slot)
         self._records: dict[str, _Record] = {}  # submission order
         self._queue: dict[str, None] = {}  # queued ids, submission order
+        self._queued_views: tuple[RequestView, ...] | None = None  # cached, like _Worker.views
 
     # ---- requests in ----
 
@@ -111,12 +116,14 @@ class RouterCore:
             spec=spec, arrival_time=now, steps_total=spec.num_inference_steps
         )
         self._queue[spec.request_id] = None
+        self._queued_views = None
 
     def mark_ready(self, request_id: str) -> None:
         record = self._records.get(request_id)
         # Embeddings can arrive after a cancel; that is not an error.
         if record is not None and not record.status.is_terminal:
             record.ready = True
+            self._changed(record)
 
     # ---- rounds ----
 
@@ -128,10 +135,13 @@ class RouterCore:
         for rid in plan.admit:
             record = self._records[rid]
             del self._queue[rid]
+            self._changed(record)
             record.status = RequestStatus.RUNNING
             record.worker_id = worker_id
             record.admit_time = now
             worker.residents[rid] = None
+        if plan.admit:
+            worker.views = None
         drops = tuple(worker.drops)
         worker.drops.clear()
         return WorkerPlan(worker_id=worker_id, admit=plan.admit, groups=plan.groups, drop=drops,
@@ -153,12 +163,14 @@ class RouterCore:
             if record is not None:
                 record.steps_done = progress.steps_done
                 record.steps_total = progress.steps_total
+                self._changed(record)
 
         became_terminal: list[str] = []
         for rid, status, message in outcomes:
             record = live[rid]
             # Whatever the router thinks, the worker no longer holds it: never drop it later.
             worker.residents.pop(rid, None)
+            worker.views = None
             worker.drops.pop(rid, None)
             # A report naming an id twice (finished and failed) must not end it twice.
             if record is None or record.status.is_terminal:
@@ -184,9 +196,11 @@ class RouterCore:
             return False
         if record.status is RequestStatus.QUEUED:
             del self._queue[request_id]
+            self._queued_views = None
         else:
             worker = self._workers[record.worker_id]
             del worker.residents[request_id]
+            worker.views = None
             worker.drops[request_id] = None
         record.status = status
         record.finish_time = now
@@ -203,6 +217,7 @@ class RouterCore:
             record.finish_time = now
             record.error = message
         worker.residents.clear()
+        worker.views = None
         # A dead worker holds nothing to drop; a restarted one never saw these ids.
         worker.drops.clear()
         return failed
@@ -253,17 +268,19 @@ class RouterCore:
     def snapshot(self, now: float) -> ClusterSnapshot:
         # Running views go worker by worker in admission order, so `running_on` agrees with
         # `WorkerView.running`. Cancelled requests are in neither queue nor residents.
-        return ClusterSnapshot(
-            now=now,
-            queued=tuple(self._view(rid) for rid in self._queue),
-            running=tuple(
-                self._view(rid) for w in self._workers.values() for rid in w.residents
-            ),
-            workers=tuple(
-                WorkerView(w.slot.worker_id, w.slot.max_batch_size, tuple(w.residents))
-                for w in self._workers.values()
-            ),
-        )
+        if self._queued_views is None:
+            self._queued_views = tuple(self._view(rid) for rid in self._queue)
+        running: list[RequestView] = []
+        workers: list[WorkerView] = []
+        for w in self._workers.values():
+            if w.views is None:
+                w.views = (
+                    tuple(self._view(rid) for rid in w.residents),
+                    WorkerView(w.slot.worker_id, w.slot.max_batch_size, tuple(w.residents)),
+                )
+            running.extend(w.views[0])
+            workers.append(w.views[1])
+        return ClusterSnapshot(now=now, queued=self._queued_views, running=tuple(running), workers=tuple(workers))
 
     # ---- internals ----
 
@@ -273,8 +290,23 @@ class RouterCore:
         except KeyError:
             raise KeyError(f"unknown worker {worker_id!r}") from None
 
+    def _changed(self, record: _Record) -> None:
+        """Drop cached views that show this record; call before moving it between queue and
+        worker, and after changing any field its view shows."""
+        record.view = None
+        if record.status is RequestStatus.QUEUED:
+            self._queued_views = None
+        elif record.worker_id is not None and record.spec.request_id in self._workers[record.worker_id].residents:
+            self._workers[record.worker_id].views = None
+
     def _view(self, request_id: str) -> RequestView:
         record = self._records[request_id]
+        if record.view is None:
+            record.view = self._build_view(request_id, record)
+        return record.view
+
+    @staticmethod
+    def _build_view(request_id: str, record: _Record) -> RequestView:
         return RequestView(
             request_id=request_id,
             shape_key=record.spec.shape_key,

@@ -71,7 +71,9 @@ async def _one(client: httpx.AsyncClient, request: ScheduledRequest, start: floa
     def now() -> float:
         return time.perf_counter() - start
 
-    base = dict(index=request.index, steps=request.num_inference_steps, scheduled_s=request.offset_s)
+    base = dict(index=request.index, steps=request.num_inference_steps, scheduled_s=request.offset_s,
+                slo_s=request.slo_s, width=request.width, height=request.height,
+                request_class=request.request_class)
     await asyncio.sleep(max(0.0, min(request.offset_s, deadline_s) - now()))
     sent = now()
     if sent >= deadline_s:

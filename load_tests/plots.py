@@ -86,3 +86,92 @@ def plot_overhead(panels: Mapping[str, Sequence[Mapping]], path: Path) -> None:
         ax.set(ylabel="solo request latency (s)", title=f"{level}: stepserve / diffusers (median)")
         ax.legend(loc="upper left")
     figure.savefig(path, dpi=110)
+
+
+# -- load sweeps (simulated or live): one implementation for both ----------------------------
+
+
+def _cdf(ax, latencies: Sequence[float], label: str, color: str) -> None:
+    values = sorted(latencies)
+    if not values:
+        return
+    ax.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post", color=color, label=label)
+
+
+def plot_latency_cdfs(panels: Mapping[str, Mapping[str, Sequence[float]]], title: str, path: Path) -> None:
+    """One panel per key (e.g. per offered rate), one CDF per label (e.g. per policy) in it."""
+    figure = _figure(min(5.0 * len(panels), 20.0), 4.2)
+    axes = figure.subplots(1, len(panels), squeeze=False)[0]
+    figure.suptitle(title)
+    labels = list(dict.fromkeys(label for curves in panels.values() for label in curves))
+    colors = {label: f"C{i}" for i, label in enumerate(labels)}
+    for ax, (name, curves) in zip(axes, panels.items()):
+        for label, latencies in curves.items():
+            _cdf(ax, latencies, label, colors[label])
+        ax.axhline(0.95, color="grey", linestyle=":", linewidth=0.8)
+        ax.set(xlabel="latency (s)", ylabel="fraction of completed requests", title=name, ylim=(0, 1.02))
+        ax.set_xscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right", fontsize=8)
+    figure.savefig(path, dpi=110)
+
+
+def plot_load_sweep(sweeps: Mapping[str, Sequence[tuple[float, Summary]]], title: str, path: Path) -> None:
+    """Against offered load, one line per policy: SLO attainment, goodput (throughput dashed)
+    and P95 latency."""
+    figure = _figure(15, 4.5)
+    slo, good, tail = figure.subplots(1, 3)
+    figure.suptitle(title)
+    top = 0.0
+    for i, (label, points) in enumerate(sweeps.items()):
+        points = sorted(points, key=lambda p: p[0])
+        rates = [rate for rate, _ in points]
+        color = f"C{i}"
+        attainment = [s.slo_attainment for _, s in points]
+        if any(a is not None for a in attainment):
+            slo.plot(rates, [100 * (a or 0.0) for a in attainment], "o-", color=color, label=label)
+        goodput = [s.goodput_rps for _, s in points]
+        if any(g is not None for g in goodput):
+            good.plot(rates, [g or 0.0 for g in goodput], "o-", color=color, label=f"{label} goodput")
+        good.plot(rates, [s.throughput_rps for _, s in points], "x--", color=color, alpha=0.6,
+                  label=f"{label} throughput")
+        tail.plot(rates, [s.latency_p95_s or float("nan") for _, s in points], "o-", color=color, label=label)
+        top = max([top] + rates)
+    slo.axhline(90, color="grey", linestyle=":", linewidth=0.8)
+    slo.set(xlabel="offered load (req/s)", ylabel="requests meeting their SLO (%)", title="SLO attainment",
+            ylim=(0, 102))
+    good.plot([0, top], [0, top], color="grey", linestyle=":", linewidth=0.8, label="offered")
+    good.set(xlabel="offered load (req/s)", ylabel="requests / s", title="goodput (solid) and throughput (dashed)")
+    tail.set(xlabel="offered load (req/s)", ylabel="P95 latency (s)", title="P95 latency")
+    tail.set_yscale("log")
+    for ax in (slo, good, tail):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    figure.savefig(path, dpi=110)
+
+
+def plot_policy_bars(sweeps: Mapping[str, Sequence[tuple[float, Summary]]], title: str, path: Path) -> None:
+    """Policies side by side at each offered rate: SLO attainment, goodput and P95 latency."""
+    figure = _figure(15, 4.5)
+    axes = figure.subplots(1, 3)
+    figure.suptitle(title)
+    policies = list(sweeps)
+    rates = sorted({rate for points in sweeps.values() for rate, _ in points})
+    width = 0.8 / max(1, len(policies))
+    metrics = (
+        ("SLO attainment (%)", lambda s: 100 * (s.slo_attainment or 0.0), "%.0f"),
+        ("goodput (req/s)", lambda s: s.goodput_rps or 0.0, "%.2f"),
+        ("P95 latency (s)", lambda s: s.latency_p95_s or 0.0, "%.1f"),
+    )
+    for ax, (name, value, fmt) in zip(axes, metrics):
+        for i, policy in enumerate(policies):
+            by_rate = dict(sweeps[policy])
+            xs = [j + i * width for j, rate in enumerate(rates) if rate in by_rate]
+            bars = ax.bar(xs, [value(by_rate[rate]) for rate in rates if rate in by_rate], width,
+                          color=f"C{i}", label=policy)
+            if len(rates) * len(policies) <= 12:
+                ax.bar_label(bars, fmt=fmt, fontsize=7)
+        ax.set_xticks([j + width * (len(policies) - 1) / 2 for j in range(len(rates))], [f"{r:g}" for r in rates])
+        ax.set(xlabel="offered load (req/s)", title=name)
+        ax.legend(fontsize=7)
+    figure.savefig(path, dpi=110)

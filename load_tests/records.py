@@ -1,4 +1,5 @@
-"""What a load run records about each request; the live generator and the simulator both emit it."""
+"""What a load run records about each request; the live generator and the simulator both emit it,
+so one `metrics.summarize` serves both."""
 
 from __future__ import annotations
 
@@ -14,8 +15,16 @@ class RequestRecord:
     # From `scheduled_s` (not `sent_s`) to the full response: a generator that falls behind
     # must show up as latency, not hide it (no coordinated omission).
     latency_s: float | None  # None when no response came (timeout, connection error, deadline)
-    status: int | None  # HTTP status; None when no response came
+    status: int | None  # HTTP status; None when no response came (the simulator uses 200 / 429)
     error: str | None = None  # why it failed, when it did
+    # Allowed latency (σ × solo latency, from scheduled_s); None when the run has no SLO.
+    slo_s: float | None = None
+    # Arrival at the router to admission on a worker; None when unknown (e.g. live without
+    # per-request server timings).
+    queue_wait_s: float | None = None
+    width: int | None = None
+    height: int | None = None
+    request_class: str = ""
 
     @property
     def ok(self) -> bool:
@@ -24,3 +33,10 @@ class RequestRecord:
     @property
     def finished_s(self) -> float | None:
         return None if self.latency_s is None else self.scheduled_s + self.latency_s
+
+    @property
+    def met_slo(self) -> bool | None:
+        """None without an SLO; a failed request never meets it."""
+        if self.slo_s is None:
+            return None
+        return self.ok and self.latency_s is not None and self.latency_s <= self.slo_s

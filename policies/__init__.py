@@ -19,7 +19,7 @@ from stepserve.policies.types import (
 )
 
 # Imported for their registration side effect.
-from stepserve.policies import continuous, static_fcfs  # noqa: E402,F401  isort: skip
+from stepserve.policies import continuous, dynamic_batching, static_fcfs  # noqa: E402,F401  isort: skip
 
 __all__ = [
     "ClusterSnapshot",

@@ -86,6 +86,13 @@ def _profile(args: argparse.Namespace) -> int:
     return run_profile(args)
 
 
+PASS_THROUGH = (
+    ("simulate", "stepserve.load_tests.sim.__main__", "discrete-event simulation of a workload (see --help)"),
+    ("compare", "stepserve.load_tests.compare_policies", "simulated policy comparison report (see --help)"),
+    ("bench", "stepserve.load_tests.bench_batching", "live benchmark: continuous vs static batching (see --help)"),
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     from .runtime import default_config_path
 
@@ -124,7 +131,17 @@ def main(argv: list[str] | None = None) -> int:
     prof.add_argument("--num-cpus", type=int, default=None, help="CPUs the local Ray may use (default: all)")
     prof.set_defaults(func=_profile)
 
-    args = parser.parse_args(argv)
+    # Benchmarks keep their own argument parsers; these subcommands hand the rest of the line on.
+    for name, module, help_text in PASS_THROUGH:
+        sub.add_parser(name, help=help_text, add_help=False).set_defaults(module=module)
+
+    args, rest = parser.parse_known_args(argv)
+    if hasattr(args, "module"):
+        import importlib
+
+        return importlib.import_module(args.module).main(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return args.func(args)
 
 
