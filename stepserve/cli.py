@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import signal
 import sys
 import time
 import uuid
@@ -12,6 +13,7 @@ from pathlib import Path
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import ray
     from ray import serve
 
     from .runtime import load_serve_config, run_app, start_local_ray
@@ -19,6 +21,10 @@ def _serve(args: argparse.Namespace) -> int:
     config = load_serve_config(args.config)
     start_local_ray(args.num_cpus)
     run_app(config, http=True)
+    # Ctrl-C ends in the `finally` below, which shuts Serve and Ray down. SIGINT is reset because
+    # a shell may start background jobs with it ignored. (SIGTERM is Ray's: its native failure
+    # handler aborts the driver, and Ray offers no switch for that.)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     http = config.get("http_options") or {}
     print(f"stepserve is up on http://{http.get('host', '127.0.0.1')}:{http.get('port', 8000)} (Ctrl-C to stop)")
     try:
@@ -28,6 +34,7 @@ def _serve(args: argparse.Namespace) -> int:
         pass
     finally:
         serve.shutdown()
+        ray.shutdown()
     return 0
 
 
