@@ -175,3 +175,32 @@ def plot_policy_bars(sweeps: Mapping[str, Sequence[tuple[float, Summary]]], titl
         ax.set(xlabel="offered load (req/s)", title=name)
         ax.legend(fontsize=7)
     figure.savefig(path, dpi=110)
+
+
+def plot_sim_vs_live(panels: Mapping[str, Mapping[str, Sequence[float]]],
+                     errors: Sequence[tuple[str, float | None, float | None]], tolerance: float, title: str,
+                     path: Path) -> None:
+    """Live and simulated latency CDFs per run, then each run's P50 and P95 error with the
+    agreement band."""
+    figure = _figure(min(5.0 * (len(panels) + 1), 24.0), 4.2)
+    axes = figure.subplots(1, len(panels) + 1, squeeze=False)[0]
+    figure.suptitle(title)
+    for ax, (name, curves) in zip(axes, panels.items()):
+        for i, (label, latencies) in enumerate(curves.items()):
+            _cdf(ax, latencies, label, f"C{i}")
+        ax.axhline(0.95, color="grey", linestyle=":", linewidth=0.8)
+        ax.set(xlabel="latency (s)", ylabel="fraction of completed requests", title=name, ylim=(0, 1.02))
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right", fontsize=8)
+    ax = axes[-1]
+    names = [name for name, _, _ in errors]
+    xs = range(len(names))
+    for offset, index, label in ((-0.2, 1, "P50"), (0.2, 2, "P95")):
+        ax.bar([x + offset for x in xs], [100 * (e[index] or 0.0) for e in errors], width=0.4, label=label)
+    ax.axhspan(-100 * tolerance, 100 * tolerance, color="green", alpha=0.1, label=f"±{tolerance:.0%}")
+    ax.axhline(0, color="black", linewidth=0.8)
+    ax.set_xticks(list(xs), names, rotation=20, fontsize=8)
+    ax.set(ylabel="simulated / live - 1 (%)", title="simulator error")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    figure.savefig(path, dpi=110)

@@ -56,6 +56,9 @@ def add_sim_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decoders", type=int, default=None,
                         help="VAE decoder replicas (default: one per worker)")
     parser.add_argument("--text-encoders", type=int, default=None, help="text encoder replicas (default: 1)")
+    parser.add_argument("--host-cpus", type=float, default=None,
+                        help="all components share one CPU host of this many cores (a CPU box running the whole "
+                             "app, as configs/local.yaml does); default: each has a device of its own")
     parser.add_argument("--serve-config", type=Path, default=None,
                         help="take workers, batch cap, queue length, pipeline depth, encoder and decoder "
                              "replicas from this Serve YAML (flags given explicitly still win)")
@@ -95,7 +98,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     if args.serve_config is not None:
         fields.update(sim_config_from_serve(args.serve_config))
     explicit = dict(workers=args.workers, max_batch_size=args.max_batch_size, pipeline_depth=args.pipeline_depth,
-                    max_queue_len=args.max_queue_len, decoders=args.decoders)
+                    max_queue_len=args.max_queue_len, decoders=args.decoders, host_cpus=args.host_cpus)
     fields.update({k: v for k, v in explicit.items() if v is not None})
     if args.text_encoders is not None:
         fields["text_encoder"] = replace(fields.get("text_encoder", TextEncoderSpec()), replicas=args.text_encoders)

@@ -13,9 +13,14 @@ CSV schema (one for every device), one row per measured point:
 
     model,device,component,height,width,rows,frames,latency_ms,samples,source
 
-- `component`: denoise | round_overhead | text_encode | vae_decode | request_overhead
+- `component`: denoise | round_overhead | text_encode | vae_decode | request_overhead | host_probe
 - `rows`: batch rows of one denoiser forward (2 per CFG request, 1 otherwise) for denoise and
-  for the per-group part of round_overhead; the number of texts for text_encode; 1 otherwise.
+  for the per-group part of round_overhead; the number of texts for text_encode; for
+  host_probe, how many copies of one fixed forward ran at once on the host; 1 otherwise.
+- host_probe rows say how busy cores slow each other on a CPU host (shared caches, memory
+  bandwidth, hyperthread siblings of a VM's vCPUs): the same forward (height × width, one CFG
+  request) timed alone (rows = 1) and with copies running beside it. `host_slowdown` is their
+  ratio; a device with one worker per accelerator needs none.
 - round_overhead rows with height = width = 0 are the fixed cost of one round (the RPC that
   carries the plan and the report); rows with a shape are the per-group sampler bookkeeping.
 - `latency_ms`: the median of `samples` repeats; `source`: "measured <date> <device>" or a
@@ -38,7 +43,8 @@ ROUND_OVERHEAD = "round_overhead"
 TEXT_ENCODE = "text_encode"
 VAE_DECODE = "vae_decode"
 REQUEST_OVERHEAD = "request_overhead"
-COMPONENTS = (DENOISE, ROUND_OVERHEAD, TEXT_ENCODE, VAE_DECODE, REQUEST_OVERHEAD)
+HOST_PROBE = "host_probe"
+COMPONENTS = (DENOISE, ROUND_OVERHEAD, TEXT_ENCODE, VAE_DECODE, REQUEST_OVERHEAD, HOST_PROBE)
 
 CSV_COLUMNS = ("model", "device", "component", "height", "width", "rows", "frames", "latency_ms", "samples", "source")
 
@@ -129,7 +135,7 @@ class ProfileRow:
         shaped = self.height > 0 and self.width > 0
         if (self.height > 0) != (self.width > 0):
             raise ProfileError(f"height and width must both be 0 or both positive: {self}")
-        if self.component in (DENOISE, VAE_DECODE) and not shaped:
+        if self.component in (DENOISE, VAE_DECODE, HOST_PROBE) and not shaped:
             raise ProfileError(f"{self.component} rows need a height and width: {self}")
 
     @property
@@ -435,7 +441,8 @@ class _ModelCosts:
         )
         overheads = sorted(r.seconds for r in by_component[REQUEST_OVERHEAD])
         self.request_overhead = overheads[len(overheads) // 2] if overheads else 0.0
-        self.missing = [c for c in COMPONENTS if not by_component[c]]
+        self.missing = [c for c in COMPONENTS if not by_component[c] and c != HOST_PROBE]
+        self.host_slowdowns = _host_slowdowns(by_component[HOST_PROBE])
         self._cache: dict[tuple, float] = {}
 
     def _fit(self, component: str, points) -> Predictor | None:
@@ -475,6 +482,19 @@ class _ModelCosts:
         if key not in self._cache:
             self._cache[key] = max(0.0, self._need(self._vae, VAE_DECODE)((pixels / MEGA,)))
         return self._cache[key]
+
+
+def _host_slowdowns(probes: list[ProfileRow]) -> dict[int, float]:
+    """Concurrent copies -> median over probe shapes of (time with them) / (time alone)."""
+    alone = {(r.height, r.width): r.seconds for r in probes if r.rows == 1}
+    ratios: dict[int, list[float]] = {}
+    for r in probes:
+        base = alone.get((r.height, r.width))
+        if r.rows > 1:
+            if not base:
+                raise ProfileError(f"host_probe at {r.height}x{r.width} with {r.rows} copies has no alone (rows=1) row")
+            ratios.setdefault(r.rows, []).append(r.seconds / base)
+    return {k: sorted(v)[len(v) // 2] for k, v in sorted(ratios.items())}
 
 
 class ProfiledCostModel:
@@ -534,6 +554,23 @@ class ProfiledCostModel:
     def request_overhead_seconds(self, model: str) -> float:
         return self._costs(model).request_overhead
 
+    def host_slowdown(self, busy: int) -> float:
+        """How much slower one job runs while `busy` jobs (itself included, at most one per
+        core) compute on this host at once: 1 when alone or never probed; between probed
+        counts, linear; beyond the largest, that one's."""
+        measured = {1: 1.0}
+        for costs in self._models.values():  # one host: any model's probe will do
+            measured.update(costs.host_slowdowns)
+        if busy <= 1 or len(measured) == 1:
+            return 1.0
+        counts = sorted(measured)
+        if busy >= counts[-1]:
+            return max(1.0, measured[counts[-1]])
+        hi = next(k for k in counts if k >= busy)
+        lo = max(k for k in counts if k < busy)
+        share = (busy - lo) / (hi - lo)
+        return max(1.0, measured[lo] + share * (measured[hi] - measured[lo]))
+
     def solo_seconds(self, model: str, height: int, width: int, steps: int, cfg: bool) -> float:
         """The prompt (and, with CFG, the negative prompt) encoded in one call, `steps` rounds of
         one group alone, one decode, and the fixed per-request overhead."""
@@ -572,6 +609,7 @@ class ProfiledCostModel:
                 "round_fixed_ms": costs.round_fixed * 1000,
                 "request_overhead_ms": costs.request_overhead * 1000,
                 "missing": costs.missing,
+                "host_slowdown": {str(k): v for k, v in costs.host_slowdowns.items()},
                 "sources": costs.sources,
             }
         return report
@@ -583,7 +621,8 @@ def format_fit_report(report: dict) -> str:
     for model, entry in report.items():
         lines.append(f"{model} ({entry['device']}): round fixed {entry['round_fixed_ms']:.3f} ms, "
                      f"request overhead {entry['request_overhead_ms']:.3f} ms"
-                     + (f", missing {entry['missing']}" if entry["missing"] else ""))
+                     + (f", missing {entry['missing']}" if entry["missing"] else "")
+                     + "".join(f", {k} busy cores: {v:.2f}x slower" for k, v in entry["host_slowdown"].items()))
         for component, fit in entry["components"].items():
             if fit["loo_mean_rel_err"] is None:
                 err = "held-out error n/a (< 3 points)"

@@ -133,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     prof.add_argument("--live", action=argparse.BooleanOptionalAction, default=None,
                       help="measure request_overhead on the config's live app (default: on unless --quick)")
     prof.add_argument("--sizes", type=int, nargs="+", help="square sizes in px (overrides the grid)")
+    prof.add_argument("--host-probe", action=argparse.BooleanOptionalAction, default=None,
+                      help="on CPU, measure how busy cores slow each other (default: on, off with --quick)")
     prof.add_argument("--batches", type=int, nargs="+", help="requests per forward (overrides the grid)")
     prof.add_argument("--repeats", type=int, help="timed repeats per point (overrides the grid)")
     prof.add_argument("--num-cpus", type=int, default=None, help="CPUs the local Ray may use (default: all)")

@@ -14,6 +14,11 @@ What is measured, each the median of interleaved repeats after a warm-up:
   `StepReport`, as the router does with a worker every round.
 - text_encode: `family.encode_text` for 1, 2, 4, ... texts.
 - vae_decode: `family.decode` of one latent plus `encode_png`, per resolution.
+- host_probe (CPU only): one fixed forward (the smallest size, one CFG request) timed alone and
+  with 1, 2, ... copies running beside it in sibling processes, up to one per core, the
+  modes interleaved: how much busy cores slow each other on this host (shared caches, memory
+  bandwidth, a VM's hyperthread-sibling vCPUs). The simulator charges it when the whole app
+  shares one CPU box.
 - request_overhead (unless --no-live): the config's real app on a lean local Ray, solo HTTP
   requests with two step counts; the latency line's intercept minus the measured text-encode
   and decode is what a request pays beyond its model work (HTTP, Serve and Ray hops, the
@@ -43,6 +48,7 @@ import torch
 
 from .policies.cost_model import (
     DENOISE,
+    HOST_PROBE,
     REQUEST_OVERHEAD,
     ROUND_OVERHEAD,
     TEXT_ENCODE,
@@ -211,6 +217,80 @@ class TimedFamily:
 
         self.denoise_s += self._watch.time(run)
         return out
+
+
+PROBE_ROUNDS = 20  # interleaved rounds of the host probe (each: alone, 1 copy beside, ...)
+
+
+def _probe_sibling(source, threads: int, size: int, rows: int, running, stop, ready) -> None:
+    """A sibling process: run the probe forward over and over while `running` is set."""
+    from .engine.families import DENOISER, TEXT, load_family
+
+    torch.set_num_threads(threads)
+    family = load_family(source, {DENOISER, TEXT}, "cpu")
+    forward = _probe_forward(family, size, rows)
+    forward()
+    ready.put(True)
+    while not stop.is_set():
+        if running.wait(0.05):
+            forward()
+
+
+def _probe_forward(family, size: int, rows: int) -> Callable[[], Any]:
+    side = size // family.vae_scale_factor
+    sample = torch.randn(rows, family.latent_channels, side, side, generator=torch.Generator("cpu").manual_seed(0))
+    context = family.encode_text(["a photograph of a red fox in the snow"]).expand(rows, -1, -1).contiguous()
+    timesteps = first_timestep(family).reshape(1).expand(rows)
+    return lambda: family.denoise(sample, timesteps, context)
+
+
+def measure_host_probe(ctx: Context, source, threads: int, cores: int) -> list[ProfileRow]:
+    import multiprocessing
+
+    grid, size, rows = ctx.grid, min(ctx.grid.sizes), 2
+    log(f"[host_probe] {size}px rows {rows}: alone and with up to {cores - 1} copies beside it, interleaved")
+    forward = _probe_forward(ctx.family, size, rows)
+    mp = multiprocessing.get_context("spawn")  # fresh interpreters: no forked torch thread pools
+    stop, ready = mp.Event(), mp.Queue()
+    switches = [mp.Event() for _ in range(cores - 1)]
+    siblings = [mp.Process(target=_probe_sibling, args=(source, threads, size, rows, sw, stop, ready), daemon=True)
+                for sw in switches]
+    for proc in siblings:
+        proc.start()
+    try:
+        for _ in siblings:
+            ready.get(timeout=300)
+        times: dict[int, list[float]] = {k: [] for k in range(1, cores + 1)}
+        batch = 20  # forwards per sample: long enough that the siblings are mid-forward
+        for _ in range(grid.warmup + PROBE_ROUNDS):
+            for copies in times:
+                for i, switch in enumerate(switches):
+                    if i < copies - 1:
+                        switch.set()
+                    else:
+                        switch.clear()
+                time.sleep(0.05)  # let the siblings get going (or stop)
+                times[copies].append(ctx.watch.time(lambda: [forward() for _ in range(batch)]) / batch)
+    finally:
+        stop.set()
+        for switch in switches:
+            switch.set()
+        for proc in siblings:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    # The VM's speed drifts within seconds; a ratio taken within each round (alone, then with
+    # copies, back to back) cancels the drift that separate medians would keep.
+    alone = times[1][grid.warmup:]
+    out = []
+    for copies, samples in times.items():
+        ratio = statistics.median(t / a for t, a in zip(samples[grid.warmup:], alone))
+        value = statistics.median(alone) * ratio
+        log(f"  {copies} busy: {value * 1e3:.3f} ms ({ratio:.2f}x alone)")
+        out.append(ctx.row(HOST_PROBE, value, PROBE_ROUNDS, size, size, copies,
+                           f"family.denoise {size}px rows {rows} with {copies - 1} copies in sibling processes, "
+                           f"{threads} thread(s) each"))
+    return out
 
 
 def measure_round_bookkeeping(ctx: Context, threads: int) -> list[ProfileRow]:
@@ -467,6 +547,10 @@ def run_profile(args: argparse.Namespace) -> int:
     rows += measure_text_encode(ctx, set_threads(app.text_encoder.torch_threads))
     rows += measure_vae_decode(ctx, set_threads(app.vae_decoder.torch_threads))
     set_threads(app.workers.torch_threads)
+    cores = os.cpu_count() or 1
+    probe = (not args.quick) if args.host_probe is None else args.host_probe
+    if probe and not device.startswith("cuda") and cores > 1:
+        rows += measure_host_probe(ctx, model_config.to_source(), worker_threads, cores)
 
     live_result = None
     start_local_ray(args.num_cpus)

@@ -7,6 +7,9 @@ Text encoder (`deployments/text_encoder.py`): each replica batches with Ray Serv
 (`deployments/vae_decoder.py`): each replica decodes one image at a time, in arrival order.
 Requests go to the replica with the least outstanding work (lowest index on ties), a
 deterministic stand-in for Serve's power-of-two-choices routing.
+
+Both take their time through `run_work(seconds, callback, *args)`: a plain delay when the
+component has a device of its own, or a job on the simulated `SharedHost` when it shares CPUs.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .events import EventQueue
+
+# (solo seconds of work, callback, *args): call back once the work is done.
+RunWork = Callable[..., None]
 
 
 @dataclass(frozen=True)
@@ -43,11 +49,12 @@ class _EncoderReplica:
 
 
 class TextEncoderService:
-    def __init__(self, spec: TextEncoderSpec, events: EventQueue,
+    def __init__(self, spec: TextEncoderSpec, events: EventQueue, run_work: RunWork,
                  encode_seconds: Callable[[str, int], float],
                  on_ready: Callable[[Sequence[str]], None]) -> None:
         self.spec = spec
         self.events = events
+        self.run_work = run_work
         self.encode_seconds = encode_seconds
         self.on_ready = on_ready
         self.replicas = [_EncoderReplica() for _ in range(spec.replicas)]
@@ -88,7 +95,7 @@ class TextEncoderService:
         replica.state = "running"
         self.busy_s += seconds
         self.batches += 1
-        self.events.at(self.events.now + seconds, self._done, replica, tuple(rid for rid, _, _ in batch))
+        self.run_work(seconds, self._done, replica, tuple(rid for rid, _, _ in batch))
 
     def _done(self, replica: _EncoderReplica, request_ids: tuple[str, ...]) -> None:
         replica.state = "idle"
@@ -108,10 +115,12 @@ class _DecoderReplica:
 
 
 class DecoderService:
-    def __init__(self, replicas: int, events: EventQueue, on_done: Callable[[str, float], None]) -> None:
+    def __init__(self, replicas: int, events: EventQueue, run_work: RunWork,
+                 on_done: Callable[[str, float], None]) -> None:
         if replicas < 1:
             raise ValueError(f"decoder replicas must be >= 1, got {replicas}")
         self.events = events
+        self.run_work = run_work
         self.on_done = on_done  # (request id, decode start time)
         self.replicas = [_DecoderReplica() for _ in range(replicas)]
         self.busy_s = 0.0
@@ -126,7 +135,7 @@ class DecoderService:
         request_id, seconds = replica.queue.popleft()
         replica.running = True
         self.busy_s += seconds
-        self.events.at(self.events.now + seconds, self._done, replica, request_id, self.events.now)
+        self.run_work(seconds, self._done, replica, request_id, self.events.now)
 
     def _done(self, replica: _DecoderReplica, request_id: str, started: float) -> None:
         replica.running = False

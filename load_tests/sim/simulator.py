@@ -16,6 +16,11 @@ What it models, in the live system's order (actors/router.py, deployments/):
 5. A finished request goes to the VAE decoder (a FIFO per replica, `decode_seconds`), then the
    rest of the request overhead passes and the response is complete.
 
+With `host_cpus` set, every timed piece of work above (request overhead, text encoding, worker
+rounds, decoding) is single-threaded CPU work on one `SharedHost` of that many cores, so they
+slow each other down as they do when a whole app shares a CPU box; without it, each has a
+device of its own and takes exactly its profiled time.
+
 Plan making, submitting and applying are instantaneous in simulated time: the router's decision
 time (milliseconds) is not charged, nor is the plan/report RPC beyond the cost model's per-round
 overhead. Cancellations, worker failures and GPU contention between the UNet and a VAE decoder
@@ -40,6 +45,7 @@ from ..metrics import Summary, summarize
 from ..records import RequestRecord
 from ..workload import ScheduledRequest
 from .events import EventQueue
+from .host import SharedHost
 from .services import DecoderService, TextEncoderService, TextEncoderSpec
 from .worker import SimWorker
 
@@ -57,6 +63,9 @@ class SimConfig:
     # Share of the per-request overhead spent before the router sees the request (the rest
     # after decoding): half in, half out.
     submit_overhead_share: float = 0.5
+    # Cores of the one CPU host every component shares (a CPU box running the whole app);
+    # None: each worker, encoder and decoder has its own device (a GPU cluster).
+    host_cpus: float | None = None
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -67,6 +76,8 @@ class SimConfig:
             raise ValueError(f"decoders must be >= 1, got {self.decoders}")
         if not 0.0 <= self.submit_overhead_share <= 1.0:
             raise ValueError(f"submit_overhead_share must be in [0, 1], got {self.submit_overhead_share}")
+        if self.host_cpus is not None and not self.host_cpus > 0:
+            raise ValueError(f"host_cpus must be > 0 or None, got {self.host_cpus}")
 
     def describe(self) -> dict[str, Any]:
         out = asdict(self)
@@ -127,6 +138,7 @@ class SimResult:
     plan_wall_s: float  # of which inside RouterCore.next_plan (snapshot + policy)
     text_encoder_busy_s: float
     decoder_busy_s: float
+    host_peak_jobs: int | None = None  # most jobs sharing the CPU host at once (host_cpus set)
 
     def records(self) -> list[RequestRecord]:
         return [t.to_record() for t in self.traces]
@@ -154,7 +166,7 @@ class _Pending:
 class _Loop:
     """The router's loop for one worker (Router._worker_loop), plus the worker's plan FIFO."""
 
-    __slots__ = ("worker", "in_flight", "idle", "token", "fifo", "executing")
+    __slots__ = ("worker", "in_flight", "idle", "token", "fifo", "executing", "started", "busy_s")
 
     def __init__(self, worker: SimWorker) -> None:
         self.worker = worker
@@ -163,6 +175,8 @@ class _Loop:
         self.token = 0  # invalidates stale wake_at timers
         self.fifo: deque[WorkerPlan] = deque()  # sent, not started
         self.executing = False
+        self.started = 0.0  # when the executing plan started
+        self.busy_s = 0.0  # time spent executing plans
 
 
 class Simulation:
@@ -170,15 +184,18 @@ class Simulation:
         self.config = config
         self.cost = cost
         self.events = EventQueue()
+        self.host = None if config.host_cpus is None else SharedHost(
+            config.host_cpus, self.events, getattr(cost, "host_slowdown", None))
+        self._run_work = self._delay if self.host is None else self.host.run
         policy = make_policy(config.policy, dict(config.policy_options))
         worker_ids = [f"w{i}" for i in range(config.workers)]
         self.core = RouterCore(policy, [WorkerSlot(wid, config.max_batch_size) for wid in worker_ids],
                                config.max_queue_len)
         self._round_cache: dict[tuple, float] = {}
         self.loops = {wid: _Loop(SimWorker(wid, self._round_seconds)) for wid in worker_ids}
-        self.encoder = TextEncoderService(config.text_encoder, self.events, cost.text_encode_seconds,
-                                          self._on_ready)
-        self.decoder = DecoderService(config.decoders, self.events, self._on_decoded)
+        self.encoder = TextEncoderService(config.text_encoder, self.events, self._run_work,
+                                          cost.text_encode_seconds, self._on_ready)
+        self.decoder = DecoderService(config.decoders, self.events, self._run_work, self._on_decoded)
         self.pending: dict[str, _Pending] = {}
         self._order: list[_Pending] = []
         self._specs: dict[str, RequestSpec] = {}  # live requests, for worker admissions
@@ -204,6 +221,9 @@ class Simulation:
 
     # -- costs -------------------------------------------------------------------------------
 
+    def _delay(self, seconds: float, callback, *args) -> None:
+        self.events.at(self.events.now + seconds, callback, *args)
+
     def _round_seconds(self, shapes: tuple[tuple[str, int, int, int], ...]) -> float:
         seconds = self._round_cache.get(shapes)
         if seconds is None:
@@ -221,7 +241,7 @@ class Simulation:
     def _arrive(self, entry: _Pending) -> None:
         delay = self.config.submit_overhead_share * self._request_overhead(entry.spec.model)
         if delay > 0:
-            self.events.at(self.events.now + delay, self._submit, entry)
+            self._run_work(delay, self._submit, entry)
         else:
             self._submit(entry)
 
@@ -231,9 +251,8 @@ class Simulation:
             self.core.submit(entry.spec, now)
         except QueueFullError:
             # The 429 travels back through the same hops.
-            entry.status = "rejected"
-            entry.completion_s = now + (1 - self.config.submit_overhead_share) * self._request_overhead(
-                entry.spec.model)
+            tail = (1 - self.config.submit_overhead_share) * self._request_overhead(entry.spec.model)
+            self._run_work(tail, self._complete, entry, "rejected")
             return
         entry.submit_s = now
         self._specs[entry.spec.request_id] = entry.spec
@@ -250,8 +269,11 @@ class Simulation:
         entry = self.pending[request_id]
         entry.decode_start_s = started
         tail = (1 - self.config.submit_overhead_share) * self._request_overhead(entry.spec.model)
-        entry.completion_s = self.events.now + tail
-        entry.status = "finished"
+        self._run_work(tail, self._complete, entry, "finished")
+
+    def _complete(self, entry: _Pending, status: str) -> None:
+        entry.completion_s = self.events.now
+        entry.status = status
 
     # -- the router's worker loops -----------------------------------------------------------
 
@@ -311,12 +333,14 @@ class Simulation:
     def _start_next(self, loop: _Loop) -> None:
         plan = loop.fifo.popleft()
         loop.executing = True
+        loop.started = self.events.now
         report = loop.worker.execute(plan, self._specs)
-        self.events.at(self.events.now + report.duration_s, self._report, loop, report)
+        self._run_work(report.duration_s, self._report, loop, report)
 
     def _report(self, loop: _Loop, report: StepReport) -> None:
         # The worker moves on to its next queued plan at once; the router applies this report.
         loop.executing = False
+        loop.busy_s += self.events.now - loop.started
         if loop.fifo:
             self._start_next(loop)
         loop.in_flight -= 1
@@ -344,10 +368,11 @@ class Simulation:
         traces = tuple(self._trace(entry) for entry in self._order)
         return SimResult(
             config=self.config, traces=traces,
-            busy_s={wid: loop.worker.busy_s for wid, loop in self.loops.items()},
+            busy_s={wid: loop.busy_s for wid, loop in self.loops.items()},
             rounds=sum(loop.worker.rounds for loop in self.loops.values()),
             plan_calls=self.plan_calls, events=self.events.processed, end_s=self.events.now, wall_s=wall,
             plan_wall_s=self.plan_wall_s, text_encoder_busy_s=self.encoder.busy_s, decoder_busy_s=self.decoder.busy_s,
+            host_peak_jobs=None if self.host is None else self.host.peak_jobs,
         )
 
     @staticmethod

@@ -31,7 +31,6 @@ class SimWorker:
         self.worker_id = worker_id
         self.round_cost = round_cost
         self.resident: dict[str, _Resident] = {}
-        self.busy_s = 0.0
         self.rounds = 0
 
     def execute(self, plan: WorkerPlan, specs: Mapping[str, RequestSpec]) -> StepReport:
@@ -67,7 +66,6 @@ class SimWorker:
                 finished.append(rid)
                 del self.resident[rid]
         duration = self.round_cost(tuple(shapes)) if shapes else 0.0
-        self.busy_s += duration
         self.rounds += 1
         return StepReport(
             worker_id=self.worker_id, progress=tuple(progress), finished=tuple(finished), failed=tuple(failed),

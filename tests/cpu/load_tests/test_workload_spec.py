@@ -51,7 +51,7 @@ def test_shipped_workloads_by_name_and_their_paper_settings():
     patched = load_workload("patchedserve-poisson")
     assert patched.slo_scale == 5 and patched.classes[0].steps.values == (50,)
     tiny = load_workload("local-tiny")
-    assert tiny.classes[0].model == "tiny-sd" and tiny.mean_rate == 5 and tiny.duration_s == 75
+    assert tiny.classes[0].model == "tiny-sd" and tiny.mean_rate == 3 and tiny.duration_s == 75
     with pytest.raises(WorkloadError, match="shipped"):
         load_workload("no-such-workload")
 

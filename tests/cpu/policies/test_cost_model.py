@@ -260,3 +260,18 @@ def test_shipped_profiles_are_monotone(name):
     assert base < model.solo_seconds(model_name, large, large, 20, True)
     assert base < model.solo_seconds(model_name, small, small, 40, True)
     assert base > model.solo_seconds(model_name, small, small, 20, False)
+
+
+def test_host_slowdown_from_the_probe_rows(linear_model):
+    assert linear_model.host_slowdown(2) == 1.0  # never probed: no slowdown
+    probes = [row(cm.HOST_PROBE, 10.0, 64, 64, rows=1), row(cm.HOST_PROBE, 15.0, 64, 64, rows=2),
+              row(cm.HOST_PROBE, 25.0, 64, 64, rows=4)]
+    model = ProfiledCostModel(linear_profile() + probes)
+    assert [model.host_slowdown(k) for k in (1, 2, 3, 4, 8)] == pytest.approx([1.0, 1.5, 2.0, 2.5, 2.5])
+    assert model.fit_report()[M]["host_slowdown"] == {"2": 1.5, "4": 2.5}
+    # The probe is not a component a model needs, and its rows do not touch the denoise fit.
+    assert "host_probe" not in model.fit_report()[M]["missing"]
+    shape = GroupShape(M, 64, 64, 2)
+    assert model.round_seconds([shape]) == pytest.approx(linear_model.round_seconds([shape]))
+    with pytest.raises(ProfileError, match="alone"):
+        ProfiledCostModel(linear_profile() + probes[1:])
