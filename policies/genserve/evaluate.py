@@ -1,0 +1,107 @@
+"""Scores and checks a finished `RoundDecision` from scratch.
+
+The solver adds up candidate values as it goes; this recomputes the score of the concrete plan
+(worker ids, batch members) straight from the cost model, so tests can hold the solver's
+reported score against it, a brute-force oracle can score plans the solver never built, and
+the router can reject a plan it cannot execute.
+"""
+
+from __future__ import annotations
+
+import math
+
+from stepserve.policies.genserve.candidates import permitted_degrees, step_times
+from stepserve.policies.genserve.costs import StepCosts, memoized
+from stepserve.policies.genserve.scoring import ZERO, add, run_value, wait_value
+from stepserve.policies.genserve.types import (
+    GenServeConfig,
+    PlanScore,
+    RoundDecision,
+    RoundInput,
+    VideoAction,
+)
+
+
+def score_plan(inp: RoundInput, config: GenServeConfig, costs: StepCosts, decision: RoundDecision) -> PlanScore:
+    costs = memoized(costs)
+    n = len(inp.workers)
+    now, round_s = inp.now, config.round_s
+    total = ZERO
+    for job in inp.videos:
+        best_s = job.steps_left * step_times(job, config, costs, n)[1]
+        chosen = decision.video(job.job_id)
+        if chosen.action in (VideoAction.KEEP, VideoAction.RUN):
+            step = costs.video_step_seconds(job.model, job.height, job.width, job.frames, chosen.degree)
+            total = add(total, run_value(job.deadline, now, job.steps_left * step, best_s, round_s))
+        else:
+            total = add(total, wait_value(job.deadline, now, best_s, round_s))
+
+    by_id = {image.request_id: image for image in inp.images}
+    stepping: dict[str, float] = {}
+    for batch in decision.image_batches:
+        key = batch.shape_key
+        rows = sum(by_id[rid].rows for rid in batch.request_ids)
+        step = costs.image_step_seconds(key.model, key.height, key.width, rows)
+        for rid in batch.request_ids:
+            stepping[rid] = step
+    for image in inp.images:
+        key = image.shape_key
+        solo = costs.image_step_seconds(key.model, key.height, key.width, image.rows)
+        best_s = image.steps_left * solo if solo >= 0 and math.isfinite(solo) else math.inf
+        if image.request_id in stepping:
+            run_s = image.steps_left * stepping[image.request_id]
+            total = add(total, run_value(image.deadline, now, run_s, best_s, round_s))
+        else:
+            total = add(total, wait_value(image.deadline, now, best_s, round_s))
+    return PlanScore(*total)
+
+
+def check_decision(inp: RoundInput, config: GenServeConfig, decision: RoundDecision) -> None:
+    """Raises ValueError when the decision cannot be executed or breaks a switch."""
+    n = len(inp.workers)
+    known = set(inp.workers)
+    used: dict[str, str] = {}
+
+    def claim(worker: str, who: str) -> None:
+        if worker not in known:
+            raise ValueError(f"{who} is placed on unknown worker {worker!r}")
+        if worker in used:
+            raise ValueError(f"worker {worker!r} is given to both {used[worker]} and {who}")
+        used[worker] = who
+
+    if [d.job_id for d in decision.videos] != [v.job_id for v in inp.videos]:
+        raise ValueError("the decision must have one entry per input video, in input order")
+    for job, chosen in zip(inp.videos, decision.videos):
+        runs = chosen.action in (VideoAction.KEEP, VideoAction.RUN)
+        if runs != bool(chosen.workers):
+            raise ValueError(f"video {job.job_id!r}: {chosen.action.value} with workers {chosen.workers}")
+        if chosen.action is VideoAction.KEEP and chosen.workers != job.workers:
+            raise ValueError(f"video {job.job_id!r}: KEEP must keep its workers {job.workers}")
+        if chosen.action is VideoAction.RUN and job.running and chosen.workers == job.workers:
+            raise ValueError(f"video {job.job_id!r}: unchanged group must be KEEP, not RUN")
+        if chosen.action is VideoAction.PAUSE and not job.running:
+            raise ValueError(f"video {job.job_id!r}: only a running video can be paused")
+        if chosen.action is VideoAction.WAIT and job.running:
+            raise ValueError(f"video {job.job_id!r}: a running video is paused, not left waiting")
+        if chosen.action is VideoAction.PAUSE and not config.preemption:
+            raise ValueError(f"video {job.job_id!r} paused with preemption off")
+        if runs and chosen.degree not in permitted_degrees(job, config, n):
+            raise ValueError(f"video {job.job_id!r}: degree {chosen.degree} is not permitted")
+        for w in chosen.workers:
+            claim(w, f"video {job.job_id!r}")
+
+    by_id = {image.request_id: image for image in inp.images}
+    seen: set[str] = set()
+    for batch in decision.image_batches:
+        claim(batch.worker_id, f"image batch on {batch.worker_id!r}")
+        if not batch.request_ids or len(batch.request_ids) > config.image_max_batch:
+            raise ValueError(f"batch on {batch.worker_id!r} has {len(batch.request_ids)} images")
+        for rid in batch.request_ids:
+            if rid not in by_id or rid in seen:
+                raise ValueError(f"image {rid!r} is unknown or in two batches")
+            seen.add(rid)
+            if by_id[rid].shape_key != batch.shape_key:
+                raise ValueError(f"image {rid!r} does not match its batch's shape key")
+        expected_admit = tuple(rid for rid in batch.request_ids if by_id[rid].worker_id != batch.worker_id)
+        if batch.admit != expected_admit:
+            raise ValueError(f"batch on {batch.worker_id!r}: admit {batch.admit} != {expected_admit}")

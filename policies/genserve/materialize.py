@@ -1,0 +1,71 @@
+"""MATERIALIZEALLOCATIONS (GenServe Algorithm 1, line 17): degrees and batch counts become
+concrete worker ids.
+
+The solver decided how many workers each video and how many image batches get; any disjoint
+choice scores the same, so this step only keeps assignments stable from round to round:
+
+1. a running video keeps its own workers (a prefix of its group when it shrinks, its group
+   plus new workers when it grows), so a KEEP really is a no-op for the router;
+2. an image batch goes to the worker where most of its members are already resident;
+3. videos that grow or start take the free workers in worker order (contiguous where they can,
+   as SP groups prefer);
+4. the remaining batches take what is left, in worker order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from stepserve.policies.genserve.candidates import VideoOptions
+from stepserve.policies.genserve.image_batching import PlannedBatch
+
+
+@dataclass(frozen=True)
+class Placement:
+    video_workers: tuple[tuple[str, ...], ...]  # per video (in the order given); () when not running
+    batch_workers: tuple[tuple[int, str], ...]  # (index into the batches, worker), in batch order
+
+
+def materialize(workers: Sequence[str], options: Sequence[VideoOptions], degrees: Sequence[int],
+                batches: Sequence[PlannedBatch], placed: Sequence[int]) -> Placement:
+    if sum(degrees) + len(placed) > len(workers):
+        raise ValueError(f"plan needs {sum(degrees) + len(placed)} workers, the round has {len(workers)}")
+    position = {w: i for i, w in enumerate(workers)}
+    claimed: set[str] = set()
+    groups: list[list[str]] = [[] for _ in options]
+
+    for j, option in enumerate(options):
+        job = option.job
+        if job.running and degrees[j] > 0:
+            groups[j] = list(job.workers[: min(degrees[j], job.degree)])
+            claimed.update(groups[j])
+
+    batch_worker: dict[int, str] = {}
+    for k in placed:
+        counts: dict[str, int] = {}
+        for member in batches[k].members:
+            if member.worker_id is not None and member.worker_id not in claimed:
+                counts[member.worker_id] = counts.get(member.worker_id, 0) + 1
+        if counts:
+            home = min(counts, key=lambda w: (-counts[w], position[w]))
+            batch_worker[k] = home
+            claimed.add(home)
+
+    pool = [w for w in workers if w not in claimed]
+    taken = 0
+    for j in range(len(options)):
+        need = degrees[j] - len(groups[j])
+        if need > 0:
+            groups[j].extend(pool[taken: taken + need])
+            taken += need
+
+    rest = pool[taken:]
+    for k in placed:
+        if k not in batch_worker:
+            batch_worker[k] = rest.pop(0)
+
+    return Placement(
+        video_workers=tuple(tuple(g) for g in groups),
+        batch_workers=tuple((k, batch_worker[k]) for k in sorted(placed)),
+    )

@@ -1,0 +1,231 @@
+"""What one GenServe scheduling round sees and decides (GenServe §4.4, Table 4 notation).
+
+Frozen dataclasses, validated on construction, so the router and the simulator can build them
+and a malformed round fails where it is built rather than deep inside the solver. Nothing here
+knows about Ray, torch or the wall clock: `now` is a field.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+from stepserve.policies.types import ShapeKey
+
+
+def _positive_int(owner: str, name: str, value: object) -> None:
+    # bool is an int subclass; `True` as a size is a typo, not a 1.
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{owner}.{name} must be a positive int, got {value!r}")
+
+
+def _real(owner: str, name: str, value: object, allow_inf: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise ValueError(f"{owner}.{name} must be a number, got {value!r}")
+    if not allow_inf and math.isinf(value):
+        raise ValueError(f"{owner}.{name} must be finite, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ImageRequest:
+    """One queued or resident text-to-image request (r in R_I)."""
+
+    request_id: str
+    shape_key: ShapeKey  # requests batch only with equal keys (same model and resolution)
+    rows: int  # batch rows this request adds: 2 with classifier-free guidance, 1 without
+    steps_left: int
+    deadline: float  # D_r, absolute; +inf means no SLO
+    arrival_time: float  # A_r
+    worker_id: str | None = None  # where its latents live when resident, else None
+
+    def __post_init__(self) -> None:
+        _positive_int("ImageRequest", "rows", self.rows)
+        _positive_int("ImageRequest", "steps_left", self.steps_left)
+        _real("ImageRequest", "deadline", self.deadline, allow_inf=True)
+        _real("ImageRequest", "arrival_time", self.arrival_time, allow_inf=False)
+
+
+class VideoStatus(str, Enum):
+    QUEUED = "queued"  # never ran
+    RUNNING = "running"  # holds an SP group of workers
+    PAUSED = "paused"  # preempted at a step boundary; its state waits off the workers
+
+
+@dataclass(frozen=True)
+class VideoJob:
+    """One text-to-video job (v in R_V). A running job's SP degree is `len(workers)`."""
+
+    job_id: str
+    model: str
+    height: int
+    width: int
+    frames: int
+    steps_left: int  # S_v^rem
+    deadline: float  # D_v, absolute; +inf means no SLO
+    arrival_time: float
+    status: VideoStatus
+    workers: tuple[str, ...] = ()  # X_v(t): its SP group while running, else empty
+
+    def __post_init__(self) -> None:
+        for name in ("height", "width", "frames", "steps_left"):
+            _positive_int("VideoJob", name, getattr(self, name))
+        _real("VideoJob", "deadline", self.deadline, allow_inf=True)
+        _real("VideoJob", "arrival_time", self.arrival_time, allow_inf=False)
+        if not isinstance(self.status, VideoStatus):
+            raise ValueError(f"VideoJob.status must be a VideoStatus, got {self.status!r}")
+        if (self.status is VideoStatus.RUNNING) != bool(self.workers):
+            raise ValueError(f"video {self.job_id!r}: a running job has workers and only a running job has them")
+        if len(set(self.workers)) != len(self.workers):
+            raise ValueError(f"video {self.job_id!r}: repeated worker in {self.workers}")
+
+    @property
+    def degree(self) -> int:
+        return len(self.workers)
+
+    @property
+    def running(self) -> bool:
+        return self.status is VideoStatus.RUNNING
+
+
+@dataclass(frozen=True)
+class GenServeConfig:
+    """Knobs of the per-round scheduler; the three switches are the paper's ablation (Fig. 14)."""
+
+    sp_degrees: tuple[int, ...] = (1, 2, 4, 8)  # P: SP degrees a video may run at
+    image_max_batch: int = 8  # images per batch (requests, not rows)
+    # Delta_round in seconds: how long a request left out of this round waits at least before the
+    # next decision can start it. It prices pausing and queueing (the "recoverable" test).
+    round_s: float = 1.0
+    preemption: bool = True  # off: a running video is never paused
+    dp: bool = True  # off: greedy first-come-first-served allocation instead of the knapsack DP
+    elastic_sp: bool = True  # off: a running video keeps its degree; a new one gets fixed_sp_degree
+    fixed_sp_degree: int = 1  # the degree a video starts or resumes at when elastic_sp is off
+    # The degree a waiting video is assumed to get when it resumes, when judging whether it can
+    # still meet its deadline. None: the fastest allowed degree that fits the cluster (the
+    # paper's optimistic "recoverable"); a smaller value resumes videos earlier.
+    resume_degree: int | None = None
+
+    def __post_init__(self) -> None:
+        degrees = self.sp_degrees
+        if not isinstance(degrees, tuple) or not degrees:
+            raise ValueError(f"sp_degrees must be a non-empty tuple, got {degrees!r}")
+        for d in degrees:
+            _positive_int("GenServeConfig", "sp_degrees[]", d)
+        if list(degrees) != sorted(set(degrees)):
+            raise ValueError(f"sp_degrees must be strictly increasing, got {degrees!r}")
+        _positive_int("GenServeConfig", "image_max_batch", self.image_max_batch)
+        _real("GenServeConfig", "round_s", self.round_s, allow_inf=False)
+        if self.round_s < 0:
+            raise ValueError(f"round_s must be >= 0, got {self.round_s!r}")
+        if self.fixed_sp_degree not in degrees:
+            raise ValueError(f"fixed_sp_degree {self.fixed_sp_degree!r} is not in sp_degrees {degrees}")
+        if self.resume_degree is not None and self.resume_degree not in degrees:
+            raise ValueError(f"resume_degree {self.resume_degree!r} is not in sp_degrees {degrees}")
+
+
+@dataclass(frozen=True)
+class RoundInput:
+    """The global snapshot one round is solved on."""
+
+    now: float
+    workers: tuple[str, ...]  # G; order is the topology order new SP groups are cut from
+    images: tuple[ImageRequest, ...] = ()  # I(t): queued and resident
+    videos: tuple[VideoJob, ...] = ()  # V(t): queued, paused and running
+
+    def __post_init__(self) -> None:
+        _real("RoundInput", "now", self.now, allow_inf=False)
+        if len(set(self.workers)) != len(self.workers):
+            raise ValueError(f"repeated worker id in {self.workers}")
+        known = set(self.workers)
+        ids = [i.request_id for i in self.images] + [v.job_id for v in self.videos]
+        if len(set(ids)) != len(ids):
+            raise ValueError("image and video ids must be unique within a round")
+        owner: dict[str, str] = {}
+        for video in self.videos:
+            for w in video.workers:
+                if w not in known:
+                    raise ValueError(f"video {video.job_id!r} runs on unknown worker {w!r}")
+                if w in owner:
+                    raise ValueError(f"worker {w!r} is in the SP groups of both {owner[w]!r} and {video.job_id!r}")
+                owner[w] = video.job_id
+        for image in self.images:
+            if image.worker_id is not None and image.worker_id not in known:
+                raise ValueError(f"image {image.request_id!r} is resident on unknown worker {image.worker_id!r}")
+
+
+class VideoAction(str, Enum):
+    KEEP = "keep"  # running on exactly its current workers: nothing to do
+    RUN = "run"  # step on `workers` this round: start, resume, or regroup at a new degree
+    PAUSE = "pause"  # was running, stops at the step boundary (preempted)
+    WAIT = "wait"  # was queued or paused and stays so
+
+
+@dataclass(frozen=True)
+class VideoDecision:
+    job_id: str
+    action: VideoAction
+    workers: tuple[str, ...] = ()  # the SP group for KEEP and RUN
+    predicted_finish: float | None = None  # end of denoising if the group is kept; None when not running
+
+    @property
+    def degree(self) -> int:
+        return len(self.workers)
+
+
+@dataclass(frozen=True)
+class ImageBatch:
+    """One worker's image work this round: one forward of same-shape requests."""
+
+    worker_id: str
+    shape_key: ShapeKey
+    request_ids: tuple[str, ...]  # earliest deadline first
+    admit: tuple[str, ...]  # members not yet resident on this worker (new, or moved here)
+    step_s: float  # predicted seconds per step of this batch
+
+
+@dataclass(frozen=True, order=True)
+class PlanScore:
+    """The objective, compared lexicographically (see scoring.py for why these three keys).
+
+    Integers, so sums do not depend on the order they are added in and the DP and a brute-force
+    oracle agree exactly.
+    """
+
+    met: int  # requests predicted to meet their deadline (z_r summed)
+    urgency: int  # slack weights of the requests that step this round
+    neg_weighted_remaining: int  # minus the slack-weighted predicted remaining time
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        return (self.met, self.urgency, self.neg_weighted_remaining)
+
+
+@dataclass(frozen=True)
+class RoundDecision:
+    """Pi*: the allocation for one round."""
+
+    now: float
+    videos: tuple[VideoDecision, ...]  # one per input video, in input order
+    image_batches: tuple[ImageBatch, ...]  # at most one per worker, in worker order
+    score: PlanScore
+    preempted: tuple[str, ...] = ()  # running videos paused this round, most slack first
+    downgraded: tuple[str, ...] = ()  # running videos moved to a smaller SP degree
+    idle_workers: tuple[str, ...] = ()
+    waiting_images: tuple[str, ...] = ()  # images that do not step this round, in input order
+
+    def video(self, job_id: str) -> VideoDecision:
+        for decision in self.videos:
+            if decision.job_id == job_id:
+                return decision
+        raise KeyError(job_id)
+
+    def batch_on(self, worker_id: str) -> ImageBatch | None:
+        for batch in self.image_batches:
+            if batch.worker_id == worker_id:
+                return batch
+        return None
+
+    @property
+    def stepping_images(self) -> tuple[str, ...]:
+        return tuple(rid for batch in self.image_batches for rid in batch.request_ids)

@@ -1,0 +1,94 @@
+"""EDF batching of same-shape images with the enlarged-batch deadline check (Algorithm 1 line 3)."""
+
+from __future__ import annotations
+
+import math
+
+from stepserve.policies.genserve import GenServeConfig
+from stepserve.policies.genserve.image_batching import edf_batches
+from stepserve.policies.genserve.scoring import add
+from stepserve.policies.types import ShapeKey
+
+from .fakes import LARGE, SMALL, FakeCosts, img
+
+# With FakeCosts, a SMALL image with CFG (2 rows) steps in 0.041 s alone: 20 steps = 0.82 s.
+
+
+def ids(plan):
+    return [[m.request_id for m in b.members] for b in plan.batches]
+
+
+def test_same_shape_images_share_a_batch_in_deadline_order():
+    images = [img("s3", 3.0), img("s1", 2.0), img("big", 2.5, key=LARGE), img("s4", 4.0)]
+    plan = edf_batches(images, 0.0, GenServeConfig(), FakeCosts(), 4)
+    assert ids(plan) == [["s1", "s3", "s4"], ["big"]]
+    assert plan.batches[0].rows == 6
+    assert math.isclose(plan.batches[0].step_s, 0.02 + 0.04 * 6 * 512 * 512 / 1e6)
+
+
+def test_max_batch_splits_in_deadline_order():
+    images = [img(f"s{i}", 2.0 + i) for i in range(5)]
+    plan = edf_batches(images, 0.0, GenServeConfig(image_max_batch=2), FakeCosts(), 4)
+    assert ids(plan) == [["s0", "s1"], ["s2", "s3"], ["s4"]]
+
+
+def test_join_that_would_make_a_member_late_opens_a_new_batch():
+    # Alone the first one needs 0.82 s; with a second CFG image 20 * 0.062 = 1.24 s > 0.85.
+    images = [img("tight", 0.85), img("other", 10.0)]
+    plan = edf_batches(images, 0.0, GenServeConfig(), FakeCosts(), 4)
+    assert ids(plan) == [["tight"], ["other"]]
+    # With room for both deadlines they share.
+    plan = edf_batches([img("tight", 1.3), img("other", 10.0)], 0.0, GenServeConfig(), FakeCosts(), 4)
+    assert ids(plan) == [["tight", "other"]]
+
+
+def test_newcomer_that_would_be_late_in_the_batch_goes_alone():
+    # "short" stays on time in a batch of two (5 * 0.062 s); "long" meets its deadline alone
+    # (20 * 0.041 = 0.82 s) but not in the batch (20 * 0.062 = 1.24 s).
+    images = [img("short", 1.0, steps=5), img("long", 1.0, steps=20, arrival=1.0)]
+    plan = edf_batches(images, 0.0, GenServeConfig(), FakeCosts(), 4)
+    assert ids(plan) == [["short"], ["long"]]
+    # A newcomer that is late even alone costs nobody anything by joining.
+    images = [img("short", 1.0, steps=5), img("hopeless", 0.5, steps=20, arrival=1.0)]
+    plan = edf_batches(images, 0.0, GenServeConfig(), FakeCosts(), 4)
+    assert ids(plan) == [["short", "hopeless"]]
+
+
+def test_late_images_go_to_the_back_and_fill_batches():
+    images = [img("late", -1.0), img("ok", 5.0, key=LARGE), img("late2", 0.5)]
+    plan = edf_batches(images, 0.0, GenServeConfig(), FakeCosts(), 4)
+    # Both SMALL ones are late even alone, so they rank after the on-time LARGE one and share.
+    assert ids(plan) == [["ok"], ["late", "late2"]]
+
+
+def test_prefix_is_the_value_of_running_the_first_g_batches():
+    images = [img("a", 1.0), img("b", 1.5, key=LARGE), img("c", 30.0, key=ShapeKey("sd", 256, 256)),
+              img("late", -3.0, key=ShapeKey("x", 64, 64))]
+    config = GenServeConfig()
+    plan = edf_batches(images, 0.0, config, FakeCosts(), 6)
+    assert len(plan.prefix) == 7
+    assert len(plan.batches) == 4
+    for g in range(7):
+        assert plan.value(g) == plan.value_of(range(min(g, 4)))
+    for g in range(6):
+        assert plan.prefix[g] <= plan.prefix[g + 1]  # more workers never hurt the images
+    everyone_waits = (0, 0, 0)
+    for b in plan.batches:
+        everyone_waits = add(everyone_waits, b.waiting_value)
+    assert plan.prefix[0] == everyone_waits
+
+
+def test_prefix_stops_at_the_worker_count():
+    images = [img(f"i{k}", 5.0, key=ShapeKey("sd", 64 * (k + 1), 64)) for k in range(5)]
+    plan = edf_batches(images, 0.0, GenServeConfig(), FakeCosts(), 2)
+    assert len(plan.batches) == 5 and len(plan.prefix) == 3
+
+
+def test_an_image_without_a_cost_never_runs():
+    class NoLarge(FakeCosts):
+        def image_step_seconds(self, model, height, width, rows):
+            return math.inf if height == 1024 else super().image_step_seconds(model, height, width, rows)
+
+    plan = edf_batches([img("big", 5.0, key=LARGE), img("s", 5.0)], 0.0, GenServeConfig(), NoLarge(), 2)
+    assert ids(plan) == [["s"]]
+    assert [i.request_id for i in plan.unbatchable] == ["big"]
