@@ -1,13 +1,16 @@
-"""A CLIP tokenizer that needs no download: byte-level vocabulary, no merges.
+"""Tokenizers that need no download: a byte-level CLIP one and a character-level T5 one.
 
-Real model folders ship their own tokenizer; tiny presets use this one. Every byte maps to a
-token (plain and end-of-word form), so any prompt tokenizes, deterministically, offline.
+Real model folders ship their own tokenizer; tiny presets use these. Every byte (CLIP: plain and
+end-of-word form) or printable character (T5) is a token, so prompts tokenize, deterministically,
+offline.
 """
 
 from __future__ import annotations
 
+import string
+
 from tokenizers.pre_tokenizers import ByteLevel
-from transformers import CLIPTokenizer
+from transformers import CLIPTokenizer, T5Tokenizer
 
 BOS, EOS = "<|startoftext|>", "<|endoftext|>"
 
@@ -24,3 +27,22 @@ def byte_level_vocab() -> dict[str, int]:
 
 def byte_level_clip_tokenizer(max_length: int = 77) -> CLIPTokenizer:
     return CLIPTokenizer(vocab=byte_level_vocab(), merges=[], model_max_length=max_length)
+
+
+# T5 (UMT5) side: the Wan family's text encoder reads SentencePiece-style pieces. T5's id layout
+# is kept (<pad> 0, </s> 1, <unk> 2); every printable ASCII character is a piece, plain and
+# word-initial ("▁a"), so prompts tokenize offline and deterministically; anything else is <unk>.
+T5_PAD, T5_EOS, T5_UNK, T5_SPACE = "<pad>", "</s>", "<unk>", "\u2581"
+
+
+def t5_character_vocab() -> list[tuple[str, float]]:
+    """(piece, unigram log-score) pairs; one score per kind keeps segmentation unambiguous."""
+    chars = [c for c in string.printable if not c.isspace()]
+    vocab = [(T5_PAD, 0.0), (T5_EOS, 0.0), (T5_UNK, 0.0), (T5_SPACE, -2.0)]
+    vocab += [(T5_SPACE + c, -3.0) for c in chars]
+    vocab += [(c, -3.0) for c in chars]
+    return vocab
+
+
+def character_t5_tokenizer(max_length: int = 512) -> T5Tokenizer:
+    return T5Tokenizer(vocab=t5_character_vocab(), extra_ids=0, model_max_length=max_length)

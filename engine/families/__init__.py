@@ -8,8 +8,9 @@ import torch
 
 from .base import ALL_PARTS, DENOISER, TEXT, VAE, DiffusionFamily, ModelSource
 from .sd15 import SD15Family
+from .wan import WanFamily
 
-FAMILIES: dict[str, type[DiffusionFamily]] = {"sd15": SD15Family}
+FAMILIES: dict[str, type[DiffusionFamily]] = {"sd15": SD15Family, "wan": WanFamily}
 
 
 def load_family(source: ModelSource, parts: Collection[str], device: str | torch.device = "cpu") -> DiffusionFamily:

@@ -1,0 +1,185 @@
+"""Per-video denoising state, which can leave its worker between steps and come back elsewhere.
+
+`VideoSampler` replays exactly what `WanPipeline.__call__` does for one video, split at the
+transformer call so a worker (or a sequence-parallel group of workers) runs the forward. Its
+whole state — latents, the scheduler with its step counter and multistep history, the generator
+and the text embeddings — exports to a picklable dict of CPU tensors (`state()`), and
+`VideoSampler.from_state` rebuilds it on any worker. Nothing in the state depends on how many
+ranks ran the forwards, so a video paused at SP degree d resumes at any other degree, and the
+resumed video equals an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import diffusers
+import torch
+
+from .sampler import Conditioning
+
+STATE_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class VideoSpec:
+    """One video to generate. `fps` only matters when the frames are encoded to a file."""
+
+    request_id: str
+    model: str
+    prompt: str
+    width: int
+    height: int
+    num_frames: int
+    num_inference_steps: int
+    guidance_scale: float
+    seed: int
+    fps: int = 16
+    negative_prompt: str = ""
+    kind: str = "t2v"
+
+    @property
+    def uses_cfg(self) -> bool:
+        # Same rule as WanPipeline's `do_classifier_free_guidance`.
+        return self.guidance_scale > 1.0
+
+
+class VideoSampler:
+    """One video's sampler. `spec` is a `VideoSpec` or anything with the same fields."""
+
+    def __init__(self, spec: Any, family: Any, conditioning: Conditioning):
+        self.spec = spec
+        self.device = family.device
+        self.height, self.width, self.num_frames = family.video_shape(spec.height, spec.width, spec.num_frames)
+        self.guidance_scale = float(spec.guidance_scale)
+        self.scheduler = family.make_scheduler()
+        self.scheduler.set_timesteps(spec.num_inference_steps, device=family.device)
+        # As the pipeline: count steps from 0 instead of looking timesteps up.
+        self.scheduler.set_begin_index(0)
+        # The pipeline draws the initial noise from one CPU generator (the same on any device).
+        self.generator = torch.Generator("cpu").manual_seed(spec.seed)
+        self.latents = family.initial_latents(self.height, self.width, self.scheduler, self.generator, self.num_frames)
+        cond = conditioning.prompt_embeds.to(device=family.device, dtype=family.dtype)
+        if self.uses_cfg:
+            if conditioning.negative_prompt_embeds is None:
+                raise ValueError(f"request {spec.request_id}: CFG needs negative prompt embeddings")
+            uncond = conditioning.negative_prompt_embeds.to(device=family.device, dtype=family.dtype)
+            cond = torch.cat([uncond, cond])
+        self.context = cond
+        self.step_index = 0
+
+    # ---- stepping -----------------------------------------------------------------------
+
+    @property
+    def uses_cfg(self) -> bool:
+        return self.guidance_scale > 1.0
+
+    @property
+    def timesteps(self) -> torch.Tensor:
+        return self.scheduler.timesteps
+
+    @property
+    def steps_total(self) -> int:
+        return len(self.timesteps)
+
+    @property
+    def done(self) -> bool:
+        return self.step_index >= self.steps_total
+
+    @property
+    def rows(self) -> int:
+        return 2 if self.uses_cfg else 1
+
+    def model_input(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(sample, per-row timesteps, context) for this video's rows of the next forward:
+        [uncond, cond] with CFG (the pipeline runs them as two forwards; rows are independent)."""
+        if self.done:
+            raise RuntimeError(f"request {self.spec.request_id}: all {self.steps_total} steps are done")
+        t = self.timesteps[self.step_index]
+        sample = torch.cat([self.latents] * self.rows) if self.uses_cfg else self.latents
+        return sample, t.reshape(1).expand(self.rows), self.context
+
+    def advance(self, noise_pred: torch.Tensor) -> None:
+        if self.uses_cfg:
+            uncond, cond = noise_pred.chunk(2)
+            noise_pred = uncond + self.guidance_scale * (cond - uncond)
+        t = self.timesteps[self.step_index]
+        self.latents = self.scheduler.step(noise_pred, t, self.latents, return_dict=False)[0]
+        self.step_index += 1
+
+    @torch.inference_mode()
+    def step(self, family: Any, sp_group: Any = None) -> None:
+        """One step on its own: forward (sequence-parallel over `sp_group` if given), advance."""
+        sample, timesteps, context = self.model_input()
+        self.advance(family.denoise(sample, timesteps, context, sp_group=sp_group))
+
+    # ---- pause / resume -----------------------------------------------------------------
+
+    def state(self, device: str | torch.device = "cpu") -> dict[str, Any]:
+        """Everything needed to continue this video, as copies on `device` (host memory by
+        default). Picklable; independent of this sampler afterwards."""
+        device = torch.device(device)
+        scheduler = self.scheduler
+        return {
+            "format": STATE_FORMAT,
+            "spec": self.spec,
+            "shape": (self.height, self.width, self.num_frames),
+            "guidance_scale": self.guidance_scale,
+            "step_index": self.step_index,
+            "latents": _copy_to(self.latents, device),
+            "context": _copy_to(self.context, device),
+            "generator_state": self.generator.get_state(),
+            "scheduler": {
+                "class": type(scheduler).__name__,
+                "config": dict(scheduler.config),
+                # The whole instance dict: step counter, sigmas/timesteps, and any multistep
+                # history (UniPC's model_outputs, timestep_list, last_sample, lower_order_nums...).
+                "attrs": {k: _copy_to(v, device) for k, v in vars(scheduler).items() if k != "_internal_dict"},
+            },
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any], family: Any) -> "VideoSampler":
+        """Rebuild a sampler from `state()` on `family`'s device (any worker, any SP degree)."""
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(f"unsupported video sampler state format {state.get('format')!r}")
+        self = cls.__new__(cls)
+        self.spec = state["spec"]
+        self.device = family.device
+        self.height, self.width, self.num_frames = state["shape"]
+        self.guidance_scale = state["guidance_scale"]
+        self.step_index = state["step_index"]
+        self.latents = _copy_to(state["latents"], family.device)
+        self.context = state["context"].to(device=family.device, dtype=family.dtype, copy=True)
+        self.generator = torch.Generator("cpu")
+        self.generator.set_state(state["generator_state"])
+        self.scheduler = _restore_scheduler(state["scheduler"], self.spec.num_inference_steps, family.device)
+        return self
+
+
+def _copy_to(value: Any, device: torch.device | str) -> Any:
+    """A deep copy with every tensor moved to `device`."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device, copy=True)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copy_to(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _copy_to(v, device) for k, v in value.items()}
+    return copy.deepcopy(value)
+
+
+def _restore_scheduler(saved: dict[str, Any], num_inference_steps: int, device: torch.device) -> Any:
+    scheduler_cls = getattr(diffusers, saved["class"], None)
+    if scheduler_cls is None:
+        raise ValueError(f"unknown scheduler class {saved['class']!r} in video sampler state")
+    scheduler = scheduler_cls.from_config(saved["config"])
+    # A freshly prepared scheduler shows where each of its tensors belongs on this worker (some,
+    # like UniPC's sigmas, stay on the host on purpose); history tensors follow the latents.
+    scheduler.set_timesteps(num_inference_steps, device=device)
+    fresh = vars(scheduler)
+    for name, value in saved["attrs"].items():
+        ref = fresh.get(name)
+        fresh[name] = _copy_to(value, ref.device if isinstance(ref, torch.Tensor) else device)
+    return scheduler
