@@ -25,7 +25,23 @@ class Conditioning:
     negative_prompt_embeds: torch.Tensor | None = None
 
 
-class RequestSampler:
+class StepProgress:
+    """Where a sampler stands, for any sampler with `timesteps`, `step_index` and `uses_cfg`."""
+
+    @property
+    def steps_total(self) -> int:
+        return len(self.timesteps)
+
+    @property
+    def done(self) -> bool:
+        return self.step_index >= self.steps_total
+
+    @property
+    def rows(self) -> int:
+        return 2 if self.uses_cfg else 1
+
+
+class RequestSampler(StepProgress):
     def __init__(self, spec: RequestSpec, family: DiffusionFamily, conditioning: Conditioning):
         self.spec = spec
         self.uses_cfg = spec.uses_cfg
@@ -45,18 +61,6 @@ class RequestSampler:
         self.context = cond
         self.step_kwargs = _extra_step_kwargs(self.scheduler, self.generator)
         self.step_index = 0
-
-    @property
-    def steps_total(self) -> int:
-        return len(self.timesteps)
-
-    @property
-    def done(self) -> bool:
-        return self.step_index >= self.steps_total
-
-    @property
-    def rows(self) -> int:
-        return 2 if self.uses_cfg else 1
 
     def model_input(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(sample, per-row timesteps, context) for this request's rows of the next forward."""

@@ -18,7 +18,7 @@ from typing import Any
 import diffusers
 import torch
 
-from .sampler import Conditioning
+from .sampler import Conditioning, StepProgress
 
 STATE_FORMAT = 1
 
@@ -46,7 +46,7 @@ class VideoSpec:
         return self.guidance_scale > 1.0
 
 
-class VideoSampler:
+class VideoSampler(StepProgress):
     """One video's sampler. `spec` is a `VideoSpec` or anything with the same fields."""
 
     def __init__(self, spec: Any, family: Any, conditioning: Conditioning):
@@ -79,18 +79,6 @@ class VideoSampler:
     @property
     def timesteps(self) -> torch.Tensor:
         return self.scheduler.timesteps
-
-    @property
-    def steps_total(self) -> int:
-        return len(self.timesteps)
-
-    @property
-    def done(self) -> bool:
-        return self.step_index >= self.steps_total
-
-    @property
-    def rows(self) -> int:
-        return 2 if self.uses_cfg else 1
 
     def model_input(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(sample, per-row timesteps, context) for this video's rows of the next forward:
