@@ -19,22 +19,24 @@ def _serve(args: argparse.Namespace) -> int:
     from .runtime import load_serve_config, run_app, start_local_ray
 
     config = load_serve_config(args.config)
-    start_local_ray(args.num_cpus)
-    run_app(config, http=True)
-    # Ctrl-C ends in the `finally` below, which shuts Serve and Ray down. SIGINT is reset because
-    # a shell may start background jobs with it ignored. (SIGTERM is Ray's: its native failure
-    # handler aborts the driver, and Ray offers no switch for that.)
+    # Ctrl-C ends in the `finally` below, which shuts Serve and Ray down, also when it comes
+    # while the app is still deploying (the proxy can answer /ready before serve.run returns).
+    # SIGINT is reset because a shell may start background jobs with it ignored. (SIGTERM is
+    # Ray's: its native failure handler aborts the driver, and Ray offers no switch for that.)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     http = config.get("http_options") or {}
-    print(f"stepserve is up on http://{http.get('host', '127.0.0.1')}:{http.get('port', 8000)} (Ctrl-C to stop)")
     try:
+        start_local_ray(args.num_cpus)
+        run_app(config, http=True)
+        print(f"stepserve is up on http://{http.get('host', '127.0.0.1')}:{http.get('port', 8000)} (Ctrl-C to stop)")
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
         pass
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        if ray.is_initialized():
+            serve.shutdown()
+            ray.shutdown()
     return 0
 
 
