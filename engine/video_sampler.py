@@ -12,38 +12,15 @@ resumed video equals an uninterrupted run.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from typing import Any
 
 import diffusers
 import torch
 
+from ..policies.types import VideoSpec  # noqa: F401  (re-exported: the engine's callers build specs here)
 from .sampler import Conditioning, StepProgress
 
 STATE_FORMAT = 1
-
-
-@dataclass(frozen=True)
-class VideoSpec:
-    """One video to generate. `fps` only matters when the frames are encoded to a file."""
-
-    request_id: str
-    model: str
-    prompt: str
-    width: int
-    height: int
-    num_frames: int
-    num_inference_steps: int
-    guidance_scale: float
-    seed: int
-    fps: int = 16
-    negative_prompt: str = ""
-    kind: str = "t2v"
-
-    @property
-    def uses_cfg(self) -> bool:
-        # Same rule as WanPipeline's `do_classifier_free_guidance`.
-        return self.guidance_scale > 1.0
 
 
 class VideoSampler(StepProgress):

@@ -204,3 +204,31 @@ def plot_sim_vs_live(panels: Mapping[str, Mapping[str, Sequence[float]]],
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")
     figure.savefig(path, dpi=110)
+
+
+def plot_ablation(table: Mapping[float, Mapping[str, Mapping[str, float]]], title: str, path: Path) -> None:
+    """One panel per rate: overall / image / video SLO attainment per ablation row, and the
+    mean image queue wait on a second axis."""
+    rates = list(table)
+    fig = _figure(5.2 * len(rates), 4.2)
+    metrics = (("slo_overall", "overall"), ("slo_image", "image"), ("slo_video", "video"))
+    for i, rate in enumerate(rates):
+        ax = fig.add_subplot(1, len(rates), i + 1)
+        rows = list(table[rate])
+        width = 0.8 / len(metrics)
+        for j, (key, label) in enumerate(metrics):
+            xs = [k + (j - 1) * width for k in range(len(rows))]
+            ax.bar(xs, [100 * table[rate][r][key] for r in rows], width, label=label)
+        ax.set_xticks(range(len(rows)), rows)
+        ax.set_ylim(0, 100)
+        ax.set_ylabel("SLO attainment (%)")
+        ax.set_title(f"{rate * 60:g} req/min")
+        wait = ax.twinx()
+        wait.plot(range(len(rows)), [table[rate][r]["image_wait_mean_s"] for r in rows], "k.--",
+                  label="mean image wait (s)")
+        wait.set_ylabel("mean image wait (s)")
+        if i == 0:
+            ax.legend(loc="upper left", fontsize=8)
+            wait.legend(loc="upper right", fontsize=8)
+    fig.suptitle(title)
+    fig.savefig(path, dpi=110)

@@ -39,7 +39,7 @@ class WorkloadError(ValueError):
 class SoloCost(Protocol):
     """The part of a cost model (`stepserve.policies.cost_model.CostModel`) a workload needs."""
 
-    def solo_seconds(self, model: str, height: int, width: int, steps: int, cfg: bool) -> float: ...
+    def solo_seconds(self, model: str, height: int, width: int, steps: int, cfg: bool, frames: int = 1) -> float: ...
 
 
 # -- arrival processes -----------------------------------------------------------------------
@@ -201,9 +201,13 @@ class RequestClass:
     # hits: models prompt-diverse traffic (DiffusionDB). Off: every request repeats `prompt`.
     unique_prompts: bool = False
     slo_scale: float | None = None  # overrides the workload's σ for this class
+    num_frames: int | None = None  # set: a text-to-video class (POST /v1/videos); None: images
+    fps: int = 16  # videos only
 
     def __post_init__(self) -> None:
         where = f"classes[{self.name}]"
+        if self.num_frames is not None and (isinstance(self.num_frames, bool) or self.num_frames < 1):
+            raise WorkloadError(f"{where}.num_frames must be a positive int, got {self.num_frames!r}")
         if not self.sizes:
             raise WorkloadError(f"{where}.sizes: give at least one size")
         for size in self.sizes:
@@ -304,18 +308,29 @@ class ScheduledRequest:
     negative_prompt: str = ""
     slo_s: float | None = None  # allowed latency from offset_s; None when the run has no SLO
     request_class: str = ""
+    num_frames: int | None = None  # a video request when set
+    fps: int = 16
 
     @property
     def uses_cfg(self) -> bool:
         return self.guidance_scale > 1.0
 
+    @property
+    def is_video(self) -> bool:
+        return self.num_frames is not None
+
     def body(self) -> dict[str, Any]:
-        """The JSON body of `POST /v1/images/generations` (a fresh dict each call)."""
+        """The JSON body of `POST /v1/images/generations`, or of `POST /v1/videos` for a video
+        request (a fresh dict each call)."""
         body: dict[str, Any] = {
-            "prompt": self.prompt, "n": 1, "size": f"{self.width}x{self.height}",
+            "prompt": self.prompt, "size": f"{self.width}x{self.height}",
             "num_inference_steps": self.num_inference_steps, "guidance_scale": self.guidance_scale,
             "seed": self.seed,
         }
+        if self.is_video:
+            body.update(num_frames=self.num_frames, fps=self.fps)
+        else:
+            body["n"] = 1
         if self.model is not None:
             body["model"] = self.model
         if self.negative_prompt:
@@ -387,16 +402,19 @@ def generate(workload: WorkloadSpec | PoissonWorkload, cost: SoloCost | None = N
             guidance_scale=request_class.guidance_scale, prompt=prompt,
             negative_prompt=request_class.negative_prompt,
         )
+        if request_class.num_frames is not None:
+            values.update(num_frames=request_class.num_frames, fps=request_class.fps)
         values.update(fixed)
         slo = values.pop("slo_s", None)
         scale = request_class.slo_scale if request_class.slo_scale is not None else spec.slo_scale
         if slo is None and scale is not None and cost is not None:
             if values["model"] is None:
                 raise WorkloadError(f"class {request_class.name!r} has no model, so its solo latency is unknown")
+            frames = values.get("num_frames") or 1
             key = (values["model"], values["height"], values["width"], values["num_inference_steps"],
-                   values["guidance_scale"] > 1.0)
+                   values["guidance_scale"] > 1.0, frames)
             if key not in solo_cache:
-                solo_cache[key] = cost.solo_seconds(*key)
+                solo_cache[key] = cost.solo_seconds(*key[:5], frames=frames)
             slo = scale * solo_cache[key]
         requests.append(ScheduledRequest(index=index, offset_s=offset, seed=seed, slo_s=slo,
                                          request_class=request_class.name, **values))
@@ -507,6 +525,8 @@ class _ClassYaml(_Strict):
     negative_prompt: str = ""
     unique_prompts: bool = False
     slo_scale: float | None = Field(default=None, gt=0)
+    num_frames: int | None = Field(default=None, ge=1)
+    fps: int = Field(default=16, ge=1)
 
 
 class _WorkloadYaml(_Strict):
@@ -630,7 +650,7 @@ def parse_workload(data: Any, base_dir: str | os.PathLike = ".", name: str = "wo
             sizes=tuple(parse_size(s, f"classes[{c.name}].sizes") for s in c.sizes),
             steps=parse_steps(c.steps, f"classes[{c.name}].steps"), guidance_scale=c.guidance_scale,
             prompt=c.prompt, negative_prompt=c.negative_prompt, unique_prompts=c.unique_prompts,
-            slo_scale=c.slo_scale,
+            slo_scale=c.slo_scale, num_frames=c.num_frames, fps=c.fps,
         )
         for c in raw.classes
     )

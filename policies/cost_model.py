@@ -11,7 +11,7 @@ policy can rely on "more work never costs less".
 
 CSV schema (one for every device), one row per measured point:
 
-    model,device,component,height,width,rows,frames,latency_ms,samples,source
+    model,device,component,height,width,rows,frames,latency_ms,samples,source,sp_degree
 
 - `component`: denoise | round_overhead | text_encode | vae_decode | request_overhead | host_probe
 - `rows`: batch rows of one denoiser forward (2 per CFG request, 1 otherwise) for denoise and
@@ -23,6 +23,11 @@ CSV schema (one for every device), one row per measured point:
   ratio; a device with one worker per accelerator needs none.
 - round_overhead rows with height = width = 0 are the fixed cost of one round (the RPC that
   carries the plan and the report); rows with a shape are the per-group sampler bookkeeping.
+- `frames`: 1 for images; a video's frame count (its work per row scales with pixels x frames).
+- `sp_degree`: for denoise, how many workers ran the forward with sequence parallelism (Ulysses
+  all-to-all); 1 otherwise. Each degree is fitted on its own, so communication's share (large
+  for short sequences, GenServe Fig. 6) is in the numbers rather than modelled. A profile may
+  omit the column (older files): every row is then degree 1.
 - `latency_ms`: the median of `samples` repeats; `source`: "measured <date> <device>" or a
   citation (derived tables say so).
 """
@@ -46,7 +51,9 @@ REQUEST_OVERHEAD = "request_overhead"
 HOST_PROBE = "host_probe"
 COMPONENTS = (DENOISE, ROUND_OVERHEAD, TEXT_ENCODE, VAE_DECODE, REQUEST_OVERHEAD, HOST_PROBE)
 
-CSV_COLUMNS = ("model", "device", "component", "height", "width", "rows", "frames", "latency_ms", "samples", "source")
+CSV_COLUMNS = ("model", "device", "component", "height", "width", "rows", "frames", "latency_ms", "samples", "source",
+               "sp_degree")
+OPTIONAL_COLUMNS = {"sp_degree": "1"}  # absent in profiles written before video support
 
 # Methods are tried in this order; a later one must beat an earlier one's held-out error by
 # more than this factor to be chosen.
@@ -97,14 +104,15 @@ class CostModel(Protocol):
     def text_encode_seconds(self, model: str, texts: int) -> float:
         """One text-encoder call for `texts` strings."""
 
-    def decode_seconds(self, model: str, height: int, width: int) -> float:
-        """VAE decode + PNG encode of one image."""
+    def decode_seconds(self, model: str, height: int, width: int, frames: int = 1) -> float:
+        """VAE decode + encode to a file (PNG, or a video's frames) of one image or video."""
 
     def request_overhead_seconds(self, model: str) -> float:
         """Fixed per-request cost outside the above (HTTP, ingress, hops, admission)."""
 
-    def solo_seconds(self, model: str, height: int, width: int, steps: int, cfg: bool) -> float:
-        """One request alone: encode + steps * round + decode + overhead (SLO = sigma * solo)."""
+    def solo_seconds(self, model: str, height: int, width: int, steps: int, cfg: bool, frames: int = 1) -> float:
+        """One request alone on one worker: encode + steps * round + decode + overhead
+        (SLO = sigma * solo)."""
 
 
 # -- the CSV ---------------------------------------------------------------------------------
@@ -122,6 +130,7 @@ class ProfileRow:
     latency_ms: float
     samples: int
     source: str
+    sp_degree: int = 1
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -130,6 +139,8 @@ class ProfileRow:
             raise ProfileError(f"unknown component {self.component!r}; known: {list(COMPONENTS)}")
         if min(self.height, self.width) < 0 or self.rows < 1 or self.frames < 1 or self.samples < 1:
             raise ProfileError(f"bad sizes in {self}")
+        if self.sp_degree < 1 or (self.sp_degree > 1 and self.component != DENOISE):
+            raise ProfileError(f"sp_degree must be 1, or > 1 on denoise rows only: {self}")
         if not (math.isfinite(self.latency_ms) and self.latency_ms >= 0):
             raise ProfileError(f"latency_ms must be finite and >= 0, got {self.latency_ms!r}")
         shaped = self.height > 0 and self.width > 0
@@ -151,7 +162,7 @@ class ProfileRow:
             "model": self.model, "device": self.device, "component": self.component,
             "height": str(self.height), "width": str(self.width), "rows": str(self.rows),
             "frames": str(self.frames), "latency_ms": f"{self.latency_ms:.4f}", "samples": str(self.samples),
-            "source": self.source,
+            "source": self.source, "sp_degree": str(self.sp_degree),
         }
 
 
@@ -161,6 +172,7 @@ def _parse_row(raw: dict[str, str], where: str) -> ProfileRow:
             model=raw["model"].strip(), device=raw["device"].strip(), component=raw["component"].strip(),
             height=int(raw["height"]), width=int(raw["width"]), rows=int(raw["rows"]), frames=int(raw["frames"]),
             latency_ms=float(raw["latency_ms"]), samples=int(raw["samples"]), source=(raw["source"] or "").strip(),
+            sp_degree=int(raw.get("sp_degree") or OPTIONAL_COLUMNS["sp_degree"]),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ProfileError(f"{where}: {exc}") from None
@@ -169,7 +181,7 @@ def _parse_row(raw: dict[str, str], where: str) -> ProfileRow:
 def read_profile(path: str | os.PathLike) -> list[ProfileRow]:
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
-        missing = [c for c in CSV_COLUMNS if c not in (reader.fieldnames or ())]
+        missing = [c for c in CSV_COLUMNS if c not in (reader.fieldnames or ()) and c not in OPTIONAL_COLUMNS]
         if missing:
             raise ProfileError(f"{path}: missing columns {missing}; expected {list(CSV_COLUMNS)}")
         return [_parse_row(raw, f"{path}:{reader.line_num}") for raw in reader]
@@ -177,7 +189,8 @@ def read_profile(path: str | os.PathLike) -> list[ProfileRow]:
 
 def write_profile(path: str | os.PathLike, rows: Iterable[ProfileRow]) -> None:
     """Write rows sorted by model, component, shape: diffs between two profiles stay readable."""
-    ordered = sorted(rows, key=lambda r: (r.model, COMPONENTS.index(r.component), r.pixels, r.height, r.rows))
+    ordered = sorted(rows, key=lambda r: (r.model, COMPONENTS.index(r.component), r.sp_degree, r.pixels, r.height,
+                                          r.rows))
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, lineterminator="\n")
         writer.writeheader()
@@ -428,9 +441,14 @@ class _ModelCosts:
         for r in rows:
             by_component[r.component].append(r)
         self.fits: dict[str, FitResult] = {}
-        self._denoise = self._fit(
-            DENOISE, [((r.pixels / MEGA, float(r.rows)), r.seconds) for r in by_component[DENOISE]]
-        )
+        degrees = sorted({r.sp_degree for r in by_component[DENOISE]})
+        # One fit per SP degree; degree 1 reports as plain "denoise", others as "denoise@spD".
+        self._denoise = {
+            d: self._fit(DENOISE, [((r.pixels / MEGA, float(r.rows)), r.seconds)
+                                   for r in by_component[DENOISE] if r.sp_degree == d],
+                         label=DENOISE if d == 1 else f"{DENOISE}@sp{d}")
+            for d in degrees
+        }
         self._text = self._fit(TEXT_ENCODE, [((float(r.rows),), r.seconds) for r in by_component[TEXT_ENCODE]])
         self._vae = self._fit(VAE_DECODE, [((r.pixels / MEGA,), r.seconds) for r in by_component[VAE_DECODE]])
         fixed = [r.seconds for r in by_component[ROUND_OVERHEAD] if r.height == 0]
@@ -445,22 +463,30 @@ class _ModelCosts:
         self.host_slowdowns = _host_slowdowns(by_component[HOST_PROBE])
         self._cache: dict[tuple, float] = {}
 
-    def _fit(self, component: str, points) -> Predictor | None:
+    def _fit(self, component: str, points, label: str | None = None) -> Predictor | None:
         if not points:
             return None
         predictor, result = _fit(component, points)
-        self.fits[component] = result
+        self.fits[label or component] = result
         return predictor
+
+    @property
+    def sp_degrees(self) -> tuple[int, ...]:
+        return tuple(self._denoise)
 
     def _need(self, predictor: Predictor | None, component: str) -> Predictor:
         if predictor is None:
             raise UnknownModelError(f"model {self.model!r} has no {component} rows in its profile")
         return predictor
 
-    def denoise(self, pixels: int, rows: int) -> float:
-        key = (DENOISE, pixels, rows)
+    def denoise(self, pixels: int, rows: int, sp_degree: int = 1) -> float:
+        key = (DENOISE, pixels, rows, sp_degree)
         if key not in self._cache:
-            self._cache[key] = max(0.0, self._need(self._denoise, DENOISE)((pixels / MEGA, float(rows))))
+            if sp_degree not in self._denoise and sp_degree > 1 and 1 in self._denoise:
+                raise UnknownModelError(f"model {self.model!r} has no denoise rows at sp_degree {sp_degree}; "
+                                        f"profiled degrees: {list(self._denoise)}")
+            fit = self._need(self._denoise.get(sp_degree), DENOISE)
+            self._cache[key] = max(0.0, fit((pixels / MEGA, float(rows))))
         return self._cache[key]
 
     def per_group_overhead(self, pixels: int, rows: int) -> float:
@@ -546,10 +572,21 @@ class ProfiledCostModel:
             raise ValueError(f"texts must be >= 1, got {texts}")
         return self._costs(model).text(texts)
 
-    def decode_seconds(self, model: str, height: int, width: int) -> float:
-        if height < 1 or width < 1:
-            raise ValueError(f"bad image size {width}x{height}")
-        return self._costs(model).vae(height * width)
+    def decode_seconds(self, model: str, height: int, width: int, frames: int = 1) -> float:
+        if height < 1 or width < 1 or frames < 1:
+            raise ValueError(f"bad size {width}x{height}x{frames} frames")
+        return self._costs(model).vae(height * width * frames)
+
+    def sp_degrees(self, model: str) -> tuple[int, ...]:
+        """The sequence-parallel degrees this model's denoise was profiled at."""
+        return self._costs(model).sp_degrees
+
+    def video_step_seconds(self, model: str, height: int, width: int, frames: int, degree: int,
+                           cfg: bool = True) -> float:
+        """One denoising step of one video on an SP group of `degree` workers: the forward at
+        that degree plus one round's overhead (every member runs the same round)."""
+        group = GroupShape(model, height, width, 2 if cfg else 1, frames)
+        return self._costs(model).denoise(group.pixels, group.rows, degree) + self.round_overhead_seconds([group])
 
     def request_overhead_seconds(self, model: str) -> float:
         return self._costs(model).request_overhead
@@ -571,16 +608,17 @@ class ProfiledCostModel:
         share = (busy - lo) / (hi - lo)
         return max(1.0, measured[lo] + share * (measured[hi] - measured[lo]))
 
-    def solo_seconds(self, model: str, height: int, width: int, steps: int, cfg: bool) -> float:
+    def solo_seconds(self, model: str, height: int, width: int, steps: int, cfg: bool, frames: int = 1) -> float:
         """The prompt (and, with CFG, the negative prompt) encoded in one call, `steps` rounds of
-        one group alone, one decode, and the fixed per-request overhead."""
+        one group alone on one worker (a video at SP degree 1), one decode, and the fixed
+        per-request overhead."""
         if steps < 0:
             raise ValueError(f"steps must be >= 0, got {steps}")
         rows = 2 if cfg else 1
         return (
             self.text_encode_seconds(model, rows)
-            + steps * self.round_seconds([GroupShape(model, height, width, rows)])
-            + self.decode_seconds(model, height, width)
+            + steps * self.round_seconds([GroupShape(model, height, width, rows, frames)])
+            + self.decode_seconds(model, height, width, frames)
             + self.request_overhead_seconds(model)
         )
 

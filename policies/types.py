@@ -47,6 +47,30 @@ class RequestSpec:
         return ShapeKey(self.model, self.height, self.width)
 
 
+@dataclass(frozen=True)
+class VideoSpec:
+    """One video to generate (text-to-video). `fps` only matters when the frames are encoded to
+    a file. Pure data like `RequestSpec`, so the router, the simulator and the engine share it."""
+
+    request_id: str
+    model: str
+    prompt: str
+    width: int
+    height: int
+    num_frames: int
+    num_inference_steps: int
+    guidance_scale: float
+    seed: int
+    fps: int = 16
+    negative_prompt: str = ""
+    kind: str = "t2v"
+
+    @property
+    def uses_cfg(self) -> bool:
+        # Same rule as WanPipeline's `do_classifier_free_guidance`.
+        return self.guidance_scale > 1.0
+
+
 class RequestStatus(str, Enum):
     QUEUED = "queued"  # waiting for a worker (conditioning may still be in flight)
     RUNNING = "running"  # resident on a worker, stepping

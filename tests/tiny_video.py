@@ -113,3 +113,10 @@ def sp_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
         torch.save(out, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def video_embeds(family, spec) -> tuple:
+    """(prompt, negative or None) numpy arrays, as the text encoder deployment returns them."""
+    conditioning = video_conditioning(family, spec)
+    negative = conditioning.negative_prompt_embeds
+    return conditioning.prompt_embeds.numpy(), None if negative is None else negative.numpy()

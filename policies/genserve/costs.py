@@ -7,7 +7,10 @@ answer them with a small analytic fake and the profiled cost model answers them 
 
 from __future__ import annotations
 
+import math
 from typing import Protocol, runtime_checkable
+
+from stepserve.policies.cost_model import GroupShape, ProfiledCostModel
 
 
 @runtime_checkable
@@ -68,3 +71,24 @@ class MemoizedCosts:
 def memoized(costs: StepCosts) -> MemoizedCosts:
     """`costs` itself if it already memoizes, else a fresh memo around it."""
     return costs if isinstance(costs, MemoizedCosts) else MemoizedCosts(costs)
+
+
+class ProfiledStepCosts:
+    """`StepCosts` answered by a profiled cost model (policies/cost_model.py).
+
+    An image batch's step is one worker round of one group; a video's step is a round at its
+    SP degree. Videos are costed with classifier-free guidance (2 rows per forward), which is
+    what Wan and CogVideoX run by default; a degree the profile lacks costs +inf, so the solver
+    never proposes it.
+    """
+
+    def __init__(self, cost_model: ProfiledCostModel) -> None:
+        self._cost = cost_model
+
+    def image_step_seconds(self, model: str, height: int, width: int, rows: int) -> float:
+        return self._cost.round_seconds([GroupShape(model, height, width, rows)])
+
+    def video_step_seconds(self, model: str, height: int, width: int, frames: int, degree: int) -> float:
+        if degree not in self._cost.sp_degrees(model):
+            return math.inf
+        return self._cost.video_step_seconds(model, height, width, frames, degree)

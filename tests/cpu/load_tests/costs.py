@@ -31,7 +31,7 @@ class ConstantCost:
     def request_overhead_seconds(self, model: str) -> float:
         return self.overhead_s
 
-    def solo_seconds(self, model: str, height: int, width: int, steps: int, cfg: bool) -> float:
+    def solo_seconds(self, model: str, height: int, width: int, steps: int, cfg: bool, frames: int = 1) -> float:
         return self.encode_s + steps * self.round_seconds([None]) + self.decode_s + self.overhead_s
 
 
@@ -49,8 +49,8 @@ class BatchingCost(ConstantCost):
     def denoise_seconds(self, group) -> float:
         return self.base_s + group.rows * (self.per_row_s + self.per_mpx_row_s * group.height * group.width / 1e6)
 
-    def solo_seconds(self, model: str, height: int, width: int, steps: int, cfg: bool) -> float:
+    def solo_seconds(self, model: str, height: int, width: int, steps: int, cfg: bool, frames: int = 1) -> float:
         from stepserve.policies.cost_model import GroupShape
 
-        group = GroupShape(model, height, width, 2 if cfg else 1)
+        group = GroupShape(model, height, width, 2 if cfg else 1, frames)
         return self.encode_s + steps * self.round_seconds([group]) + self.decode_s + self.overhead_s

@@ -1,0 +1,115 @@
+"""GenServe's ablation (genserve-slides.txt Fig. 14), simulated: the same requests on the same
+8 workers under FCFS, then adding preemption, the knapsack DP and elastic SP one at a time.
+
+    python -m stepserve.load_tests.ablation_genserve --out docs/results/genserve-ablation
+
+Rows are `GenServeConfig` switches of the one co-serving scheduler (actors/coserve_core.py):
+
+    fcfs          preemption off, greedy FCFS allocation, every video at SP degree 1
+    +preemption   videos may be paused (or shrunk) at step boundaries for urgent images
+    +dp           the knapsack DP over worker counts instead of greedy FCFS
+    +sp           elastic SP: a video's degree changes at step boundaries (GenServe)
+
+Each (rate, seed) runs every row on identical requests. Writes <out>/ablation.json (per row:
+overall / image / video SLO attainment, mean image queue wait, the scheduler's decision time)
+and <out>/ablation.png. Simulated time comes from the profile (default: the derived
+genserve-rtx6000); the decision times are this machine's wall clock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from stepserve.policies.cost_model import load_profile
+from stepserve.policies.genserve import GenServeConfig
+
+from .metrics import percentile
+from .plots import plot_ablation
+from .sim.coserve import CoServeResult, CoServeSimConfig, simulate_coserve
+from .workload import generate, load_workload
+
+ROWS = {
+    "fcfs": GenServeConfig(preemption=False, dp=False, elastic_sp=False, fixed_sp_degree=1),
+    "+preemption": GenServeConfig(preemption=True, dp=False, elastic_sp=False, fixed_sp_degree=1),
+    "+dp": GenServeConfig(preemption=True, dp=True, elastic_sp=False, fixed_sp_degree=1),
+    "+sp": GenServeConfig(preemption=True, dp=True, elastic_sp=True),
+}
+
+
+def row_metrics(result: CoServeResult) -> dict:
+    def attainment(kind: str | None) -> float:
+        traces = [t for t in result.traces if kind is None or t.kind == kind]
+        return sum(t.met_slo for t in traces) / len(traces) if traces else float("nan")
+
+    waits = [t.admit_s - t.submit_s for t in result.traces
+             if t.kind == "image" and t.admit_s is not None and t.submit_s is not None]
+    decisions_ms = [s * 1e3 for s in result.decision_wall_s]
+    return {
+        "slo_overall": attainment(None), "slo_image": attainment("image"), "slo_video": attainment("video"),
+        "image_wait_mean_s": statistics.fmean(waits) if waits else None,
+        "unfinished": sum(t.status != "finished" for t in result.traces),
+        "video_pauses": sum(t.pauses for t in result.traces),
+        "decision_ms_p50": percentile(decisions_ms, 50), "decision_ms_p99": percentile(decisions_ms, 99),
+        "decisions": result.decisions, "end_s": result.end_s,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m stepserve.load_tests.ablation_genserve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", default="genserve-balanced", help="workload name or YAML path")
+    parser.add_argument("--profile", default="genserve-rtx6000", help="profile name or CSV path")
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--rates", default="0.4,0.5,0.6", help="requests per second, comma-separated")
+    parser.add_argument("--seeds", default="0,1,2", help="workload seeds, comma-separated")
+    parser.add_argument("--round-s", type=float, default=GenServeConfig().round_s,
+                        help="GenServeConfig.round_s for every row")
+    parser.add_argument("--out", required=True, help="output folder")
+    args = parser.parse_args(argv)
+
+    cost = load_profile(args.profile)
+    base = load_workload(args.workload)
+    rates = [float(r) for r in args.rates.split(",")]
+    seeds = [int(s) for s in args.seeds.split(",")]
+    runs = []
+    for rate in rates:
+        for seed in seeds:
+            requests = generate(replace(base.with_rate(rate), seed=seed), cost)
+            for name, config in ROWS.items():
+                sim = CoServeSimConfig(workers=args.workers, genserve=replace(config, round_s=args.round_s))
+                metrics = row_metrics(simulate_coserve(requests, cost, sim))
+                runs.append({"rate": rate, "seed": seed, "row": name, **metrics})
+                print(f"rate {rate:g}/s seed {seed} {name:<12} overall {metrics['slo_overall']:.0%} "
+                      f"image {metrics['slo_image']:.0%} video {metrics['slo_video']:.0%} "
+                      f"image wait {metrics['image_wait_mean_s']:.2f}s", flush=True)
+
+    keys = ("slo_overall", "slo_image", "slo_video", "image_wait_mean_s", "decision_ms_p50", "decision_ms_p99")
+    table = {rate: {name: {k: statistics.fmean(r[k] for r in runs if r["rate"] == rate and r["row"] == name)
+                           for k in keys} for name in ROWS} for rate in rates}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {
+        "workload": base.name, "profile": args.profile, "workers": args.workers, "rates": rates, "seeds": seeds,
+        "round_s": args.round_s, "rows": {n: c.__dict__ | {"sp_degrees": list(c.sp_degrees)} for n, c in ROWS.items()},
+        "mean_over_seeds": {str(rate): rows for rate, rows in table.items()}, "runs": runs,
+        "machine": f"{platform.processor() or platform.machine()}, {platform.system()}",
+    }
+    (out / "ablation.json").write_text(json.dumps(report, indent=2))
+    plot_ablation(table, f"GenServe ablation, simulated: {base.name}, {args.workers} workers, {args.profile}",
+                  out / "ablation.png")
+    for rate, rows in table.items():
+        full, fcfs = rows["+sp"], rows["fcfs"]
+        ratio = full["slo_overall"] / fcfs["slo_overall"] if fcfs["slo_overall"] else float("inf")
+        print(f"rate {rate:g}/s: full/FCFS overall SLO {ratio:.2f}x, full image SLO {full['slo_image']:.0%}")
+    print(f"wrote {out / 'ablation.json'} and {out / 'ablation.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
