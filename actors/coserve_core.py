@@ -100,6 +100,7 @@ class _Job:
     ready: bool = False
     steps_done: int = 0
     workers: tuple[str, ...] = ()  # images: (resident worker,); videos: the group holding the state
+    tail_s: float = 0.0  # seconds it still needs after its last denoising step
     admit_time: float | None = None
     finish_time: float | None = None
     error: str | None = None
@@ -148,13 +149,18 @@ class CoServeCore:
 
     # ---- work in ----
 
-    def submit_image(self, spec: RequestSpec, now: float, deadline: float = math.inf) -> None:
-        self._submit("image", spec, now, deadline)
+    # `tail_s`: the predicted time from the request's last denoising step to its response (VAE
+    # decode, encoding, the way out). The scheduler only plans denoising, so it is asked to
+    # finish that by `deadline - tail_s`; otherwise a 768 px video whose decode takes seconds
+    # looks seconds early while it is exactly on time, and is paused into a miss.
 
-    def submit_video(self, spec: VideoSpec, now: float, deadline: float = math.inf) -> None:
-        self._submit("video", spec, now, deadline)
+    def submit_image(self, spec: RequestSpec, now: float, deadline: float = math.inf, tail_s: float = 0.0) -> None:
+        self._submit("image", spec, now, deadline, tail_s)
 
-    def _submit(self, kind: str, spec, now: float, deadline: float) -> None:
+    def submit_video(self, spec: VideoSpec, now: float, deadline: float = math.inf, tail_s: float = 0.0) -> None:
+        self._submit("video", spec, now, deadline, tail_s)
+
+    def _submit(self, kind: str, spec, now: float, deadline: float, tail_s: float = 0.0) -> None:
         old = self._jobs.get(spec.request_id)
         if old is not None and not old.status.is_terminal:
             raise DuplicateRequestError(f"request {spec.request_id!r} is already {old.status.value}")
@@ -162,8 +168,10 @@ class CoServeCore:
             raise QueueFullError(f"queue full ({self.max_queue_len} requests waiting)")
         if spec.num_inference_steps < 1:
             raise ValueError(f"request {spec.request_id!r}: num_inference_steps must be >= 1")
+        if not (tail_s >= 0 and math.isfinite(tail_s)):
+            raise ValueError(f"request {spec.request_id!r}: tail_s must be a finite number >= 0, got {tail_s!r}")
         self._jobs.pop(spec.request_id, None)
-        self._jobs[spec.request_id] = _Job(kind, spec, now, deadline)
+        self._jobs[spec.request_id] = _Job(kind, spec, now, deadline, tail_s=tail_s)
 
     def mark_ready(self, job_id: str) -> None:
         job = self._jobs.get(job_id)
@@ -265,21 +273,31 @@ class CoServeCore:
                    for j in self._jobs.values())
 
     def _round_input(self, now: float) -> RoundInput:
+        # A worker running a video's VAE decode is out of the round: the decode takes seconds
+        # (not a step) and is not the scheduler's to move, so counting it would let the plan
+        # hand it an image or a share of an SP group that then waits seconds for it while the
+        # rest of the plan's workers idle. Workers inside a step are in (they rejoin within a
+        # step) but marked busy, so new work goes to free workers first.
+        decoding = {w for w, a in self._busy.items() if isinstance(a, VideoDecode)}
+        pool = tuple(w for w in self.workers if w not in decoding)
         images, videos = [], []
         for job_id, job in self._jobs.items():
             if not job.ready or job.status not in (JobStatus.QUEUED, JobStatus.RUNNING, JobStatus.PAUSED):
                 continue
             spec = job.spec
             left = job.steps_total - job.steps_done
+            deadline = job.deadline - job.tail_s
             if job.kind == "image":
-                images.append(ImageRequest(job_id, spec.shape_key, 2 if spec.uses_cfg else 1, left, job.deadline,
-                                           job.arrival, job.workers[0] if job.workers else None))
+                home = job.workers[0] if job.workers and job.workers[0] not in decoding else None
+                images.append(ImageRequest(job_id, spec.shape_key, 2 if spec.uses_cfg else 1, left, deadline,
+                                           job.arrival, home))
             else:
                 status = {JobStatus.QUEUED: VideoStatus.QUEUED, JobStatus.RUNNING: VideoStatus.RUNNING,
                           JobStatus.PAUSED: VideoStatus.PAUSED}[job.status]
                 videos.append(VideoJob(job_id, spec.model, spec.height, spec.width, spec.num_frames, left,
-                                       job.deadline, job.arrival, status, job.workers))
-        return RoundInput(now, self.workers, tuple(images), tuple(videos))
+                                       deadline, job.arrival, status, job.workers))
+        busy = frozenset(w for w in self._busy if w not in decoding)
+        return RoundInput(now, pool, tuple(images), tuple(videos), busy)
 
     # ---- reports in ----
 

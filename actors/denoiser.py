@@ -72,6 +72,14 @@ class DenoiserWorker:
         report, finished = self.runner.execute(plan, resolved)
         return report, {rid: latents.float().cpu().numpy() for rid, latents in finished.items()}
 
+    def image_export(self, request_id: str) -> dict[str, Any]:
+        """A resident image's state in host memory; it leaves this worker. Hand the ObjectRef
+        straight to another worker's `image_import`."""
+        return self.runner.export(request_id)
+
+    def image_import(self, state: dict[str, Any]) -> None:
+        self.runner.import_state(state)
+
     # ---- sequence-parallel world --------------------------------------------------------
 
     def sp_rendezvous_address(self) -> tuple[str, int]:

@@ -11,8 +11,9 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
+from ..actors.coserve_router import CoServeRouter
 from ..actors.router import Router
-from .config import AppConfig, ComponentConfig
+from .config import COSERVE_POLICY, AppConfig, ComponentConfig
 from .ingress import Ingress
 from .text_encoder import TextEncoder
 from .vae_decoder import VAEDecoder
@@ -36,16 +37,23 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
         ray_actor_options=_actor_options(te),
     ).bind(sources, te.device, te.torch_threads, te.max_batch_size, te.batch_wait_timeout_s, te.cache_size)
 
+    # Videos decode on the worker that holds them (GenServe: decode does not benefit from SP).
     vd = config.vae_decoder
+    image_sources = [m.to_source() for m in config.models if not m.is_video]
     vae_decoder = serve.deployment(VAEDecoder, name="VAEDecoder").options(
         num_replicas=vd.num_replicas, max_ongoing_requests=16, ray_actor_options=_actor_options(vd),
-    ).bind(sources, vd.device, vd.torch_threads)
+    ).bind(image_sources, vd.device, vd.torch_threads)
 
     rc = config.router
-    router = serve.deployment(Router, name="Router").options(
-        num_replicas=1, max_ongoing_requests=LONG_CALLS, ray_actor_options={"num_cpus": 0},
-    ).bind(sources, config.workers.to_spec(), rc.policy, rc.policy_options, rc.max_queue_len, text_encoder,
-           rc.pipeline_depth)
+    options = {"num_replicas": 1, "max_ongoing_requests": LONG_CALLS, "ray_actor_options": {"num_cpus": 0}}
+    if rc.policy == COSERVE_POLICY:
+        router = serve.deployment(CoServeRouter, name="Router").options(**options).bind(
+            sources, config.workers.to_spec(), config.genserve_config(), tuple(rc.profiles),
+            {m.name: m.slo_s for m in config.models}, rc.max_queue_len, text_encoder)
+    else:
+        router = serve.deployment(Router, name="Router").options(**options).bind(
+            sources, config.workers.to_spec(), rc.policy, rc.policy_options, rc.max_queue_len, text_encoder,
+            rc.pipeline_depth)
 
     ing = config.ingress
     return serve.deployment(Ingress, name="Ingress").options(

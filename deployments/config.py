@@ -12,6 +12,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from ..actors.pool import WorkerPoolSpec
 from ..engine.families import FAMILIES, ModelSource
+from ..policies.genserve import GenServeConfig
+
+# The router.policy that deploys the image + video co-serving router instead of `Router`.
+COSERVE_POLICY = "genserve"
 
 
 class _Strict(BaseModel):
@@ -39,6 +43,18 @@ class ModelConfig(_Strict):
     default_steps: int = Field(default=30, ge=1, description="num_inference_steps when a request omits it.")
     max_steps: int = Field(default=150, ge=1, description="Largest num_inference_steps accepted.")
     default_guidance_scale: float = Field(default=7.5, ge=0, description="guidance_scale when omitted.")
+    slo_s: float | None = Field(
+        default=None, gt=0,
+        description="Latency objective of this model's requests in seconds from arrival; the 'genserve' "
+                    "policy schedules against it (None: best effort, after everything with an SLO).",
+    )
+    # Video models only (see `is_video`); image models ignore these four.
+    default_num_frames: int = Field(
+        default=81, ge=1, description="Frames when a video request gives neither seconds nor num_frames."
+    )
+    max_num_frames: int = Field(default=81, ge=1, description="Most frames a video request may ask for.")
+    default_fps: int = Field(default=16, ge=1, description="Frame rate of the video file when a request omits fps.")
+    max_fps: int = Field(default=60, ge=1, description="Largest fps a video request may ask for.")
 
     @model_validator(mode="after")
     def _check(self) -> "ModelConfig":
@@ -47,7 +63,14 @@ class ModelConfig(_Strict):
             raise ValueError(f"unknown family {self.family!r}; known: {sorted(FAMILIES)}")
         if self.min_size > self.max_size:
             raise ValueError("min_size must be <= max_size")
+        if self.default_num_frames > self.max_num_frames or self.default_fps > self.max_fps:
+            raise ValueError("default_num_frames/default_fps must not exceed max_num_frames/max_fps")
         return self
+
+    @property
+    def is_video(self) -> bool:
+        """Whether this model makes videos: its family can shape one (Wan); the others make images."""
+        return hasattr(FAMILIES[self.family], "video_shape")
 
     def to_source(self) -> ModelSource:
         return ModelSource(
@@ -69,8 +92,20 @@ class WorkersConfig(_Strict):
 
 
 class RouterConfig(_Strict):
-    policy: str = Field(default="continuous", description="Scheduling policy name (policies registry).")
-    policy_options: dict[str, Any] = Field(default_factory=dict, description="Options of the policy's config.")
+    policy: str = Field(
+        default="continuous",
+        description=f"Scheduling policy name (policies registry), or {COSERVE_POLICY!r}: the image + video "
+                    "co-serving router (GenServe), needed to serve video models.",
+    )
+    policy_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Options of the policy's config (for 'genserve': GenServeConfig fields, e.g. sp_degrees).",
+    )
+    profiles: list[str] = Field(
+        default_factory=list,
+        description="Latency profiles (names in configs/profiles or CSV paths) the 'genserve' policy predicts "
+                    "step times from, covering every served model; required with it.",
+    )
     max_queue_len: int = Field(default=256, ge=1, description="Queued requests beyond which new ones get 429.")
     pipeline_depth: int = Field(
         default=2, ge=1, le=4,
@@ -121,6 +156,26 @@ class AppConfig(_Strict):
         if len(set(names)) != len(names):
             raise ValueError(f"model names must be unique: {names}")
         return models
+
+    @model_validator(mode="after")
+    def _check_router(self) -> "AppConfig":
+        videos = [m.name for m in self.models if m.is_video]
+        if videos and self.router.policy != COSERVE_POLICY:
+            raise ValueError(f"video models {videos} need router.policy {COSERVE_POLICY!r} (the co-serving router)")
+        if self.router.policy == COSERVE_POLICY:
+            if not self.router.profiles:
+                raise ValueError(f"router.policy {COSERVE_POLICY!r} needs router.profiles (latency profiles)")
+            self.genserve_config()  # unknown or bad options fail here, at deploy time
+        return self
+
+    def genserve_config(self) -> GenServeConfig:
+        options = {"image_max_batch": self.workers.max_batch_size, **self.router.policy_options}
+        if "sp_degrees" in options:
+            options["sp_degrees"] = tuple(options["sp_degrees"])
+        try:
+            return GenServeConfig(**options)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"router.policy_options for {COSERVE_POLICY!r}: {exc}") from None
 
     def model(self, name: str | None) -> ModelConfig | None:
         if name is None:

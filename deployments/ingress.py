@@ -1,7 +1,8 @@
 """The HTTP/handle ingress: validates, fans a request out to the router, decodes, answers.
 
-Routes: POST /v1/images/generations, GET /v1/models, GET /health, GET /ready, GET /metrics.
-Handle callers use `generate(request)` and `progress(request_id)` with the same types.
+Routes: POST /v1/images/generations, POST /v1/videos, GET /v1/videos/{id}, GET /v1/videos/{id}/content,
+GET /v1/models, GET /health, GET /ready, GET /metrics. Handle callers use `generate(request)`,
+`progress(request_id)`, `create_video(request)`, `get_video(id)` and `video_content(id)` with the same types.
 """
 
 # No `from __future__ import annotations` here: FastAPI must see real annotations on the route
@@ -27,6 +28,9 @@ from .config import AppConfig
 from .errors import APIError, invalid
 from .protocol import ImageGenerationRequest
 from .validation import to_specs
+from .video_encoding import FORMAT_HEADER
+from .video_validation import VideoCreateRequest
+from .videos import VideoJobs, is_form, read_form
 
 logger = logging.getLogger("stepserve.ingress")
 
@@ -46,6 +50,11 @@ async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
 
 async def read_json(request: Request, limit: int) -> Any:
     """The body as JSON, refusing more than `limit` bytes before reading them all."""
+    return parse_json(await read_body(request, limit))
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The raw body, refusing more than `limit` bytes before reading them all."""
     declared = request.headers.get("content-length")
     if declared is not None and (not declared.isdigit() or int(declared) > limit):
         raise APIError(413, f"request body exceeds {limit} bytes", code="request_too_large")
@@ -54,6 +63,10 @@ async def read_json(request: Request, limit: int) -> Any:
         body += chunk
         if len(body) > limit:
             raise APIError(413, f"request body exceeds {limit} bytes", code="request_too_large")
+    return bytes(body)
+
+
+def parse_json(body: bytes) -> Any:
     try:
         return json.loads(body)
     except (ValueError, RecursionError):
@@ -71,6 +84,14 @@ def _as_api_error(exc: BaseException) -> BaseException:
     if isinstance(exc, DuplicateRequestError):
         return APIError(409, str(exc), param="request_id", code="duplicate_request_id")
     return exc
+
+
+async def _mapped(call: Any) -> Any:
+    """Await `call`, turning router exceptions into API errors as `generate` does."""
+    try:
+        return await call
+    except BaseException as exc:
+        raise _as_api_error(exc) from None
 
 
 class HTTPMetrics:
@@ -91,6 +112,7 @@ class Ingress:
         self.vae_decoder = vae_decoder
         self.api_keys = config.resolved_api_keys()
         self.http = HTTPMetrics()
+        self.videos = VideoJobs(config, router)
 
     # -- handle API ----------------------------------------------------------------------
 
@@ -121,6 +143,18 @@ class Ingress:
     async def cancel(self, request_id: str) -> bool:
         return await self.router.cancel.remote(request_id)
 
+    async def create_video(self, request: VideoCreateRequest | dict) -> dict:
+        """Queue a video job; returns the OpenAI video object at once (poll `get_video`). Raises APIError."""
+        return await _mapped(self.videos.create(request))
+
+    async def get_video(self, video_id: str) -> dict:
+        """The OpenAI video object: status, progress (0-100), steps_done/steps_total. Raises APIError (404)."""
+        return await _mapped(self.videos.get(video_id))
+
+    async def video_content(self, video_id: str) -> bytes:
+        """The finished video as MP4 bytes (a ZIP of PNGs if PyAV is missing). Raises APIError (404, 409)."""
+        return (await _mapped(self.videos.content(video_id))).data
+
     # -- HTTP ----------------------------------------------------------------------------
 
     @api.post("/v1/images/generations")
@@ -131,6 +165,34 @@ class Ingress:
             return JSONResponse(await self.generate(payload))
 
         return await self._observed("/v1/images/generations", handle)
+
+    @api.post("/v1/videos")
+    async def http_create_video(self, request: Request) -> JSONResponse:
+        async def handle() -> JSONResponse:
+            self._authorize(request)
+            body = await read_body(request, self.config.limits.max_body_bytes)
+            # OpenAI's clients send this route multipart/form-data; curl users send JSON.
+            payload = await read_form(request, body) if is_form(request) else parse_json(body)
+            return JSONResponse(await self.create_video(payload))
+
+        return await self._observed("/v1/videos", handle)
+
+    @api.get("/v1/videos/{video_id}")
+    async def http_get_video(self, video_id: str, request: Request) -> JSONResponse:
+        async def handle() -> JSONResponse:
+            self._authorize(request)
+            return JSONResponse(await self.get_video(video_id))
+
+        return await self._observed("/v1/videos/{video_id}", handle)
+
+    @api.get("/v1/videos/{video_id}/content")
+    async def http_video_content(self, video_id: str, request: Request, variant: str = "video") -> Response:
+        async def handle() -> Response:
+            self._authorize(request)
+            video = await _mapped(self.videos.content(video_id, variant))
+            return Response(video.data, media_type=video.media_type, headers={FORMAT_HEADER: video.format})
+
+        return await self._observed("/v1/videos/{video_id}/content", handle)
 
     @api.get("/v1/models")
     async def http_models(self, request: Request) -> JSONResponse:

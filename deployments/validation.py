@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import re
 import secrets
+from typing import TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from ..policies.types import RequestSpec
 from .config import AppConfig, ModelConfig
@@ -18,15 +19,21 @@ from .protocol import ImageGenerationRequest
 SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
 MAX_SEED = 2**63 - 1
 VAE_MULTIPLE = 8  # SD-class VAEs downscale 8x; sizes must divide evenly
+Body = TypeVar("Body", bound=BaseModel)
 
 
 def parse_request(payload: object) -> ImageGenerationRequest:
-    if isinstance(payload, ImageGenerationRequest):
+    return parse_body(payload, ImageGenerationRequest)
+
+
+def parse_body(payload: object, schema: type[Body]) -> Body:
+    """`payload` as the pydantic request type `schema`, or a 400 naming the first bad field."""
+    if isinstance(payload, schema):
         return payload
     if not isinstance(payload, dict):
         raise invalid(None, "request body must be a JSON object", code="invalid_json")
     try:
-        return ImageGenerationRequest.model_validate(payload)
+        return schema.model_validate(payload)
     except ValidationError as exc:
         first = exc.errors()[0]
         param = ".".join(str(p) for p in first["loc"]) or None
@@ -34,15 +41,15 @@ def parse_request(payload: object) -> ImageGenerationRequest:
         raise invalid(param, f"{param}: {message}") from None
 
 
-def parse_size(size: str | None, model: ModelConfig) -> tuple[int, int]:
+def parse_size(size: str | None, model: ModelConfig, multiple: int = VAE_MULTIPLE) -> tuple[int, int]:
     text = model.default_size if size in (None, "auto") else size
     match = SIZE.match(text)
     if not match:
         raise invalid("size", f"size must look like '512x512' or be 'auto', got {size!r}")
     width, height = int(match.group(1)), int(match.group(2))
     for side in (width, height):
-        if side % VAE_MULTIPLE:
-            raise invalid("size", f"width and height must be multiples of {VAE_MULTIPLE}, got {text}")
+        if side % multiple:
+            raise invalid("size", f"width and height must be multiples of {multiple}, got {text}")
         if not model.min_size <= side <= model.max_size:
             raise invalid("size", f"{model.name} accepts sides from {model.min_size} to {model.max_size} px, got {text}")
     if width * height > model.max_pixels:
@@ -53,10 +60,16 @@ def parse_size(size: str | None, model: ModelConfig) -> tuple[int, int]:
 def to_specs(payload: object, config: AppConfig, request_id: str) -> list[RequestSpec]:
     req = parse_request(payload)
     limits = config.limits
-    model = config.model(req.model)
+    # Without `model`, the first image model: the first configured one may make videos.
+    if req.model is None:
+        model = next((m for m in config.models if not m.is_video), None)
+    else:
+        model = config.model(req.model)
     if model is None:
-        raise APIError(404, f"model {req.model!r} does not exist; see GET /v1/models", param="model",
-                       code="model_not_found")
+        what = "no image model is served" if req.model is None else f"model {req.model!r} does not exist"
+        raise APIError(404, f"{what}; see GET /v1/models", param="model", code="model_not_found")
+    if model.is_video:
+        raise invalid("model", f"{model.name} makes videos; use POST /v1/videos", code="unsupported_model")
     if req.response_format != "b64_json":
         raise invalid("response_format", "only response_format='b64_json' is supported")
     if not req.prompt.strip():

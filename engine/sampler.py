@@ -8,8 +8,13 @@ requests can share it.
 
 from __future__ import annotations
 
+import copy
 import inspect
 from dataclasses import dataclass
+from typing import Any
+
+import diffusers
+from diffusers.configuration_utils import FrozenDict
 
 import torch
 
@@ -77,6 +82,61 @@ class RequestSampler(StepProgress):
         self.latents = self.scheduler.step(noise_pred, t, self.latents, **self.step_kwargs, return_dict=False)[0]
         self.step_index += 1
 
+    # ---- moving between workers -----------------------------------------------------------
+
+    def state(self, device: str | torch.device = "cpu") -> dict[str, Any]:
+        """Everything needed to continue this image on another worker, as copies on `device`
+        (host memory by default): the co-serving router moves a queued-up image to whichever
+        worker its batch runs on. Picklable; independent of this sampler afterwards."""
+        device = torch.device(device)
+        return {
+            "format": STATE_FORMAT,
+            "spec": self.spec,
+            "step_index": self.step_index,
+            "latents": copy_to(self.latents, device),
+            "context": copy_to(self.context, device),
+            "generator_state": self.generator.get_state(),
+            "scheduler": scheduler_state(self.scheduler, device, self.latents.device),
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any], family: DiffusionFamily) -> "RequestSampler":
+        """Rebuild a sampler from `state()` on `family`'s device; it continues exactly where the
+        exported one stopped (same scheduler history, same generator position)."""
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(f"unsupported sampler state format {state.get('format')!r}")
+        self = cls.__new__(cls)
+        spec = self.spec = state["spec"]
+        self.uses_cfg = spec.uses_cfg
+        self.guidance_scale = spec.guidance_scale
+        self.scheduler = restore_scheduler(state["scheduler"], family.device)
+        self.timesteps = self.scheduler.timesteps
+        self.generator = torch.Generator("cpu")
+        self.generator.set_state(state["generator_state"])
+        self.latents = copy_to(state["latents"], family.device)
+        self.context = state["context"].to(device=family.device, dtype=family.dtype, copy=True)
+        self.step_kwargs = _extra_step_kwargs(self.scheduler, self.generator)
+        self.step_index = state["step_index"]
+        return self
+
+
+STATE_FORMAT = 2  # 2: schedulers restore from their instance dict (no set_timesteps)
+
+
+def scheduler_state(scheduler: Any, device: torch.device, home: torch.device) -> dict[str, Any]:
+    """A scheduler's whole state as copies on `device`. `home` is the device its sampler runs
+    on: tensors kept elsewhere on purpose (UniPC keeps its sigmas on the host to avoid syncs)
+    are remembered, so a restore puts every tensor back where its kind belongs."""
+    attrs = {k: v for k, v in vars(scheduler).items() if k != "_internal_dict"}
+    return {
+        "class": type(scheduler).__name__,
+        "config": dict(scheduler.config),
+        # The whole instance dict: step counter, sigmas/timesteps, and any multistep history
+        # (UniPC's model_outputs, timestep_list, last_sample, lower_order_nums...).
+        "attrs": {k: copy_to(v, device) for k, v in attrs.items()},
+        "off_home": sorted(k for k, v in attrs.items() if isinstance(v, torch.Tensor) and v.device != home),
+    }
+
 
 def _extra_step_kwargs(scheduler, generator: torch.Generator) -> dict:
     # As `DiffusionPipeline.prepare_extra_step_kwargs`: only schedulers that take them get them.
@@ -87,3 +147,32 @@ def _extra_step_kwargs(scheduler, generator: torch.Generator) -> dict:
     if "generator" in params:
         kwargs["generator"] = generator
     return kwargs
+
+
+def copy_to(value: Any, device: torch.device | str) -> Any:
+    """A deep copy with every tensor moved to `device`."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device, copy=True)
+    if isinstance(value, (list, tuple)):
+        return type(value)(copy_to(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: copy_to(v, device) for k, v in value.items()}
+    return copy.deepcopy(value)
+
+
+def restore_scheduler(saved: dict[str, Any], device: torch.device) -> Any:
+    """The scheduler `scheduler_state` saved, for a sampler on `device`.
+
+    Rebuilt from its saved instance dict rather than `from_config` + `set_timesteps`: every
+    attribute is in the state, and parsing a diffusers config costs milliseconds, which would
+    dominate a resume (GenServe budgets it at a small fraction of one step).
+    """
+    scheduler_cls = getattr(diffusers, saved["class"], None)
+    if scheduler_cls is None:
+        raise ValueError(f"unknown scheduler class {saved['class']!r} in sampler state")
+    scheduler = scheduler_cls.__new__(scheduler_cls)
+    scheduler._internal_dict = FrozenDict(saved["config"])
+    off_home = set(saved["off_home"])
+    for name, value in saved["attrs"].items():
+        vars(scheduler)[name] = copy_to(value, "cpu" if name in off_home else device)
+    return scheduler

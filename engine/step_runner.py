@@ -39,6 +39,23 @@ class StepRunner:
     def drop(self, request_id: str) -> None:
         self.samplers.pop(request_id, None)
 
+    def export(self, request_id: str) -> dict:
+        """A resident request's state in host memory; it leaves this worker (the co-serving
+        router moves it to the worker its batch runs on next)."""
+        sampler = self.samplers.pop(request_id, None)
+        if sampler is None:
+            raise KeyError(f"request {request_id!r} is not resident on worker {self.worker_id}")
+        return sampler.state()
+
+    def import_state(self, state: dict) -> None:
+        """Make an exported request resident here; its next step continues where it stopped."""
+        spec = state["spec"]
+        if spec.request_id in self.samplers:
+            raise ValueError(f"request {spec.request_id} is already resident")
+        if spec.model not in self.families:
+            raise ValueError(f"model {spec.model!r} is not loaded on worker {self.worker_id}")
+        self.samplers[spec.request_id] = RequestSampler.from_state(state, self.families[spec.model])
+
     def step_group(self, request_ids: tuple[str, ...]) -> None:
         """One forward for requests of one shape key; each advances one step."""
         samplers = [self.samplers[rid] for rid in request_ids]

@@ -11,16 +11,14 @@ resumed video equals an uninterrupted run.
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
-import diffusers
 import torch
 
 from ..policies.types import VideoSpec  # noqa: F401  (re-exported: the engine's callers build specs here)
-from .sampler import Conditioning, StepProgress
+from .sampler import Conditioning, StepProgress, copy_to, restore_scheduler, scheduler_state
 
-STATE_FORMAT = 1
+STATE_FORMAT = 2  # 2: schedulers restore from their instance dict (no set_timesteps)
 
 
 class VideoSampler(StepProgress):
@@ -86,23 +84,16 @@ class VideoSampler(StepProgress):
         """Everything needed to continue this video, as copies on `device` (host memory by
         default). Picklable; independent of this sampler afterwards."""
         device = torch.device(device)
-        scheduler = self.scheduler
         return {
             "format": STATE_FORMAT,
             "spec": self.spec,
             "shape": (self.height, self.width, self.num_frames),
             "guidance_scale": self.guidance_scale,
             "step_index": self.step_index,
-            "latents": _copy_to(self.latents, device),
-            "context": _copy_to(self.context, device),
+            "latents": copy_to(self.latents, device),
+            "context": copy_to(self.context, device),
             "generator_state": self.generator.get_state(),
-            "scheduler": {
-                "class": type(scheduler).__name__,
-                "config": dict(scheduler.config),
-                # The whole instance dict: step counter, sigmas/timesteps, and any multistep
-                # history (UniPC's model_outputs, timestep_list, last_sample, lower_order_nums...).
-                "attrs": {k: _copy_to(v, device) for k, v in vars(scheduler).items() if k != "_internal_dict"},
-            },
+            "scheduler": scheduler_state(self.scheduler, device, self.latents.device),
         }
 
     @classmethod
@@ -116,35 +107,9 @@ class VideoSampler(StepProgress):
         self.height, self.width, self.num_frames = state["shape"]
         self.guidance_scale = state["guidance_scale"]
         self.step_index = state["step_index"]
-        self.latents = _copy_to(state["latents"], family.device)
+        self.latents = copy_to(state["latents"], family.device)
         self.context = state["context"].to(device=family.device, dtype=family.dtype, copy=True)
         self.generator = torch.Generator("cpu")
         self.generator.set_state(state["generator_state"])
-        self.scheduler = _restore_scheduler(state["scheduler"], self.spec.num_inference_steps, family.device)
+        self.scheduler = restore_scheduler(state["scheduler"], family.device)
         return self
-
-
-def _copy_to(value: Any, device: torch.device | str) -> Any:
-    """A deep copy with every tensor moved to `device`."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to(device, copy=True)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_copy_to(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: _copy_to(v, device) for k, v in value.items()}
-    return copy.deepcopy(value)
-
-
-def _restore_scheduler(saved: dict[str, Any], num_inference_steps: int, device: torch.device) -> Any:
-    scheduler_cls = getattr(diffusers, saved["class"], None)
-    if scheduler_cls is None:
-        raise ValueError(f"unknown scheduler class {saved['class']!r} in video sampler state")
-    scheduler = scheduler_cls.from_config(saved["config"])
-    # A freshly prepared scheduler shows where each of its tensors belongs on this worker (some,
-    # like UniPC's sigmas, stay on the host on purpose); history tensors follow the latents.
-    scheduler.set_timesteps(num_inference_steps, device=device)
-    fresh = vars(scheduler)
-    for name, value in saved["attrs"].items():
-        ref = fresh.get(name)
-        fresh[name] = _copy_to(value, ref.device if isinstance(ref, torch.Tensor) else device)
-    return scheduler

@@ -103,6 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     (out / "ablation.json").write_text(json.dumps(report, indent=2))
     plot_ablation(table, f"GenServe ablation, simulated: {base.name}, {args.workers} workers, {args.profile}",
                   out / "ablation.png")
+    print(f"{'rate':>6} {'row':<12} {'overall':>8} {'image':>6} {'video':>6} {'img wait s':>10} "
+          f"{'dec p50 ms':>10} {'dec p99 ms':>10}")
+    for rate, rows in table.items():
+        for name, m in rows.items():
+            print(f"{rate:>6g} {name:<12} {m['slo_overall']:>8.0%} {m['slo_image']:>6.0%} {m['slo_video']:>6.0%} "
+                  f"{m['image_wait_mean_s']:>10.2f} {m['decision_ms_p50']:>10.3f} {m['decision_ms_p99']:>10.3f}")
     for rate, rows in table.items():
         full, fcfs = rows["+sp"], rows["fcfs"]
         ratio = full["slo_overall"] / fcfs["slo_overall"] if fcfs["slo_overall"] else float("inf")

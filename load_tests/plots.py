@@ -232,3 +232,20 @@ def plot_ablation(table: Mapping[float, Mapping[str, Mapping[str, float]]], titl
             wait.legend(loc="upper right", fontsize=8)
     fig.suptitle(title)
     fig.savefig(path, dpi=110)
+
+
+def plot_pause_resume(rows: Sequence[Mapping], title: str, path: Path) -> None:
+    """Pause, resume and the pickle round trip as % of one step, per video shape."""
+    fig = _figure(6.0, 3.8)
+    ax = fig.add_subplot(1, 1, 1)
+    labels = [f"{r['height']}x{r['width']}x{r['frames']}" for r in rows]
+    keys = (("pause_pct_of_step", "pause (export to host)"), ("resume_pct_of_step", "resume (import)"),
+            ("pickle_pct_of_step", "pickle round trip"))
+    width = 0.8 / len(keys)
+    for j, (key, label) in enumerate(keys):
+        ax.bar([k + (j - 1) * width for k in range(len(rows))], [r[key] for r in rows], width, label=label)
+    ax.set_xticks(range(len(rows)), labels)
+    ax.set_ylabel("% of one denoising step")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.savefig(path, dpi=110)

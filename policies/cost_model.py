@@ -680,13 +680,19 @@ def profile_path(name: str) -> Path:
     return Path(str(files("stepserve.configs") / "profiles" / f"{name}.csv"))
 
 
-def load_profile(name_or_path: str | os.PathLike) -> ProfiledCostModel:
-    """A path to a CSV, or the name of a shipped profile ("tiny-sd-cpu")."""
+def resolve_profile(name_or_path: str | os.PathLike) -> Path:
+    """A path to a CSV, or the name of a shipped profile ("tiny-sd-cpu"), as a path."""
     path = Path(name_or_path)
     if path.suffix == ".csv" or path.exists():
-        return ProfiledCostModel.from_csv(path)
+        return path
     shipped = profile_path(str(name_or_path))
     if not shipped.exists():
         known = sorted(p.stem for p in shipped.parent.glob("*.csv")) if shipped.parent.exists() else []
         raise FileNotFoundError(f"no profile {str(name_or_path)!r}; shipped: {known}")
-    return ProfiledCostModel.from_csv(shipped)
+    return shipped
+
+
+def load_profile(name_or_path: str | os.PathLike, *more: str | os.PathLike) -> ProfiledCostModel:
+    """One cost model from one or more profiles (names of shipped ones, or CSV paths): a
+    co-serving router needs its image and its video model's."""
+    return ProfiledCostModel.from_csv(*(resolve_profile(p) for p in (name_or_path, *more)))

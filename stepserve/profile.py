@@ -160,9 +160,9 @@ class Context:
     source: str  # "measured <date>"
 
     def row(self, component: str, latency_s: float, samples: int, height: int = 0, width: int = 0, rows: int = 1,
-            note: str = "") -> ProfileRow:
-        return ProfileRow(self.model, self.device, component, height, width, rows, 1, latency_s * 1e3, samples,
-                          f"{self.source}; {note}" if note else self.source)
+            note: str = "", frames: int = 1, sp_degree: int = 1) -> ProfileRow:
+        return ProfileRow(self.model, self.device, component, height, width, rows, frames, latency_s * 1e3, samples,
+                          f"{self.source}; {note}" if note else self.source, sp_degree)
 
 
 # -- the model's own work --------------------------------------------------------------------
@@ -528,6 +528,10 @@ def run_profile(args: argparse.Namespace) -> int:
         print(f"error: model {args.model!r} is not in {args.config}; it has {[m.name for m in app.models]}",
               file=sys.stderr)
         return 2
+    if model_config.is_video:  # frames and sequence parallelism: its own grid (profile_video.py)
+        from .profile_video import run_video_profile
+
+        return run_video_profile(args, app, model_config)
     device = resolve_device(args.device)
     out = Path(args.out) if args.out else CONFIGS / "profiles" / f"{model_config.name}-{device.split(':')[0]}.csv"
     grid = choose_grid(args, device)

@@ -175,11 +175,17 @@ class CoServeSimulation:
         now = self.events.now
         slo = entry.request.slo_s
         deadline = math.inf if slo is None else entry.request.offset_s + slo
+        # What follows the last step (decode, then the rest of the overhead), predicted from the
+        # profile as a live router would: the scheduler plans denoising to end that much earlier.
+        spec = entry.spec
+        tail = self._overhead(entry, 1 - self.config.submit_overhead_share)
         try:
             if entry.kind == "video":
-                self.core.submit_video(entry.spec, now, deadline)
+                tail += self.cost.decode_seconds(spec.model, spec.height, spec.width, spec.num_frames)
+                self.core.submit_video(spec, now, deadline, tail)
             else:
-                self.core.submit_image(entry.spec, now, deadline)
+                tail += self.cost.decode_seconds(spec.model, spec.height, spec.width)
+                self.core.submit_image(spec, now, deadline, tail)
         except QueueFullError:
             self._delay(self._overhead(entry, 1 - self.config.submit_overhead_share), self._complete, entry,
                         "rejected")

@@ -7,14 +7,18 @@ choice scores the same, so this step only keeps assignments stable from round to
 1. a running video keeps its own workers (a prefix of its group when it shrinks, its group
    plus new workers when it grows), so a KEEP really is a no-op for the router;
 2. an image batch goes to the worker where most of its members are already resident;
-3. videos that grow or start take the free workers in worker order (contiguous where they can,
-   as SP groups prefer);
-4. the remaining batches take what is left, in worker order.
+3. the other batches take workers that are free now (not inside a step, `RoundInput.busy`),
+   most urgent batch first: an image's whole SLO can be shorter than one video step, so it must
+   not wait for a busy worker's boundary while a free worker idles;
+4. videos that grow or start take the unclaimed workers, free ones first, each in worker order
+   (contiguous where they can, as SP groups prefer): a group starts when all its members are
+   free, so a busy member delays one step of a video, not a whole image;
+5. the remaining batches take what is left, in worker order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from stepserve.policies.genserve.candidates import VideoOptions
@@ -28,7 +32,8 @@ class Placement:
 
 
 def materialize(workers: Sequence[str], options: Sequence[VideoOptions], degrees: Sequence[int],
-                batches: Sequence[PlannedBatch], placed: Sequence[int]) -> Placement:
+                batches: Sequence[PlannedBatch], placed: Sequence[int],
+                busy: Collection[str] = frozenset()) -> Placement:
     if sum(degrees) + len(placed) > len(workers):
         raise ValueError(f"plan needs {sum(degrees) + len(placed)} workers, the round has {len(workers)}")
     position = {w: i for i, w in enumerate(workers)}
@@ -52,7 +57,14 @@ def materialize(workers: Sequence[str], options: Sequence[VideoOptions], degrees
             batch_worker[k] = home
             claimed.add(home)
 
-    pool = [w for w in workers if w not in claimed]
+    homeless = [k for k in placed if k not in batch_worker]  # `placed` is in priority order
+    free_now = [w for w in workers if w not in claimed and w not in busy]
+    for k, w in zip(homeless, free_now):
+        batch_worker[k] = w
+        claimed.add(w)
+
+    pool = [w for w in workers if w not in claimed and w not in busy] + \
+        [w for w in workers if w not in claimed and w in busy]
     taken = 0
     for j in range(len(options)):
         need = degrees[j] - len(groups[j])
@@ -60,7 +72,7 @@ def materialize(workers: Sequence[str], options: Sequence[VideoOptions], degrees
             groups[j].extend(pool[taken: taken + need])
             taken += need
 
-    rest = pool[taken:]
+    rest = sorted(pool[taken:], key=position.__getitem__)
     for k in placed:
         if k not in batch_worker:
             batch_worker[k] = rest.pop(0)

@@ -58,7 +58,7 @@ def decide_round(inp: RoundInput, config: GenServeConfig, costs: StepCosts) -> R
         for option, degree in zip(options, degrees):
             value = add(value, option.candidate(degree).value)  # type: ignore[union-attr]
 
-    placement = materialize(inp.workers, options, degrees, images.batches, placed)
+    placement = materialize(inp.workers, options, degrees, images.batches, placed, inp.busy)
 
     decided: dict[str, VideoDecision] = {}
     victims, downgraded = [], []

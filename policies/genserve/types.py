@@ -132,12 +132,20 @@ class RoundInput:
     workers: tuple[str, ...]  # G; order is the topology order new SP groups are cut from
     images: tuple[ImageRequest, ...] = ()  # I(t): queued and resident
     videos: tuple[VideoJob, ...] = ()  # V(t): queued, paused and running
+    # Workers still inside a step when the round is decided (an event-driven caller decides at
+    # every boundary, while other workers are mid-step). The solver treats every worker alike
+    # (a busy one joins the plan at its boundary, within one step), but new work is placed on
+    # free workers first, so a free worker is not left idle while an urgent image waits for a
+    # busy one (materialize.py).
+    busy: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         _real("RoundInput", "now", self.now, allow_inf=False)
         if len(set(self.workers)) != len(self.workers):
             raise ValueError(f"repeated worker id in {self.workers}")
         known = set(self.workers)
+        if not isinstance(self.busy, frozenset) or not self.busy <= known:
+            raise ValueError(f"busy must be a frozenset of known workers, got {self.busy!r}")
         ids = [i.request_id for i in self.images] + [v.job_id for v in self.videos]
         if len(set(ids)) != len(ids):
             raise ValueError("image and video ids must be unique within a round")

@@ -168,3 +168,43 @@ def test_unready_work_waits_and_bad_submissions_are_refused():
     assert isinstance(step, ImageStep) and step.request_ids == ("i",)
     with pytest.raises(ValueError, match="reported a VideoStep"):
         c.video_step_done("i", 0.1)
+
+
+def test_a_worker_decoding_a_video_is_out_of_the_round():
+    # v finishes on both workers; its decode takes w0 for a long time. An image arriving then
+    # must go to w1, and the plan must not count w0 (no SP-2 group that waits on the decode).
+    c = core()
+    submit(c, video("v", steps=1), deadline=100.0)
+    (step,) = c.schedule(0.0)
+    assert step.workers == ("w0", "w1")
+    assert c.video_step_done("v", 0.5) is True
+    submit(c, video("v2", steps=5), now=0.5, deadline=100.0)
+    submit(c, image("i"), now=0.5, deadline=10.0)
+    out = c.schedule(0.5)
+    decode = next(a for a in out if isinstance(a, VideoDecode))
+    assert decode.worker_id == "w0"
+    assert c.last_decision is not None and "w0" not in {w for v in c.last_decision.videos for w in v.workers}
+    assert all(b.worker_id != "w0" for b in c.last_decision.image_batches)
+    work = [a for a in out if not isinstance(a, VideoDecode)]
+    assert len(work) == 1 and "w0" not in getattr(work[0], "workers", (getattr(work[0], "worker_id", ""),))
+
+
+def test_the_scheduler_plans_denoising_to_end_before_the_tail():
+    # One worker; a video with 9 one-second steps left at t = 1 (done at 10) and deadline 12;
+    # an image (4 x 0.1 s) due at 1.8 that misses if it waits a round (0.5 s). Without a tail
+    # the video could pause a round and still finish by 10.5 <= 12, so it gives way. With a
+    # 1.8 s decode after its last step it must finish denoising by 10.2: pausing would make it
+    # miss, and it keeps the worker (it is the less slack of the two).
+    for tail, image_runs in ((0.0, True), (1.8, False)):
+        c = CoServeCore(["w0"], GenServeConfig(sp_degrees=(1,), round_s=0.5), Costs())
+        c.submit_video(video("v", steps=10), 0.0, 12.0, tail_s=tail)
+        c.mark_ready("v")
+        (step,) = c.schedule(0.0)
+        assert isinstance(step, VideoStep)
+        submit(c, image("i", steps=4), now=0.5, deadline=1.8)
+        c.video_step_done("v", 1.0)
+        out = c.schedule(1.0)
+        assert any(isinstance(a, ImageStep) for a in out) is image_runs
+        assert any(isinstance(a, VideoPause) for a in out) is image_runs
+    with pytest.raises(ValueError, match="tail_s"):
+        core().submit_image(image("x"), 0.0, 1.0, tail_s=-1.0)

@@ -60,3 +60,33 @@ def test_non_square_sizes(tiny_family, size):
     image = tiny_family.decode(_run(tiny_family, {0: [spec]})["r"])[0]
     assert image.shape == (h, w, 3)
     np.testing.assert_allclose(image, solo_pipeline_image(tiny_family, spec), atol=ATOL)
+
+
+@pytest.mark.parametrize("scheduler", [None, "DPMSolverMultistepScheduler", "EulerAncestralDiscreteScheduler"])
+def test_an_image_moved_between_workers_mid_way_equals_the_solo_pipeline(tiny_family, scheduler):
+    """The co-serving router moves a resident image to the worker its batch runs on: the state
+    (latents, scheduler history, generator position) crosses through host memory, pickled as
+    Ray would, and the result is the solo pipeline's."""
+    import pickle
+
+    import diffusers
+
+    family = tiny_family
+    original = family.pipe.scheduler
+    if scheduler is not None:  # multistep history and stochastic steps must survive the move too
+        family.pipe.scheduler = getattr(diffusers, scheduler).from_config(original.config)
+    try:
+        spec = make_spec("moved", steps=6, seed=7, guidance=7.5, negative="blurry")
+        first, second = StepRunner("w0", {"tiny-sd": family}), StepRunner("w1", {"tiny-sd": family})
+        admissions = {"moved": (spec, conditioning_for(family, spec))}
+        for k in range(3):
+            first.execute(WorkerPlan("w0", admit=("moved",) if k == 0 else (), groups=(("moved",),)), admissions)
+        second.import_state(pickle.loads(pickle.dumps(first.export("moved"))))
+        assert first.resident == () and second.resident == ("moved",)
+        finished = {}
+        while not finished:
+            _, finished = second.execute(WorkerPlan("w1", groups=(("moved",),)), {})
+        image = family.decode(finished["moved"])[0]
+        np.testing.assert_allclose(image, solo_pipeline_image(family, spec), atol=ATOL)
+    finally:
+        family.pipe.scheduler = original

@@ -14,20 +14,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="package")
-def live_app():
-    """configs/local.yaml served by a real local Ray + Serve, on a free port."""
+def serving(config: dict):
+    """Serve `config` (a Serve YAML as a dict) on a lean local Ray at a free port until the
+    generator is closed; yields (url, ingress handle)."""
     import ray
     from ray import serve
 
-    config = copy.deepcopy(load_serve_config(default_config_path()))
+    config = copy.deepcopy(config)
     port = free_port()
     config["http_options"] = {"host": "127.0.0.1", "port": port}
     start_local_ray(num_cpus=2)
     try:
         handle = run_app(config, http=True)
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 180
         while httpx.get(f"{url}/ready", timeout=10).status_code != 200:
             assert time.monotonic() < deadline, "app never became ready"
             time.sleep(0.5)
@@ -35,3 +35,9 @@ def live_app():
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+@pytest.fixture(scope="package")
+def live_app():
+    """configs/local.yaml served by a real local Ray + Serve, on a free port."""
+    yield from serving(load_serve_config(default_config_path()))

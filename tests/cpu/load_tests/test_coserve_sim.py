@@ -45,3 +45,13 @@ def test_the_full_policy_beats_fcfs_overall_and_for_images():
     fcfs, full = _run(FCFS), _run(GenServeConfig())
     assert _sar(full) > _sar(fcfs)
     assert _sar(full, "image") > _sar(fcfs, "image")
+
+
+def test_the_dp_does_not_pause_videos_into_misses():
+    # Regression: the scheduler used to plan against the end-to-end deadline, ignoring the
+    # seconds of VAE decode after a video's last step, so the DP saw slack that was not there,
+    # paused on-time videos for images and made them late (its video attainment fell below the
+    # greedy allocator's). The simulator now passes each request's tail with its deadline.
+    greedy = GenServeConfig(preemption=True, dp=False, elastic_sp=False)
+    dp = GenServeConfig(preemption=True, dp=True, elastic_sp=False)
+    assert _sar(_run(dp), "video") >= _sar(_run(greedy), "video")

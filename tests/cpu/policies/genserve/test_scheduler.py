@@ -273,3 +273,28 @@ def test_greedy_gives_spare_workers_to_the_least_slack_video_first():
     d = decide(RoundInput(0.0, ws, videos=(relaxed, pressed)), dataclasses.replace(GREEDY, sp_degrees=(1, 2, 4)))
     assert d.video("pressed").workers == ("w0", "w1", "w4", "w5")
     assert d.video("relaxed").action is VideoAction.KEEP
+
+
+# -- placement on a pool where some workers are mid-step --------------------------------------
+
+
+@pytest.mark.parametrize("config", [GenServeConfig(), GREEDY])
+def test_a_new_image_goes_to_a_free_worker_not_one_inside_a_step(config):
+    # w0 and w1 are inside other steps; the image must not queue behind w0's boundary while w2
+    # idles (the score is the same either way: only the placement changes).
+    busy = frozenset({"w0", "w1"})
+    inp = RoundInput(0.0, W4, images=(img("i", 5.0),), busy=busy)
+    d = decide(inp, config)
+    (batch,) = d.image_batches
+    assert batch.worker_id == "w2"
+    assert d.score == decide(RoundInput(0.0, W4, images=(img("i", 5.0),)), config).score
+
+
+def test_a_starting_video_takes_free_workers_first_and_images_get_free_ones_before_it():
+    # Two free workers (w1, w3): the urgent image takes one, the video's group the other plus
+    # a busy one (it starts at that worker's boundary, costing it a step, not the image its SLO).
+    inp = RoundInput(0.0, W4, images=(img("i", 1.0),), videos=(vid("v", 1000.0),),
+                     busy=frozenset({"w0", "w2"}))
+    d = decide(inp, GenServeConfig(sp_degrees=(1, 2)))
+    assert d.batch_on("w1") is not None
+    assert d.video("v").workers[0] == "w3" and len(d.video("v").workers) == 2

@@ -59,3 +59,12 @@ def test_round_rejects_inconsistent_snapshots():
         RoundInput(0.0, ws, images=(img("i", 1.0, worker="w7"),))
     with pytest.raises(ValueError, match="unique"):
         RoundInput(0.0, ws, images=(img("x", 1.0),), videos=(vid("x", 10.0),))
+
+
+def test_round_busy_workers_must_be_known():
+    ws = workers(2)
+    assert RoundInput(0.0, ws, busy=frozenset({"w1"})).busy == {"w1"}
+    with pytest.raises(ValueError, match="busy"):
+        RoundInput(0.0, ws, busy=frozenset({"w9"}))
+    with pytest.raises(ValueError, match="busy"):
+        RoundInput(0.0, ws, busy={"w1"})  # a plain set: mutable, and not hashable with the round
