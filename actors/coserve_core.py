@@ -147,6 +147,11 @@ class CoServeCore:
         self.decisions = 0
         self.last_decision: RoundDecision | None = None
 
+    def set_costs(self, costs: StepCosts) -> None:
+        """Predict from `costs` from the next decision on (the live router re-calibrates the
+        profile with what steps really take); the memo starts afresh."""
+        self.costs = costs if isinstance(costs, MemoizedCosts) else MemoizedCosts(costs)
+
     # ---- work in ----
 
     # `tail_s`: the predicted time from the request's last denoising step to its response (VAE

@@ -26,11 +26,12 @@ import ray
 
 from ..engine.families import ModelSource
 from ..policies.cost_model import load_profile
-from ..policies.genserve import GenServeConfig, ProfiledStepCosts
+from ..policies.genserve import GenServeConfig, ObservedOverheadCosts, ProfiledStepCosts
 from ..policies.types import RequestSpec, VideoSpec, WorkerPlan
 from .coserve_core import CoServeCore, ImageStep, JobStatus, VideoDecode, VideoPause, VideoStep
 from .metrics import RouterMetrics
 from .pool import WorkerPoolSpec, start_workers
+from .step_overhead import StepOverhead
 from .router import RequestFailedError
 
 logger = logging.getLogger("stepserve.coserve")
@@ -48,7 +49,9 @@ class CoServeRouter:
         self.workers = start_workers(pool, models, name)
         self.ranks = {wid: rank for rank, wid in enumerate(self.workers)}
         self.cost = load_profile(*profiles)
-        self.core = CoServeCore(tuple(self.workers), self.config, ProfiledStepCosts(self.cost), max_queue_len)
+        self.step_costs = ProfiledStepCosts(self.cost)
+        self.overhead = StepOverhead()
+        self.core = CoServeCore(tuple(self.workers), self.config, self.step_costs, max_queue_len)
         self.metrics = RouterMetrics()
         self._specs: dict[str, RequestSpec | VideoSpec] = {}
         self._embeds: dict[str, ray.ObjectRef] = {}
@@ -210,7 +213,13 @@ class CoServeRouter:
             worker.image_import.remote(self.workers[source].image_export.remote(rid))
         plan = WorkerPlan(step.worker_id, admit=step.admit, groups=(step.request_ids,))
         admissions = {rid: (self._specs[rid], self._embeds[rid]) for rid in step.admit}
+        started = time.monotonic()
         report, latents = await worker.execute.remote(plan, admissions)
+        if not step.admit and not step.moves:  # a plain step: what the profile predicts
+            spec = self._specs[step.request_ids[0]]
+            rows = sum(2 if self._specs[rid].uses_cfg else 1 for rid in step.request_ids)
+            predicted = self.step_costs.image_step_seconds(spec.model, spec.height, spec.width, rows)
+            self._calibrate("image", time.monotonic() - started, predicted)
         self.metrics.step_latency.labels(step.worker_id).observe(report.duration_s)
         self.metrics.batch_size.observe(report.batch_size)
         for rid, message in report.failed:
@@ -242,9 +251,21 @@ class CoServeRouter:
         if step.source != "resident" or not history:
             history.append(step.workers)
         ranks = tuple(self.ranks[w] for w in step.workers)
+        started = time.monotonic()
         progress = await asyncio.gather(*(w.video_step.remote(job, ranks) for w in members))
+        if step.source == "resident":
+            predicted = self.step_costs.video_step_seconds(spec.model, spec.height, spec.width, spec.num_frames,
+                                                           len(step.workers))
+            self._calibrate("video", time.monotonic() - started, predicted)
         self.metrics.step_latency.labels(step.workers[0]).observe(max(p.duration_s for p in progress))
         self.core.video_step_done(job, time.monotonic())
+
+    def _calibrate(self, kind: str, observed_s: float, predicted_s: float) -> None:
+        if self.overhead.observe(kind, observed_s, predicted_s):
+            image_extra, video_extra = self.overhead.apply()
+            self.core.set_costs(ObservedOverheadCosts(self.step_costs, image_extra, video_extra))
+            self.metrics.step_overhead.labels("image").set(image_extra)
+            self.metrics.step_overhead.labels("video").set(video_extra)
 
     def _export(self, job: str, group: tuple[str, ...]) -> ray.ObjectRef:
         """The video's state leaves `group` for host memory: one member exports, the rest drop."""

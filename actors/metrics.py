@@ -37,5 +37,11 @@ class RouterMetrics:
             registry=r,
         )
 
+        self.step_overhead = Gauge(
+            "stepserve_step_overhead_seconds",
+            "Co-serving router: what a step costs beyond its profile (round trip, worker queue), as the "
+            "scheduler now predicts it.", ["kind"], registry=r,
+        )
+
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -10,7 +10,7 @@ batches run where), so the router and the simulator call `decide_round` directly
 `costs` is anything with `image_step_seconds` and `video_step_seconds` (`StepCosts`).
 """
 
-from stepserve.policies.genserve.costs import MemoizedCosts, ProfiledStepCosts, StepCosts
+from stepserve.policies.genserve.costs import MemoizedCosts, ObservedOverheadCosts, ProfiledStepCosts, StepCosts
 from stepserve.policies.genserve.evaluate import check_decision, score_plan
 from stepserve.policies.genserve.scheduler import decide_round
 from stepserve.policies.genserve.types import (
@@ -31,6 +31,7 @@ __all__ = [
     "ImageBatch",
     "ImageRequest",
     "MemoizedCosts",
+    "ObservedOverheadCosts",
     "PlanScore",
     "ProfiledStepCosts",
     "RoundDecision",

@@ -92,3 +92,27 @@ class ProfiledStepCosts:
         if degree not in self._cost.sp_degrees(model):
             return math.inf
         return self._cost.video_step_seconds(model, height, width, frames, degree)
+
+
+class ObservedOverheadCosts:
+    """`StepCosts` plus a per-step overhead the live router observes on top of the profile.
+
+    A profile times the model on the worker; the co-serving router also pays, every step, the
+    round trip from its decision to the worker's report (one step per call, no pipelining), which
+    on a busy CPU host can exceed the forward itself. The router measures the difference and
+    hands it in here, so the scheduler's predictions (and with them its pause and wait choices)
+    match what a step really costs. Zero overheads give back the profile exactly.
+    """
+
+    def __init__(self, base: StepCosts, image_extra_s: float = 0.0, video_extra_s: float = 0.0) -> None:
+        if not (image_extra_s >= 0 and video_extra_s >= 0):
+            raise ValueError(f"overheads must be >= 0, got {image_extra_s!r}, {video_extra_s!r}")
+        self.base = base
+        self.image_extra_s = image_extra_s
+        self.video_extra_s = video_extra_s
+
+    def image_step_seconds(self, model: str, height: int, width: int, rows: int) -> float:
+        return self.base.image_step_seconds(model, height, width, rows) + self.image_extra_s
+
+    def video_step_seconds(self, model: str, height: int, width: int, frames: int, degree: int) -> float:
+        return self.base.video_step_seconds(model, height, width, frames, degree) + self.video_extra_s

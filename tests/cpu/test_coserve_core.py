@@ -208,3 +208,36 @@ def test_the_scheduler_plans_denoising_to_end_before_the_tail():
         assert any(isinstance(a, VideoPause) for a in out) is image_runs
     with pytest.raises(ValueError, match="tail_s"):
         core().submit_image(image("x"), 0.0, 1.0, tail_s=-1.0)
+
+
+def test_observed_overheads_recalibrate_the_scheduler_only_when_they_matter():
+    from stepserve.actors.step_overhead import StepOverhead
+    from stepserve.policies.genserve import ObservedOverheadCosts
+
+    overhead = StepOverhead(alpha=0.1)
+    assert overhead.observe("image", 0.150, 0.100)  # first sample: 50 ms more than the profile
+    assert overhead.apply() == (pytest.approx(0.05), 0.0)
+    assert not overhead.observe("image", 0.160, 0.100)  # 1 ms moved: not worth a new memo
+    # Faster than predicted counts as no overhead; enough such steps pull the estimate down.
+    moved = [overhead.observe("image", 0.090, 0.100) for _ in range(5)]
+    assert moved.index(True) >= 1 and overhead.estimate["image"] < 0.04
+    with pytest.raises(ValueError):
+        StepOverhead(alpha=0)
+
+    costs = ObservedOverheadCosts(Costs(), image_extra_s=0.05, video_extra_s=0.2)
+    assert costs.image_step_seconds("img", 64, 64, 2) == pytest.approx(0.15)
+    assert costs.video_step_seconds("vid", 64, 64, 9, 2) == pytest.approx(0.7)
+    with pytest.raises(ValueError):
+        ObservedOverheadCosts(Costs(), image_extra_s=-1)
+
+    # The core predicts from the new costs from its next decision on.
+    c = core(workers=1)
+    submit(c, video("v", steps=50), deadline=1000.0)
+    c.schedule(0.0)
+    c.video_step_done("v", 1.0)
+    c.schedule(1.0)
+    assert c.last_decision.video("v").predicted_finish == pytest.approx(1.0 + 49 * 1.0)
+    c.video_step_done("v", 2.0)
+    c.set_costs(ObservedOverheadCosts(Costs(), video_extra_s=0.5))
+    c.schedule(2.0)
+    assert c.last_decision.video("v").predicted_finish == pytest.approx(2.0 + 48 * 1.5)
