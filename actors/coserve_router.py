@@ -32,7 +32,7 @@ from .coserve_core import CoServeCore, ImageStep, JobStatus, VideoDecode, VideoP
 from .metrics import RouterMetrics
 from .pool import WorkerPoolSpec, start_workers
 from .step_overhead import StepOverhead
-from .router import RequestFailedError
+from .router import RequestFailedError, encode_texts
 
 logger = logging.getLogger("stepserve.coserve")
 
@@ -166,11 +166,8 @@ class CoServeRouter:
 
     async def _encode(self, spec: RequestSpec | VideoSpec) -> None:
         rid = spec.request_id
-        negative = spec.negative_prompt if spec.uses_cfg else None
         try:
-            response = self.text_encoder.encode.remote(spec.model, spec.prompt, negative)
-            ref = await response._to_object_ref()
-            await ref  # surface encoder errors here, before a worker depends on the ref
+            ref = await encode_texts(self.text_encoder, spec)
         except Exception as exc:
             self._failed(rid, f"text encoding failed: {exc}")
             return

@@ -37,6 +37,16 @@ class RequestCancelledError(RuntimeError):
     pass
 
 
+async def encode_texts(text_encoder: Any, spec: Any) -> ray.ObjectRef:
+    """Ask the text encoder for a request's (prompt, negative-or-None) embeddings; returns the
+    ref workers take, once the encoding has succeeded (its error is raised here, before a worker
+    depends on the ref). The negative prompt is encoded only under CFG."""
+    negative = spec.negative_prompt if spec.uses_cfg else None
+    ref = await text_encoder.encode.remote(spec.model, spec.prompt, negative)._to_object_ref()
+    await ref
+    return ref
+
+
 class Router:
     # Async so the replica reports healthy only once every worker has loaded its models (Serve
     # awaits async constructors); this class is only ever built as a Serve deployment.
@@ -128,11 +138,8 @@ class Router:
 
     async def _encode(self, spec: RequestSpec) -> None:
         rid = spec.request_id
-        negative = spec.negative_prompt if spec.uses_cfg else None
         try:
-            response = self.text_encoder.encode.remote(spec.model, spec.prompt, negative)
-            ref = await response._to_object_ref()
-            await ref  # surface encoder errors here, before a worker depends on the ref
+            ref = await encode_texts(self.text_encoder, spec)
         except asyncio.CancelledError:
             raise
         except Exception as exc:

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import re
 import secrets
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
 from ..policies.types import RequestSpec
-from .config import AppConfig, ModelConfig
+from .config import AppConfig, LimitsConfig, ModelConfig
 from .errors import APIError, invalid
 from .protocol import ImageGenerationRequest
 
@@ -57,6 +57,26 @@ def parse_size(size: str | None, model: ModelConfig, multiple: int = VAE_MULTIPL
     return width, height
 
 
+def check_prompts(req: Any, limits: LimitsConfig) -> None:
+    """The prompt is not blank, and neither it nor the negative prompt is over the limit."""
+    if not req.prompt.strip():
+        raise invalid("prompt", "prompt must not be empty")
+    for name, text in (("prompt", req.prompt), ("negative_prompt", req.negative_prompt or "")):
+        if len(text) > limits.max_prompt_chars:
+            raise invalid(name, f"{name} is longer than {limits.max_prompt_chars} characters")
+
+
+def sampling_settings(req: Any, model: ModelConfig, limits: LimitsConfig) -> tuple[int, float]:
+    """(num_inference_steps, guidance_scale): the request's or the model's defaults, in range."""
+    steps = model.default_steps if req.num_inference_steps is None else req.num_inference_steps
+    if not 1 <= steps <= model.max_steps:
+        raise invalid("num_inference_steps", f"num_inference_steps must be between 1 and {model.max_steps}")
+    guidance = model.default_guidance_scale if req.guidance_scale is None else req.guidance_scale
+    if not 0 <= guidance <= limits.max_guidance_scale:  # also rejects NaN
+        raise invalid("guidance_scale", f"guidance_scale must be between 0 and {limits.max_guidance_scale}")
+    return steps, guidance
+
+
 def to_specs(payload: object, config: AppConfig, request_id: str) -> list[RequestSpec]:
     req = parse_request(payload)
     limits = config.limits
@@ -72,19 +92,10 @@ def to_specs(payload: object, config: AppConfig, request_id: str) -> list[Reques
         raise invalid("model", f"{model.name} makes videos; use POST /v1/videos", code="unsupported_model")
     if req.response_format != "b64_json":
         raise invalid("response_format", "only response_format='b64_json' is supported")
-    if not req.prompt.strip():
-        raise invalid("prompt", "prompt must not be empty")
-    for name, text in (("prompt", req.prompt), ("negative_prompt", req.negative_prompt or "")):
-        if len(text) > limits.max_prompt_chars:
-            raise invalid(name, f"{name} is longer than {limits.max_prompt_chars} characters")
+    check_prompts(req, limits)
     if not 1 <= req.n <= limits.max_n:
         raise invalid("n", f"n must be between 1 and {limits.max_n}")
-    steps = model.default_steps if req.num_inference_steps is None else req.num_inference_steps
-    if not 1 <= steps <= model.max_steps:
-        raise invalid("num_inference_steps", f"num_inference_steps must be between 1 and {model.max_steps}")
-    guidance = model.default_guidance_scale if req.guidance_scale is None else req.guidance_scale
-    if not 0 <= guidance <= limits.max_guidance_scale:  # also rejects NaN
-        raise invalid("guidance_scale", f"guidance_scale must be between 0 and {limits.max_guidance_scale}")
+    steps, guidance = sampling_settings(req, model, limits)
     seed = secrets.randbelow(2**31) if req.seed is None else req.seed
     if not 0 <= seed <= MAX_SEED - req.n:
         raise invalid("seed", f"seed must be between 0 and {MAX_SEED - req.n}")

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ..engine.video_sampler import VideoSpec
 from .config import AppConfig, ModelConfig
 from .errors import APIError, invalid
-from .validation import MAX_SEED, parse_body, parse_size
+from .validation import MAX_SEED, check_prompts, parse_body, parse_size, sampling_settings
 
 VIDEO_ID = re.compile(r"^video_[0-9a-f]{32}$")
 
@@ -146,21 +146,12 @@ def to_video_spec(payload: object, config: AppConfig, video_id: str | None = Non
     grid = VIDEO_GRIDS[model.family]
     if req.input_reference is not None:
         raise invalid("input_reference", "input_reference (image-to-video) is not supported", code="unsupported_value")
-    if not req.prompt.strip():
-        raise invalid("prompt", "prompt must not be empty")
-    for name, text in (("prompt", req.prompt), ("negative_prompt", req.negative_prompt or "")):
-        if len(text) > limits.max_prompt_chars:
-            raise invalid(name, f"{name} is longer than {limits.max_prompt_chars} characters")
+    check_prompts(req, limits)
     fps = model.default_fps if req.fps is None else req.fps
     if not 1 <= fps <= model.max_fps:
         raise invalid("fps", f"fps must be between 1 and {model.max_fps}")
     num_frames = frame_count(req, model, grid, fps)
-    steps = model.default_steps if req.num_inference_steps is None else req.num_inference_steps
-    if not 1 <= steps <= model.max_steps:
-        raise invalid("num_inference_steps", f"num_inference_steps must be between 1 and {model.max_steps}")
-    guidance = model.default_guidance_scale if req.guidance_scale is None else req.guidance_scale
-    if not 0 <= guidance <= limits.max_guidance_scale:  # also rejects NaN
-        raise invalid("guidance_scale", f"guidance_scale must be between 0 and {limits.max_guidance_scale}")
+    steps, guidance = sampling_settings(req, model, limits)
     seed = secrets.randbelow(2**31) if req.seed is None else req.seed
     if not 0 <= seed <= MAX_SEED:
         raise invalid("seed", f"seed must be between 0 and {MAX_SEED}")

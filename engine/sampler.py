@@ -88,39 +88,50 @@ class RequestSampler(StepProgress):
         """Everything needed to continue this image on another worker, as copies on `device`
         (host memory by default): the co-serving router moves a queued-up image to whichever
         worker its batch runs on. Picklable; independent of this sampler afterwards."""
-        device = torch.device(device)
-        return {
-            "format": STATE_FORMAT,
-            "spec": self.spec,
-            "step_index": self.step_index,
-            "latents": copy_to(self.latents, device),
-            "context": copy_to(self.context, device),
-            "generator_state": self.generator.get_state(),
-            "scheduler": scheduler_state(self.scheduler, device, self.latents.device),
-        }
+        return export_state(self, device)
 
     @classmethod
     def from_state(cls, state: dict[str, Any], family: DiffusionFamily) -> "RequestSampler":
         """Rebuild a sampler from `state()` on `family`'s device; it continues exactly where the
         exported one stopped (same scheduler history, same generator position)."""
-        if state.get("format") != STATE_FORMAT:
-            raise ValueError(f"unsupported sampler state format {state.get('format')!r}")
         self = cls.__new__(cls)
-        spec = self.spec = state["spec"]
-        self.uses_cfg = spec.uses_cfg
-        self.guidance_scale = spec.guidance_scale
-        self.scheduler = restore_scheduler(state["scheduler"], family.device)
+        import_state(self, state, family)
+        self.uses_cfg = self.spec.uses_cfg
+        self.guidance_scale = self.spec.guidance_scale
         self.timesteps = self.scheduler.timesteps
-        self.generator = torch.Generator("cpu")
-        self.generator.set_state(state["generator_state"])
-        self.latents = copy_to(state["latents"], family.device)
-        self.context = state["context"].to(device=family.device, dtype=family.dtype, copy=True)
         self.step_kwargs = _extra_step_kwargs(self.scheduler, self.generator)
-        self.step_index = state["step_index"]
         return self
 
 
 STATE_FORMAT = 2  # 2: schedulers restore from their instance dict (no set_timesteps)
+
+
+def export_state(sampler: Any, device: str | torch.device) -> dict[str, Any]:
+    """What every sampler needs to continue elsewhere (image and video samplers add their own
+    fields): spec, step, latents, text context, generator position and scheduler, as copies."""
+    device = torch.device(device)
+    return {
+        "format": STATE_FORMAT,
+        "spec": sampler.spec,
+        "step_index": sampler.step_index,
+        "latents": copy_to(sampler.latents, device),
+        "context": copy_to(sampler.context, device),
+        "generator_state": sampler.generator.get_state(),
+        "scheduler": scheduler_state(sampler.scheduler, device, sampler.latents.device),
+    }
+
+
+def import_state(sampler: Any, state: dict[str, Any], family: Any) -> None:
+    """Set what `export_state` saved on a bare sampler (`cls.__new__`), on `family`'s device."""
+    if state.get("format") != STATE_FORMAT:
+        raise ValueError(f"unsupported sampler state format {state.get('format')!r}")
+    sampler.spec = state["spec"]
+    sampler.step_index = state["step_index"]
+    sampler.latents = copy_to(state["latents"], family.device)
+    sampler.context = state["context"].to(device=family.device, dtype=family.dtype, copy=True)
+    sampler.generator = torch.Generator("cpu")
+    sampler.generator.set_state(state["generator_state"])
+    sampler.scheduler = restore_scheduler(state["scheduler"], family.device)
 
 
 def scheduler_state(scheduler: Any, device: torch.device, home: torch.device) -> dict[str, Any]:

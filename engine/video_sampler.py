@@ -16,9 +16,8 @@ from typing import Any
 import torch
 
 from ..policies.types import VideoSpec  # noqa: F401  (re-exported: the engine's callers build specs here)
-from .sampler import Conditioning, StepProgress, copy_to, restore_scheduler, scheduler_state
+from .sampler import Conditioning, StepProgress, export_state, import_state
 
-STATE_FORMAT = 2  # 2: schedulers restore from their instance dict (no set_timesteps)
 
 
 class VideoSampler(StepProgress):
@@ -83,33 +82,15 @@ class VideoSampler(StepProgress):
     def state(self, device: str | torch.device = "cpu") -> dict[str, Any]:
         """Everything needed to continue this video, as copies on `device` (host memory by
         default). Picklable; independent of this sampler afterwards."""
-        device = torch.device(device)
-        return {
-            "format": STATE_FORMAT,
-            "spec": self.spec,
-            "shape": (self.height, self.width, self.num_frames),
-            "guidance_scale": self.guidance_scale,
-            "step_index": self.step_index,
-            "latents": copy_to(self.latents, device),
-            "context": copy_to(self.context, device),
-            "generator_state": self.generator.get_state(),
-            "scheduler": scheduler_state(self.scheduler, device, self.latents.device),
-        }
+        return {**export_state(self, device), "shape": (self.height, self.width, self.num_frames),
+                "guidance_scale": self.guidance_scale}
 
     @classmethod
     def from_state(cls, state: dict[str, Any], family: Any) -> "VideoSampler":
         """Rebuild a sampler from `state()` on `family`'s device (any worker, any SP degree)."""
-        if state.get("format") != STATE_FORMAT:
-            raise ValueError(f"unsupported video sampler state format {state.get('format')!r}")
         self = cls.__new__(cls)
-        self.spec = state["spec"]
+        import_state(self, state, family)
         self.device = family.device
         self.height, self.width, self.num_frames = state["shape"]
         self.guidance_scale = state["guidance_scale"]
-        self.step_index = state["step_index"]
-        self.latents = copy_to(state["latents"], family.device)
-        self.context = state["context"].to(device=family.device, dtype=family.dtype, copy=True)
-        self.generator = torch.Generator("cpu")
-        self.generator.set_state(state["generator_state"])
-        self.scheduler = restore_scheduler(state["scheduler"], family.device)
         return self

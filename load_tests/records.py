@@ -4,6 +4,7 @@ so one `metrics.summarize` serves both."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -40,3 +41,18 @@ class RequestRecord:
         if self.slo_s is None:
             return None
         return self.ok and self.latency_s is not None and self.latency_s <= self.slo_s
+
+
+def record_of(trace: Any) -> RequestRecord:
+    """The record of one simulated request, from a simulator trace (either simulator's): the
+    same fields a live run records, so one metrics implementation serves both."""
+    ok = trace.status == "finished"
+    return RequestRecord(
+        index=trace.index, steps=trace.steps, scheduled_s=trace.arrival_s, sent_s=trace.arrival_s,
+        latency_s=trace.latency_s if ok else None,
+        status=200 if ok else (429 if trace.status == "rejected" else None),
+        error=None if ok else trace.status,
+        slo_s=None if trace.deadline_s is None else trace.deadline_s - trace.arrival_s,
+        queue_wait_s=None if trace.admit_s is None or trace.submit_s is None else trace.admit_s - trace.submit_s,
+        width=trace.width, height=trace.height, request_class=trace.request_class,
+    )

@@ -40,7 +40,7 @@ from stepserve.policies.cost_model import ProfiledCostModel
 from stepserve.policies.genserve import GenServeConfig, ProfiledStepCosts
 from stepserve.policies.types import RequestSpec, VideoSpec
 
-from ..records import RequestRecord
+from ..records import RequestRecord, record_of
 from ..workload import ScheduledRequest
 from .events import EventQueue
 from .services import DecoderService, TextEncoderService, TextEncoderSpec
@@ -93,16 +93,7 @@ class CoServeTrace:
                 and self.completion_s is not None and self.completion_s <= self.deadline_s)
 
     def to_record(self) -> RequestRecord:
-        ok = self.status == "finished"
-        return RequestRecord(
-            index=self.index, steps=self.steps, scheduled_s=self.arrival_s, sent_s=self.arrival_s,
-            latency_s=self.latency_s if ok else None,
-            status=200 if ok else (429 if self.status == "rejected" else None),
-            error=None if ok else self.status,
-            slo_s=None if self.deadline_s is None else self.deadline_s - self.arrival_s,
-            queue_wait_s=None if self.admit_s is None or self.submit_s is None else self.admit_s - self.submit_s,
-            width=self.width, height=self.height, request_class=self.request_class,
-        )
+        return record_of(self)
 
 
 @dataclass(frozen=True)

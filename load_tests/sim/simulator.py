@@ -42,7 +42,7 @@ from stepserve.policies.cost_model import GroupShape
 from stepserve.policies.types import RequestSpec, RequestStatus, StepReport, WorkerPlan
 
 from ..metrics import Summary, summarize
-from ..records import RequestRecord
+from ..records import RequestRecord, record_of
 from ..workload import ScheduledRequest
 from .events import EventQueue
 from .host import SharedHost
@@ -113,16 +113,7 @@ class RequestTrace:
         return None if self.completion_s is None else self.completion_s - self.arrival_s
 
     def to_record(self) -> RequestRecord:
-        ok = self.status == "finished"
-        return RequestRecord(
-            index=self.index, steps=self.steps, scheduled_s=self.arrival_s, sent_s=self.arrival_s,
-            latency_s=self.latency_s if ok else None,
-            status=200 if ok else (429 if self.status == "rejected" else None),
-            error=None if ok else self.status,
-            slo_s=None if self.deadline_s is None else self.deadline_s - self.arrival_s,
-            queue_wait_s=None if self.admit_s is None or self.submit_s is None else self.admit_s - self.submit_s,
-            width=self.width, height=self.height, request_class=self.request_class,
-        )
+        return record_of(self)
 
 
 @dataclass(frozen=True)
