@@ -1,36 +1,50 @@
 """The denoiser worker: one per GPU (or N on CPU), holding denoisers and running plans.
 
-A plain class; `actors.pool` turns it into an addressable Ray actor. Latents never leave the
-worker until a request finishes; conditioning arrives as Ray object refs.
-
-Images run as plans (`execute`). Videos run one router call at a time (`video_*`), optionally
-sequence-parallel with other workers of the same `SPWorld`, and can be paused to host memory and
-resumed on another worker between steps.
+A plain class; `actors.pool` turns it into an addressable Ray actor. The router sends it one
+`WorkerPlan` per round (`execute`), images and videos alike; a video's forward may run
+sequence-parallel with other workers of the same `SPWorld`. Latents stay on the worker between
+steps: they leave only as an exported or checkpointed state (host memory, handed on as an
+object ref), a finished image's latents, or a finished video's frames.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
+from uuid import uuid4
 
 import numpy as np
 import ray
 import torch
 
-from ..engine.families import DENOISER, VAE, ModelSource, load_family
-from ..engine.sampler import Conditioning
-from ..engine.step_runner import StepRunner
-from ..engine.video_runner import VideoProgress, VideoRunner
-from ..engine.video_sampler import VideoSpec
-from ..policies.types import RequestSpec, StepReport, WorkerPlan
-from .sp_world import DEFAULT_TIMEOUT_S, SPWorld, backend_for, rendezvous_address
+from stepserve.actors.sp_world import DEFAULT_TIMEOUT_S, SPWorld, backend_for, rendezvous_address
+from stepserve.engine.families import DENOISER, VAE, ModelSource, family_class, load_family
+from stepserve.engine.sampler import Conditioning
+from stepserve.engine.step_runner import Admission, StepRunner
+from stepserve.policies.types import RequestFailure, RequestSpec, StepReport, WorkerPlan
 
-# Families whose models generate videos. A finished video decodes on the worker that holds it
-# (its latents are already there and decode is one call), so these also load their VAE here;
-# images decode in the VAE deployment.
-VIDEO_FAMILIES = frozenset({"wan"})
+# Errors that mean an input's producer (a worker, the text encoder, or the ref's owner) died:
+# the request is resumed from its last checkpoint, not failed.
+LOST = (
+    ray.exceptions.ObjectLostError,
+    ray.exceptions.OwnerDiedError,
+    ray.exceptions.ReferenceCountingAssertionError,
+    ray.exceptions.RayActorError,
+    ray.exceptions.WorkerCrashedError,
+    ray.exceptions.ObjectFetchTimedOutError,
+)
 
-Embeddings = tuple[np.ndarray, np.ndarray | None]  # (prompt [1, seq, dim], negative or None)
+
+@dataclass(frozen=True)
+class AdmissionRef:
+    """The router's admission bundle: the spec, and an object ref to either the text encoder's
+    (cond, uncond-or-None) numpy embeddings (`resume=False`) or a state another worker exported
+    (`resume=True`)."""
+
+    spec: RequestSpec
+    source: Any  # ray.ObjectRef
+    resume: bool = False
 
 
 def resolve_device(device: str) -> str:
@@ -40,7 +54,8 @@ def resolve_device(device: str) -> str:
 
 
 def worker_parts(source: ModelSource) -> set[str]:
-    return {DENOISER, VAE} if source.family in VIDEO_FAMILIES else {DENOISER}
+    """A family whose requests decode where they were denoised loads its VAE here too."""
+    return {DENOISER, VAE} if family_class(source.family).decode_on_worker else {DENOISER}
 
 
 class DenoiserWorker:
@@ -50,35 +65,53 @@ class DenoiserWorker:
             torch.set_num_threads(torch_threads)
         self.device = resolve_device(device)
         families = {m.name: load_family(m, worker_parts(m), self.device) for m in models}
-        videos = {m.name for m in models if m.family in VIDEO_FAMILIES}
-        self.runner = StepRunner(worker_id, {n: f for n, f in families.items() if n not in videos})
-        self.videos = VideoRunner(worker_id, {n: f for n, f in families.items() if n in videos})
+        # New on every process start: a restarted actor has lost every resident request.
+        self.incarnation = uuid4().hex
+        self.runner = StepRunner(worker_id, families, self.incarnation)
         self.sp_world: SPWorld | None = None
 
     def ready(self) -> str:
-        return self.runner.worker_id
+        """This process's incarnation (see `StepReport.incarnation`)."""
+        return self.incarnation
 
-    def execute(
-        self, plan: WorkerPlan, admissions: Mapping[str, tuple[RequestSpec, ray.ObjectRef]]
-    ) -> tuple[StepReport, dict[str, np.ndarray]]:
-        """Run one plan; `admissions` maps admitted ids to (spec, ref to (cond, uncond) arrays)."""
-        resolved = {}
-        if admissions:
-            embeds = ray.get([ref for _, ref in admissions.values()])
-            for (rid, (spec, _)), (cond, uncond) in zip(admissions.items(), embeds):
-                resolved[rid] = (spec, Conditioning(
-                    torch.from_numpy(cond), None if uncond is None else torch.from_numpy(uncond)
-                ))
-        report, finished = self.runner.execute(plan, resolved)
-        return report, {rid: latents.float().cpu().numpy() for rid, latents in finished.items()}
+    def execute(self, plan: WorkerPlan, admissions: tuple[AdmissionRef, ...] = ()) -> StepReport | tuple[Any, ...]:
+        """Run one plan. `admissions` has one `AdmissionRef` per id of `plan.admit`.
 
-    def image_export(self, request_id: str) -> dict[str, Any]:
-        """A resident image's state in host memory; it leaves this worker. Hand the ObjectRef
-        straight to another worker's `image_import`."""
-        return self.runner.export(request_id)
+        Returns the `StepReport` alone when `plan.outputs` is empty, else `(report, *payloads)`,
+        one payload per id of `plan.outputs` (call it with `num_returns=1 + len(plan.outputs)`).
+        """
+        resolved, unresolved = self._resolve(admissions)
+        report, payloads = self.runner.execute(plan, resolved, sp_group=self._sp_group)
+        if unresolved:  # the runner saw no admission for these; say why
+            failed = tuple(unresolved.get(f.request_id, f) for f in report.failed)
+            report = replace(report, failed=failed)
+        return (report, *payloads) if plan.outputs else report
 
-    def image_import(self, state: dict[str, Any]) -> None:
-        self.runner.import_state(state)
+    def _resolve(self, refs: tuple[AdmissionRef, ...]) -> tuple[dict[str, Admission], dict[str, RequestFailure]]:
+        """Every ref's value in one `ray.get`; if that fails, one by one, so a bad ref fails
+        only its own request."""
+        try:
+            values = ray.get([ref.source for ref in refs])
+        except Exception:
+            values = None
+        resolved: dict[str, Admission] = {}
+        unresolved: dict[str, RequestFailure] = {}
+        for i, ref in enumerate(refs):
+            rid = ref.spec.request_id
+            what = "state unavailable" if ref.resume else "text encoding failed"
+            try:
+                value = values[i] if values is not None else ray.get(ref.source)
+            except Exception as exc:
+                unresolved[rid] = RequestFailure(rid, f"{what}: {_reason(exc)}", lost=isinstance(exc, LOST))
+                continue
+            try:
+                if ref.resume:
+                    resolved[rid] = Admission(ref.spec, state=value)
+                else:
+                    resolved[rid] = Admission(ref.spec, conditioning=_conditioning(value))
+            except Exception as exc:
+                unresolved[rid] = RequestFailure(rid, f"admission failed: {_reason(exc)}", lost=False)
+        return resolved, unresolved
 
     # ---- sequence-parallel world --------------------------------------------------------
 
@@ -90,7 +123,8 @@ class DenoiserWorker:
                       timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         """Blocks until all ranks have joined: call it on every worker concurrently."""
         if self.sp_world is not None:
-            raise RuntimeError(f"worker {self.ready()} already joined an SP world as rank {self.sp_world.rank}")
+            raise RuntimeError(f"worker {self.runner.worker_id} already joined an SP world as rank "
+                               f"{self.sp_world.rank}")
         self.sp_world = SPWorld.join(addr, port, rank, world_size, backend_for(self.device), timeout_s)
 
     def leave_sp_world(self) -> None:
@@ -98,48 +132,26 @@ class DenoiserWorker:
             self.sp_world.close()
             self.sp_world = None
 
-    # ---- videos -------------------------------------------------------------------------
-
-    def video_start(self, spec: VideoSpec, embeds: Embeddings) -> VideoProgress:
-        """A new video. Pass the text encoder's ObjectRef itself as `embeds`: Ray resolves a
-        top-level ref on the worker, so the arrays go from the object store to the worker
-        without the router fetching them. For a video starting at SP degree d, start it on each
-        of the d workers (the same seed gives them the same state)."""
-        cond, uncond = embeds
-        # Copies: the arrays Ray hands over are read-only views of the object store, and a video
-        # keeps its context for its whole life (and exports it).
-        conditioning = Conditioning(torch.from_numpy(np.array(cond)),
-                                    None if uncond is None else torch.from_numpy(np.array(uncond)))
-        return self.videos.start(spec, conditioning)
-
-    def video_step(self, job_id: str, ranks: tuple[int, ...]) -> VideoProgress:
-        """One step of `job_id` over the SP group `ranks` (world ranks; a 1-tuple means this
-        worker alone, and needs no world). Every worker in `ranks` must get this call for the
-        same video at the same step."""
-        return self.videos.step(job_id, self._sp_group(tuple(ranks)))
-
-    def video_export(self, job_id: str) -> dict[str, Any]:
-        """Pause: the video's state in host memory; it leaves this worker (other SP members call
-        `video_drop`). Hand the returned ObjectRef straight to another worker's `video_import`.
-        `state["paused"]` is a `VideoProgress` with the export's seconds."""
-        return self.videos.export(job_id)
-
-    def video_import(self, state: dict[str, Any]) -> VideoProgress:
-        """Resume an exported video here, to be stepped at any SP degree; import it on every
-        member of the group it will run on. `duration_s` is the import's seconds."""
-        return self.videos.import_state(state)
-
-    def video_drop(self, job_id: str) -> None:
-        self.videos.drop(job_id)
-
-    def video_decode(self, job_id: str) -> np.ndarray:
-        """A finished video's frames, uint8 [F, H, W, 3]; the video leaves this worker (other SP
-        members call `video_drop`)."""
-        return self.videos.decode(job_id)
-
     def _sp_group(self, ranks: tuple[int, ...]) -> Any | None:
+        """The process group of `ranks` (world ranks); a 1-tuple is this worker alone and needs
+        no world."""
         if self.sp_world is None:
             if len(ranks) != 1:
-                raise RuntimeError(f"worker {self.ready()} has not joined an SP world; cannot run over ranks {ranks}")
+                raise RuntimeError(f"worker {self.runner.worker_id} has not joined an SP world; cannot run over "
+                                   f"ranks {ranks}")
             return None
         return self.sp_world.group(ranks)
+
+
+def _reason(exc: Exception) -> str:
+    # A task's own exception, not Ray's wrapper (whose text is the whole remote traceback).
+    cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) and exc.cause is not None else exc
+    return f"{type(cause).__name__}: {cause}"
+
+
+def _conditioning(embeds: tuple[np.ndarray, np.ndarray | None]) -> Conditioning:
+    cond, uncond = embeds
+    # Copies: arrays from the object store are read-only views of it, and a request keeps its
+    # context for its whole life (and exports it).
+    negative = None if uncond is None else torch.from_numpy(np.array(uncond))
+    return Conditioning(torch.from_numpy(np.array(cond)), negative)

@@ -12,36 +12,42 @@ class RouterMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.queue_length = Gauge("stepserve_queue_length", "Requests waiting for a worker.", registry=r)
+        self.queue_length = Gauge("stepserve_queue_length", "Requests waiting for a worker (queued or paused).",
+                                  ["kind"], registry=r)
         self.running = Gauge("stepserve_running_requests", "Requests resident on workers.", registry=r)
+        self.decoding = Gauge("stepserve_decoding_requests", "Denoised requests being decoded or stored.",
+                              registry=r)
         self.step_latency = Histogram(
-            "stepserve_step_latency_seconds", "Time to execute one worker round (all its groups).",
+            "stepserve_step_latency_seconds", "Time to execute one worker plan (all its groups).",
             ["worker"], buckets=STEP_BUCKETS, registry=r,
         )
         self.batch_size = Histogram(
-            "stepserve_batch_size", "Requests stepping together in one worker round.",
+            "stepserve_batch_size", "Requests stepping together in one worker plan.",
             buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32), registry=r,
         )
         self.plan_latency = Histogram(
-            "stepserve_plan_seconds", "Router decision time per worker round (snapshot + policy + checks).",
+            "stepserve_plan_seconds", "Router decision time per scheduling round (snapshot + policy + checks).",
             buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2), registry=r,
         )
-        self.requests = Counter(
-            "stepserve_requests", "Requests by final status.", ["status"], registry=r,
-        )
+        self.requests = Counter("stepserve_requests", "Requests by final status.", ["status"], registry=r)
         self.queue_wait = Histogram(
-            "stepserve_queue_wait_seconds", "Arrival to admission on a worker.", buckets=LATENCY_BUCKETS, registry=r,
+            "stepserve_queue_wait_seconds", "Arrival to first admission on a worker.", buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.denoise_latency = Histogram(
             "stepserve_denoise_latency_seconds", "Arrival to last denoising step.", buckets=LATENCY_BUCKETS,
             registry=r,
         )
-
         self.step_overhead = Gauge(
             "stepserve_step_overhead_seconds",
-            "Co-serving router: what a step costs beyond its profile (round trip, worker queue), as the "
-            "scheduler now predicts it.", ["kind"], registry=r,
+            "What a step costs beyond its profile (round trip, worker bookkeeping), as the scheduler now "
+            "predicts it.", ["kind"], registry=r,
         )
+        self.worker_restarts = Counter("stepserve_worker_restarts", "Denoiser workers lost and restarted.",
+                                       registry=r)
+        self.recoveries = Counter(
+            "stepserve_recoveries", "Requests that lost their state to a worker fault and resumed from their "
+            "last checkpoint.", registry=r)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

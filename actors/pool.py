@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 from typing import Sequence
 
 import ray
 
-from ..engine.families import ModelSource
-from .denoiser import DenoiserWorker
+from stepserve.actors.denoiser import DenoiserWorker
+from stepserve.engine.families import ModelSource
 
 
 @dataclass(frozen=True)
@@ -21,14 +22,23 @@ class WorkerPoolSpec:
     torch_threads: int | None = None
 
 
-def start_workers(spec: WorkerPoolSpec, models: Sequence[ModelSource], name_prefix: str) -> dict[str, ray.actor.ActorHandle]:
-    """Create the workers; each loads its models in its constructor (await `ready` to know)."""
+def start_workers(spec: WorkerPoolSpec, models: Sequence[ModelSource],
+                  name_prefix: str) -> tuple[dict[str, ray.actor.ActorHandle], dict[str, str]]:
+    """Create the workers; each loads its models in its constructor (await `ready` to know).
+    Returns their handles and their actor names, by worker id.
+
+    Each is a named actor, `<prefix>-w<i>-<token>`, so an operator can find it with `ray list
+    actors`; the token keeps a restarted router's workers apart from the ones its predecessor is
+    still tearing down."""
     remote_cls = ray.remote(DenoiserWorker)
-    workers = {}
+    token = uuid.uuid4().hex[:8]
+    workers, names = {}, {}
     for i in range(spec.num_workers):
         worker_id = f"{name_prefix}-w{i}"
+        names[worker_id] = f"{worker_id}-{token}"
         workers[worker_id] = remote_cls.options(
-            # A crashed worker comes back (reloading its models); the router fails what it held.
-            num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, max_restarts=-1, max_concurrency=1,
+            # A crashed worker comes back (reloading its models); the router resumes what it held.
+            name=names[worker_id], num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, max_restarts=-1,
+            max_concurrency=1,
         ).remote(worker_id, list(models), spec.device, spec.torch_threads)
-    return workers
+    return workers, names

@@ -1,10 +1,12 @@
-"""The router: a thin async shell around `RouterCore`.
+"""The router: a thin async shell around `RouterCore`, for images and videos under every policy.
 
-It owns the denoiser workers and runs one loop per worker: ask the core for a plan, send it,
-apply the report (schedule / execute / update). It asks the text encoder for embeddings while
-a request waits and hands only object refs to workers. A plain class: `build_app` deploys it
-as a single-replica Serve deployment, so Serve health-checks and restarts it, and the workers
-it owns share its fate.
+It owns the denoiser workers and runs one scheduling task (schedule / execute / update for the
+whole pool: the core decides and sends plans, the workers run them, their reports come back)
+and one report loop per worker (reports are applied in plan order). It asks the text encoder
+for embeddings while a request waits and hands workers only object refs; a denoised image's
+latents go by reference to the VAE decoder, a video's frames to the job store. A plain class:
+`build_app` deploys it as a single-replica Serve deployment, so Serve health-checks and
+restarts it; the workers it owns share its fate, the job store does not.
 """
 
 from __future__ import annotations
@@ -14,57 +16,77 @@ import logging
 import time
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import ray
 
-from ..engine.families import ModelSource
-from ..policies import make_policy
-from ..policies.types import RequestSpec, RequestStatus, StepReport
-from .metrics import RouterMetrics
-from .pool import WorkerPoolSpec, start_workers
-from .router_core import RouterCore, WorkerSlot
+from stepserve.actors.denoiser import AdmissionRef
+from stepserve.actors.metrics import RouterMetrics
+from stepserve.actors.pool import WorkerPoolSpec, start_workers
+from stepserve.actors.router_core import Admission, CoreConfig, Outcome, RouterCore, WorkerSlot
+from stepserve.engine.families import ModelSource, family_class
+from stepserve.policies import make_policy, needs_costs
+from stepserve.policies.admission import LoadReport
+from stepserve.policies.cost_model import load_profile
+from stepserve.policies.types import RequestKind, RequestSpec, RequestStatus, WorkerPlan
 
 logger = logging.getLogger("stepserve.router")
 
+DECODE_ATTEMPTS = 3  # a decoder replica may die under a request; its latents are still here
+LOAD_POLL_TIMEOUT_S = 5.0  # an idle long poll costs one small call this often; shutdown waits for it
+
 
 class RequestFailedError(RuntimeError):
-    """A request could not be completed (worker crash, encoder error, step failure)."""
+    """A request could not be completed; the message is safe to log, not to show a client."""
 
 
 class RequestCancelledError(RuntimeError):
     pass
 
 
-async def encode_texts(text_encoder: Any, spec: Any) -> ray.ObjectRef:
-    """Ask the text encoder for a request's (prompt, negative-or-None) embeddings; returns the
-    ref workers take, once the encoding has succeeded (its error is raised here, before a worker
-    depends on the ref). The negative prompt is encoded only under CFG."""
-    negative = spec.negative_prompt if spec.uses_cfg else None
-    ref = await text_encoder.encode.remote(spec.model, spec.prompt, negative)._to_object_ref()
-    await ref
-    return ref
+@dataclass(frozen=True)
+class RouterSpec:
+    """What `build_app` hands the router (plain values from `RouterConfig`)."""
+
+    policy: str
+    policy_options: dict[str, Any]
+    profiles: tuple[str, ...]
+    core: CoreConfig
 
 
 class Router:
     # Async so the replica reports healthy only once every worker has loaded its models (Serve
-    # awaits async constructors); this class is only ever built as a Serve deployment.
-    async def __init__(self, models: Sequence[ModelSource], pool: WorkerPoolSpec, policy: str,
-                 policy_options: dict[str, Any], max_queue_len: int, text_encoder: Any, pipeline_depth: int = 2,
-                 name: str = "stepserve"):
-        self.text_encoder = text_encoder
-        self.pipeline_depth = pipeline_depth
-        self.workers = start_workers(pool, models, name)
-        slots = [WorkerSlot(wid, pool.max_batch_size) for wid in self.workers]
-        self.core = RouterCore(make_policy(policy, policy_options), slots, max_queue_len)
+    # awaits async constructors); this class is only ever built as a Serve deployment. Every
+    # public method is async too: Serve runs sync methods in a thread pool, and the core must
+    # only ever be touched from the event loop.
+    async def __init__(self, models: Sequence[ModelSource], pool: WorkerPoolSpec, spec: RouterSpec,
+                       text_encoder: Any, decoder: Any, store: Any, name: str = "stepserve"):
+        self.text_encoder, self.decoder, self.store = text_encoder, decoder, store
+        self.workers, self._actor_names = start_workers(pool, models, name)
+        costs = load_profile(*spec.profiles) if spec.profiles else None
+        policy = make_policy(spec.policy, spec.policy_options, costs if needs_costs(spec.policy) else None)
+        slots = [WorkerSlot(wid, pool.max_batch_size, rank) for rank, wid in enumerate(self.workers)]
+        self.core = RouterCore(policy, slots, spec.core, costs)
+        self.costs = costs
         self.metrics = RouterMetrics()
-        self._specs: dict[str, RequestSpec] = {}
-        self._embeds: dict[str, ray.ObjectRef] = {}
-        self._results: dict[str, asyncio.Future] = {}
-        self._wake: dict[str, asyncio.Event] = {}
-        self._loops: list[asyncio.Task] = []
+        self._waiters: dict[str, asyncio.Future] = {}  # image id -> its PNG bytes
+        self._callers: dict[str, int] = {}  # image id -> calls waiting for it (idempotent retries join)
+        self._reports: dict[str, deque[ray.ObjectRef]] = {wid: deque() for wid in self.workers}
+        self._report_ready = {wid: asyncio.Event() for wid in self.workers}
+        self._kick = asyncio.Event()
+        self._load_changed = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+        # A world of process groups only when some model can split a forward over workers.
+        self._uses_world = len(self.workers) > 1 and any(family_class(m.family).sequence_parallel for m in models)
         await self.ready()
+        # Jobs an earlier router accepted and never finished are gone with its workers: say so,
+        # rather than let them poll as queued forever. Finished ones are safe in the store.
+        await self.store.fail_unfinished.remote("the job was interrupted by a router restart; create it again")
+        if self._uses_world:
+            await self._join_world()
+        self._loops = [asyncio.create_task(self._schedule_loop(), name="schedule")]
+        self._loops += [asyncio.create_task(self._report_loop(wid), name=f"reports-{wid}") for wid in self.workers]
 
     # -- public methods (called through a DeploymentHandle) ------------------------------
 
@@ -73,170 +95,311 @@ class Router:
         await asyncio.gather(*(w.ready.remote() for w in self.workers.values()))
         return True
 
-    async def submit(self, spec: RequestSpec) -> np.ndarray:
-        """Queue a request and return its final latents [1, C, h, w] when denoising ends."""
-        self._start_loops()
-        self.core.submit(spec, time.monotonic())  # QueueFullError / DuplicateRequestError go to the caller
+    async def submit(self, spec: RequestSpec) -> bytes:
+        """Queue an image and return its PNG once decoded. Submitting an id that is live with the
+        same spec joins it (an idempotent retry); with another spec it is a duplicate."""
         rid = spec.request_id
-        self._specs[rid] = spec
-        self._results[rid] = asyncio.get_running_loop().create_future()
-        self._update_gauges()
-        encoding = asyncio.create_task(self._encode(spec))
+        waiter = self._waiters.get(rid)
+        if waiter is None or self.core.spec(rid) != spec:
+            self._submit(spec)  # a live id with another spec raises DuplicateRequestError here
+            waiter = self._waiters[rid] = asyncio.get_running_loop().create_future()
+            self._callers[rid] = 0
+        self._callers[rid] += 1
         try:
-            return await self._results[rid]
-        except asyncio.CancelledError:  # the caller went away: free the slot at the next step
-            self.cancel(rid)
+            return await asyncio.shield(waiter)
+        except asyncio.CancelledError:
+            # This caller went away; once nobody waits, free its worker at the next step.
+            self._callers[rid] -= 1
+            if self._waiters.get(rid) is waiter and not waiter.done() and not self._callers[rid]:
+                self._cancel(rid)
             raise
         finally:
-            encoding.cancel()
-            self._specs.pop(rid, None)
-            self._embeds.pop(rid, None)
-            self._results.pop(rid, None)
-            if self.core.state(rid).status.is_terminal:
-                self.core.forget(rid)
+            if waiter.done() and self._waiters.get(rid) is not waiter:
+                self._callers.pop(rid, None)
 
-    def cancel(self, request_id: str) -> bool:
-        cancelled = self.core.cancel(request_id, time.monotonic())
-        if cancelled:
-            self.metrics.requests.labels("cancelled").inc()
-            self._fail(request_id, RequestCancelledError(f"request {request_id} was cancelled"))
-            self._wake_all()
+    async def submit_video(self, spec: RequestSpec) -> None:
+        """Queue a video job (its record is already in the job store); returns once queued."""
+        self._submit(spec)
+
+    async def cancel(self, request_id: str) -> bool:
+        """Cancel a live request; it leaves its worker at the next step boundary. A video's job
+        record says so before this returns."""
+        cancelled, recording = self._cancel(request_id)
+        if recording is not None:
+            await recording
         return cancelled
 
-    def progress(self, request_id: str) -> dict[str, Any] | None:
+    def _cancel(self, request_id: str) -> tuple[bool, asyncio.Task | None]:
+        """Whether something live was cancelled, and the task recording a video's outcome."""
+        try:
+            kind = self.core.spec(request_id).kind
+        except KeyError:
+            return False, None
+        if not self.core.cancel(request_id, time.monotonic()):
+            return False, None
+        self.metrics.requests.labels("cancelled").inc()
+        self._kick.set()
+        return True, self._ended(request_id, kind, RequestCancelledError(f"request {request_id} was cancelled"),
+                                 "cancelled")
+
+    async def progress(self, request_id: str) -> dict[str, Any] | None:
         try:
             state = self.core.state(request_id)
         except KeyError:
             return None
-        return {"status": state.status.value, "steps_done": state.steps_done, "steps_total": state.steps_total}
+        return {"status": state.status.value, "steps_done": state.steps_done, "steps_total": state.steps_total,
+                "workers": list(state.workers), "sp_degree": len(state.workers), "pauses": state.pauses,
+                "recoveries": state.recoveries, "degrees": list(state.degrees)}
 
-    def stats(self) -> dict[str, int]:
-        return {"queue_length": self.core.queue_length, "running": self.core.num_running,
-                "workers": len(self.workers)}
+    async def load(self, version: int = -1, timeout_s: float = LOAD_POLL_TIMEOUT_S) -> LoadReport:
+        """The router's load for admission at the edge; a long poll: returns at once when it
+        changed since `version`, else when it changes or after `timeout_s`."""
+        if self.core.load_version == version:
+            self._load_changed.clear()
+            try:
+                await asyncio.wait_for(self._load_changed.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+        return self.core.load()
 
-    def metrics_text(self) -> bytes:
+    async def worker_actor_names(self) -> dict[str, str]:
+        """Worker id -> its Ray actor name (for operators: `ray list actors`, `ray.get_actor`)."""
+        return dict(self._actor_names)
+
+    async def readiness(self) -> dict[str, int]:
+        return {"workers": len(self.workers), "live_workers": self.core.live_workers,
+                "queued": self.core.queue_length(), "running": self.core.count(RequestStatus.RUNNING)}
+
+    async def metrics_text(self) -> bytes:
         return self.metrics.exposition()
 
     def check_health(self) -> None:
-        """Serve's health hook: a dead worker loop means the replica must be replaced."""
+        """Serve's health hook: a dead loop means the replica must be replaced."""
         for task in self._loops:
             if task.done() and not task.cancelled() and task.exception() is not None:
-                raise RuntimeError(f"worker loop died: {task.exception()!r}")
+                raise RuntimeError(f"router loop {task.get_name()} died: {task.exception()!r}")
 
-    # -- internals -------------------------------------------------------------------------
+    # -- requests --------------------------------------------------------------------------
 
-    def _start_loops(self) -> None:
-        if self._loops:
-            return
-        for wid in self.workers:
-            self._wake[wid] = asyncio.Event()
-            self._loops.append(asyncio.create_task(self._worker_loop(wid), name=f"loop-{wid}"))
+    def _submit(self, spec: RequestSpec) -> None:
+        self.core.submit(spec, time.monotonic(), self._tail_s(spec))  # QueueFull/Duplicate go to the caller
+        self._spawn(self._encode(spec))
+        self._published()
 
-    def _wake_all(self) -> None:
-        for event in self._wake.values():
-            event.set()
+    def _tail_s(self, spec: RequestSpec) -> float:
+        """What follows the last step, as the profile predicts it (decode, encoding)."""
+        if self.costs is None:
+            return 0.0
+        try:
+            return self.costs.decode_seconds(spec.model, spec.height, spec.width, spec.num_frames)
+        except LookupError:
+            return 0.0
 
     async def _encode(self, spec: RequestSpec) -> None:
-        rid = spec.request_id
+        """Ask for the embeddings; the request is ready once they exist. They are never fetched
+        here: the worker that admits the request reads them (and a failed encoding fails the
+        request there, on its own)."""
+        negative = spec.negative_prompt if spec.uses_cfg else None
         try:
-            ref = await encode_texts(self.text_encoder, spec)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            self._finish_failed([rid], f"text encoding failed: {exc}")
+            response = self.text_encoder.encode.remote(spec.model, spec.prompt, negative)
+            ref = await response._to_object_ref()
+            await ref._ready()
+        except Exception:
+            logger.exception("text encoding of %s could not be requested", spec.request_id)
+            self._fail(spec.request_id, "text encoder unavailable")
             return
-        self._embeds[rid] = ref
-        self.core.mark_ready(rid)
-        self._wake_all()
+        self.core.mark_ready(spec.request_id, ref)
+        self._kick.set()
 
-    async def _worker_loop(self, wid: str) -> None:
-        """Keep up to `pipeline_depth` plans queued at the worker.
+    # -- the scheduling task -------------------------------------------------------------------
 
-        A plan's outcome is known in advance (every listed request advances one step), so the
-        next plan can be made and sent while the current one runs: the worker never idles for a
-        round trip. Ray runs one caller's calls to an actor in order; requests that finished in
-        an earlier plan are simply skipped by the worker. The price: a newcomer may join one
-        step later than with depth 1.
-        """
-        worker, wake = self.workers[wid], self._wake[wid]
-        in_flight: deque[ray.ObjectRef] = deque()
+    async def _schedule_loop(self) -> None:
+        timeout: float | None = None
         while True:
-            plan = None
-            if len(in_flight) < self.pipeline_depth:
-                plan = self._next_plan(wid)
-                if not plan.is_empty:
-                    admissions = {rid: (self._specs[rid], self._embeds[rid]) for rid in plan.admit}
-                    in_flight.append(worker.execute.remote(plan, admissions))
-                    continue
-            if in_flight:
-                try:
-                    report, latents = await in_flight.popleft()
-                except ray.exceptions.RayActorError as exc:
-                    logger.error("worker %s died: %s", wid, exc)
-                    in_flight.clear()
-                    self._finish_failed(self.core.worker_failed(wid, f"worker {wid} died", time.monotonic()), None)
-                    await self._await_restart(worker)
-                    continue
-                self._apply(report, latents)
-                continue
-            wake.clear()
-            timeout = None if plan.wake_at is None else max(0.0, plan.wake_at - time.monotonic())
             try:
-                await asyncio.wait_for(wake.wait(), timeout)
+                await asyncio.wait_for(self._kick.wait(), timeout)
             except asyncio.TimeoutError:
                 pass
+            self._kick.clear()
+            started = time.perf_counter()
+            now = time.monotonic()
+            decision = self.core.schedule(now, self._send)
+            self.metrics.plan_latency.observe(time.perf_counter() - started)
+            timeout = None if decision.wake_at is None else max(0.0, decision.wake_at - time.monotonic())
+            if decision.plans:
+                self._published()
 
-    def _next_plan(self, wid: str):
-        start = time.perf_counter()
-        now = time.monotonic()
-        plan = self.core.next_plan(wid, now)
-        self.metrics.plan_latency.observe(time.perf_counter() - start)
+    def _send(self, plan: WorkerPlan, admissions: tuple[Admission, ...]) -> list[ray.ObjectRef]:
+        """Dispatch one plan; returns refs to what it will return (owned here, so they outlive
+        the worker). Ray runs one caller's calls to an actor in order."""
+        refs = [AdmissionRef(a.spec, a.source, a.resume) for a in admissions]
         for rid in plan.admit:
-            self.metrics.queue_wait.observe(now - self.core.state(rid).arrival_time)
-        if plan.admit:
-            self._update_gauges()
-        return plan
+            state = self.core.state(rid)
+            if state.admit_time is None:
+                self.metrics.queue_wait.observe(time.monotonic() - state.arrival_time)
+        returns = self.workers[plan.worker_id].execute.options(num_returns=1 + len(plan.outputs)).remote(plan, refs)
+        if not plan.outputs:
+            returns = [returns]
+        self._reports[plan.worker_id].append(returns[0])
+        self._report_ready[plan.worker_id].set()
+        return list(returns[1:])
 
-    async def _await_restart(self, worker) -> None:
+    # -- reports ---------------------------------------------------------------------------
+
+    async def _report_loop(self, wid: str) -> None:
+        worker, queue, ready = self.workers[wid], self._reports[wid], self._report_ready[wid]
+        while True:
+            if not queue:
+                ready.clear()
+                await ready.wait()
+                continue
+            try:
+                report = await queue[0]
+            except Exception as exc:
+                if not isinstance(exc, ray.exceptions.RayActorError):
+                    # The worker raised out of a plan (a bug: it isolates request failures):
+                    # its state is suspect, so it restarts clean and what it held resumes.
+                    logger.exception("worker %s failed a plan; restarting it", wid)
+                    ray.kill(worker, no_restart=False)
+                logger.error("worker %s died: %s", wid, exc)
+                queue.clear()
+                self.metrics.worker_restarts.inc()
+                self._handle(self.core.worker_lost(wid, time.monotonic()))
+                if self._uses_world:
+                    self.core.set_sp_available(False)
+                self._kick.set()
+                incarnation = await self._await_restart(worker)
+                self.core.worker_back(wid, incarnation)
+                self._spawn(self._rebuild_world())
+                self._kick.set()
+                continue
+            queue.popleft()
+            now = time.monotonic()
+            self.metrics.step_latency.labels(wid).observe(report.duration_s)
+            if report.batch_size:
+                self.metrics.batch_size.observe(report.batch_size)
+            self._handle(self.core.apply(report, now))
+            self._kick.set()
+
+    def _handle(self, outcome: Outcome) -> None:
+        for rid, handle in outcome.denoised:
+            self.metrics.denoise_latency.observe(time.monotonic() - self.core.state(rid).arrival_time)
+            spec = self.core.spec(rid)
+            self._spawn(self._store_video(spec, handle) if spec.is_video else self._decode_image(spec, handle))
+        for rid in outcome.failed:
+            state = self.core.state(rid)
+            self.metrics.requests.labels("failed").inc()
+            logger.warning("request %s failed: %s", rid, state.error)
+            self._ended(rid, state.kind, RequestFailedError(state.error or "request failed"), "failed")
+        for rid in outcome.recovered:
+            self.metrics.recoveries.inc()
+            logger.info("request %s lost its state to a worker fault; it resumes from its last checkpoint", rid)
+        if outcome.denoised or outcome.failed or outcome.recovered:
+            self._published()
+
+    async def _decode_image(self, spec: RequestSpec, latents: ray.ObjectRef) -> None:
+        rid = spec.request_id
+        for attempt in range(1, DECODE_ATTEMPTS + 1):
+            try:
+                png = await self.decoder.decode_png.remote(spec.model, latents)
+                break
+            except Exception:
+                logger.exception("decoding %s failed (attempt %d of %d)", rid, attempt, DECODE_ATTEMPTS)
+        else:
+            self._fail(rid, "decoding failed")
+            return
+        if self.core.complete(rid, time.monotonic()):
+            self.metrics.requests.labels("finished").inc()
+            waiter = self._waiters.pop(rid, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(png)
+            self.core.forget(rid)
+        self._published()
+        self._kick.set()
+
+    async def _store_video(self, spec: RequestSpec, frames: ray.ObjectRef) -> None:
+        rid = spec.request_id
+        state = self.core.state(rid)
+        try:
+            stored = await self.store.complete.remote(rid, frames, state.pauses, state.degrees)
+        except Exception:
+            logger.exception("storing video %s failed", rid)
+            stored = False
+        if stored and self.core.complete(rid, time.monotonic()):
+            self.metrics.requests.labels("finished").inc()
+        elif not stored:
+            self._fail(rid, "the finished video could not be stored")
+        if self.core.state(rid).status.is_terminal:
+            self.core.forget(rid)
+        self._published()
+        self._kick.set()
+
+    def _fail(self, rid: str, message: str) -> None:
+        try:
+            kind = self.core.spec(rid).kind
+        except KeyError:
+            return
+        if self.core.fail(rid, message, time.monotonic()):
+            self.metrics.requests.labels("failed").inc()
+            self._ended(rid, kind, RequestFailedError(message), "failed")
+            self._kick.set()
+
+    def _ended(self, rid: str, kind: RequestKind, exc: Exception, status: str) -> asyncio.Task | None:
+        """Tell whoever waits for a request that ended early. For a video, returns the running
+        task that records its outcome in the job store (await it to know it is recorded)."""
+        self.core.forget(rid)
+        if kind is RequestKind.T2V:
+            error = None if status == "cancelled" else {"code": "generation_failed", "message": "video generation failed"}
+            return self._spawn(self._set_job_status(rid, status, error))
+        waiter = self._waiters.pop(rid, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(exc)
+        return None
+
+    async def _set_job_status(self, rid: str, status: str, error: dict[str, str] | None) -> None:
+        try:
+            await self.store.set_status.remote(rid, status, error)
+        except Exception:
+            logger.exception("could not record video %s as %s in the job store", rid, status)
+
+    # -- faults and the SP world -----------------------------------------------------------
+
+    async def _await_restart(self, worker: Any) -> str:
         while True:
             try:
-                await worker.ready.remote()
-                return
+                return await worker.ready.remote()
             except ray.exceptions.RayActorError:
                 await asyncio.sleep(1.0)
 
-    def _apply(self, report: StepReport, latents: dict[str, np.ndarray]) -> None:
-        now = time.monotonic()
-        self.metrics.step_latency.labels(report.worker_id).observe(report.duration_s)
-        if report.batch_size:
-            self.metrics.batch_size.observe(report.batch_size)
-        for rid in self.core.apply(report, now):
-            state = self.core.state(rid)
-            future = self._results.get(rid)
-            if state.status is RequestStatus.FINISHED:
-                self.metrics.requests.labels("finished").inc()
-                self.metrics.denoise_latency.observe(now - state.arrival_time)
-                if future is not None and not future.done():
-                    future.set_result(latents[rid])
-            else:
-                self.metrics.requests.labels("failed").inc()
-                self._fail(rid, RequestFailedError(state.error or "request failed"))
-        self._update_gauges()
+    async def _join_world(self) -> None:
+        first = next(iter(self.workers.values()))
+        addr, port = await first.sp_rendezvous_address.remote()
+        await asyncio.gather(*(w.join_sp_world.remote(addr, port, rank, len(self.workers))
+                               for rank, w in enumerate(self.workers.values())))
 
-    def _finish_failed(self, request_ids: list[str], message: str | None) -> None:
-        """Fail requests; with a message they are still live in the core and end here."""
-        for rid in request_ids:
-            if message is not None and not self.core.fail(rid, message, time.monotonic()):
-                continue
-            self.metrics.requests.labels("failed").inc()
-            self._fail(rid, RequestFailedError(self.core.state(rid).error or "request failed"))
-        self._wake_all()
+    async def _rebuild_world(self) -> None:
+        """After a worker restart: once no SP step is in flight and every worker is back, all
+        leave the old world and join a new one (a world's size is fixed)."""
+        if not self._uses_world:
+            return
+        while self.core.sp_in_use or self.core.live_workers < len(self.workers):
+            await asyncio.sleep(0.2)
+        await asyncio.gather(*(w.leave_sp_world.remote() for w in self.workers.values()))
+        await self._join_world()
+        self.core.set_sp_available(True)
+        self._kick.set()
 
-    def _fail(self, request_id: str, exc: Exception) -> None:
-        future = self._results.get(request_id)
-        if future is not None and not future.done():
-            future.set_exception(exc)
+    # -- plumbing --------------------------------------------------------------------------
 
-    def _update_gauges(self) -> None:
-        self.metrics.queue_length.set(self.core.queue_length)
-        self.metrics.running.set(self.core.num_running)
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _published(self) -> None:
+        self._load_changed.set()
+        self.metrics.queue_length.labels("image").set(self.core.queue_length(RequestKind.T2I))
+        self.metrics.queue_length.labels("video").set(self.core.queue_length(RequestKind.T2V))
+        self.metrics.running.set(self.core.count(RequestStatus.RUNNING))
+        self.metrics.decoding.set(self.core.count(RequestStatus.DECODING))

@@ -1,21 +1,46 @@
-"""The router's state machine: the queue, every request's state, and plan validation.
+"""The router's state machine: one core for images and videos, under every policy.
 
-No Ray, no asyncio, no clock: the router actor wraps it with I/O and the discrete-event
-simulator drives it directly, so both make the same decisions from the same inputs. Policies
-only see frozen snapshots; everything mutable lives here.
+No Ray, no asyncio, no clock (`now` is an argument): the router actor wraps it with I/O and the
+discrete-event simulator drives it directly, so both make the same decisions from the same
+inputs. Policies see frozen snapshots; everything mutable lives here.
+
+A round (`schedule`) is schedule / execute / update in vLLM's sense, for the whole pool:
+
+1. a `ClusterSnapshot` of the requests and the live workers, as the plans already sent will
+   leave them (plans are pipelined: a worker holds up to `pipeline_depth` of them, so it never
+   idles through the round trip);
+2. the policy's `Decision`, checked as a whole (`plan_check.py`) before anything changes;
+3. each plan completed with the router's own parts (drops, checkpoints, finishes), committed
+   to the state, and handed to `send`, which returns handles to the data the plan will return
+   (exported and checkpointed states, final latents or frames). Handles are opaque here: Ray
+   object refs live, tokens in the simulator. Bulk data never passes through the core.
+
+Reports come back per worker in plan order (`apply`). A worker that dies loses what it held:
+each of those requests resumes from its last checkpoint, or starts over, on another worker
+(`worker_lost`), so a fault costs time, not requests.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import heapq
+import math
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from stepserve.policies.base import PolicyError, SchedulingPolicy
+from stepserve.actors.plan_check import PlanChecker
+from stepserve.actors.step_overhead import StepOverhead
+from stepserve.policies.admission import ClassLoad, LoadReport, admit
+from stepserve.policies.base import Scheduler
+from stepserve.policies.cost_model import BatchShape, CostModel
 from stepserve.policies.types import (
     ClusterSnapshot,
+    Decision,
+    RequestKind,
     RequestSpec,
     RequestStatus,
     RequestView,
+    SnapshotIndex,
     StepReport,
     WorkerPlan,
     WorkerView,
@@ -23,266 +48,663 @@ from stepserve.policies.types import (
 
 
 class QueueFullError(Exception):
-    """The queue is at `max_queue_len`; the caller should shed the request (HTTP 429/503)."""
+    """The request's class is over its admission bound (HTTP 429), or nothing can serve it now
+    (503); `retry_after_s` is when to try again."""
+
+    def __init__(self, message: str, status: int = 429, retry_after_s: float | None = None) -> None:
+        super().__init__(message, status, retry_after_s)
+        self.message, self.status, self.retry_after_s = message, status, retry_after_s
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class DuplicateRequestError(Exception):
-    """A request with this id is still queued or running."""
+    """A request with this id is still live."""
 
 
 @dataclass(frozen=True)
 class WorkerSlot:
     worker_id: str
     max_batch_size: int
+    rank: int  # its rank in the workers' process-group world
+
+
+@dataclass(frozen=True)
+class CoreConfig:
+    pipeline_depth: int = 2  # plans queued per worker: 2 hides the round trip
+    # A worker's next plan is decided this long before its current one is predicted to end:
+    # long enough to hide the round trip, late enough that the decision sees fresh state (a
+    # plan decided a whole step early preempts a step late).
+    pipeline_lead_s: float = 0.05
+    max_queued: Mapping[RequestKind, int] = field(
+        default_factory=lambda: {RequestKind.T2I: 256, RequestKind.T2V: 64})
+    max_wait_s: Mapping[RequestKind, float | None] = field(default_factory=dict)
+    # A running request's state is copied to host memory at most this often, so a worker fault
+    # loses at most this much of its work; None: never (it restarts from step 0).
+    checkpoint_interval_s: float | None = 10.0
+    max_recoveries: int = 3  # faults one request survives before it fails
+
+    def __post_init__(self) -> None:
+        if self.pipeline_depth < 1:
+            raise ValueError(f"pipeline_depth must be >= 1, got {self.pipeline_depth}")
+        if any(v < 1 for v in self.max_queued.values()):
+            raise ValueError(f"max_queued bounds must be >= 1, got {dict(self.max_queued)}")
+        if self.pipeline_lead_s < 0:
+            raise ValueError(f"pipeline_lead_s must be >= 0, got {self.pipeline_lead_s}")
+        if self.checkpoint_interval_s is not None and self.checkpoint_interval_s < 0:
+            raise ValueError(f"checkpoint_interval_s must be >= 0 or None, got {self.checkpoint_interval_s}")
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What a worker needs to make a request resident: its spec and the handle of its text
+    conditioning (a fresh start) or of the state it resumes from."""
+
+    spec: RequestSpec
+    source: object
+    resume: bool
+
+
+# `send(plan, admissions)` dispatches a plan and returns one handle per `plan.outputs` entry.
+Send = Callable[[WorkerPlan, tuple[Admission, ...]], Sequence[object]]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a report (or a fault) changed that the caller must act on."""
+
+    denoised: tuple[tuple[str, object], ...] = ()  # (id, handle of its latents or frames): decode/store next
+    failed: tuple[str, ...] = ()
+    recovered: tuple[str, ...] = ()  # lost to a fault; resumes from a checkpoint or starts over
 
 
 @dataclass(frozen=True)
 class RequestState:
     request_id: str
+    kind: RequestKind
     status: RequestStatus
     steps_done: int
     steps_total: int
-    worker_id: str | None  # where it runs or last ran
+    workers: tuple[str, ...]
     arrival_time: float
     admit_time: float | None
-    finish_time: float | None  # when it became terminal, whatever the outcome
+    denoised_time: float | None
+    finish_time: float | None
     error: str | None
+    pauses: int
+    recoveries: int
+    degrees: tuple[int, ...]  # the SP degree of every step, in order
+
+
+class _Request:
+    __slots__ = ("spec", "arrival", "deadline", "status", "conditioning", "host_state", "host_steps", "host_from",
+                 "checkpoint", "checkpoint_steps", "checkpoint_time", "steps_done", "steps_planned", "workers",
+                 "admit_time", "denoised_time", "finish_time", "error", "pauses", "recoveries", "degrees", "epoch",
+                 "view")
+
+    def __init__(self, spec: RequestSpec, arrival: float, deadline: float) -> None:
+        self.spec = spec
+        self.arrival = arrival
+        self.deadline = deadline
+        self.status = RequestStatus.QUEUED
+        self.conditioning: object | None = None  # None until the text embeddings are ready
+        self.host_state: object | None = None  # its state in host memory while PAUSED
+        self.host_steps = 0
+        self.host_from: tuple[str, int] | None = None  # the (worker, plan id) producing host_state, until reported
+        self.checkpoint: object | None = None
+        self.checkpoint_steps = 0
+        self.checkpoint_time = arrival
+        self.steps_done = 0  # reported
+        self.steps_planned = 0  # sent, plans in flight included
+        self.workers: tuple[str, ...] = ()  # where its state will be once the plans sent have run
+        self.admit_time: float | None = None
+        self.denoised_time: float | None = None
+        self.finish_time: float | None = None
+        self.error: str | None = None
+        self.pauses = 0
+        self.recoveries = 0
+        self.degrees: list[int] = []
+        self.epoch = 0  # bumped when it is recovered: reports about an older epoch are stale
+        self.view: RequestView | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.conditioning is not None
+
+    @property
+    def needs_steps(self) -> bool:
+        return self.steps_planned < self.spec.num_inference_steps
 
 
 @dataclass
-class _Record:
-    spec: RequestSpec
-    arrival_time: float
-    steps_total: int
-    status: RequestStatus = RequestStatus.QUEUED
-    steps_done: int = 0
-    ready: bool = False
-    worker_id: str | None = None
-    admit_time: float | None = None
-    finish_time: float | None = None
-    error: str | None = None
-    view: RequestView | None = None  # cached; cleared whenever a field the view shows changes
+class _Sent:
+    plan: WorkerPlan
+    sent_at: float
+    epochs: dict[str, int]  # the epoch of every request the plan touches
+    handles: dict[str, object]  # output id -> handle
+    predicted_s: float | None  # the profile's cost of its groups, for calibration
+    expected_s: float | None  # what it is expected to take: the prediction plus the measured overhead
+    decodes_video: bool  # it ends with a video's VAE decode (seconds, not a step)
+    checkpoints: dict[str, int] = field(default_factory=dict)  # checkpointed id -> its steps then
 
 
-@dataclass
 class _Worker:
-    slot: WorkerSlot
-    # Dicts used as ordered sets: admission order must survive removals.
-    residents: dict[str, None] = field(default_factory=dict)
-    # Cancelled while resident: the worker still holds their latents until its next plan.
-    drops: dict[str, None] = field(default_factory=dict)
-    # (resident views, worker view), cached between changes: the simulator asks for a
-    # snapshot hundreds of thousands of times, and most of a snapshot has not changed.
-    views: tuple[tuple[RequestView, ...], WorkerView] | None = None
+    def __init__(self, slot: WorkerSlot) -> None:
+        self.slot = slot
+        self.alive = True
+        self.incarnation = ""
+        self.residents: dict[str, None] = {}  # as planned, admission order
+        self.in_flight: deque[_Sent] = deque()
+        self.drops: dict[str, None] = {}  # router-filled: forget at the next plan
+        self.next_plan_id = 1
+        self.last_report_at: float | None = None
+        self.service_s: float | None = None  # smoothed time a plan takes here, report to report
+        # It is open (may take a plan) while now >= open_from: -inf when idle, inf when dead or
+        # its pipeline is full, else when its plans in flight are predicted to end, less the lead.
+        self.open_from = -math.inf
+        self.timer = 0  # invalidates an opening time pushed before the last change
+
+    def free_at(self) -> float | None:
+        """When the plans in flight are predicted to have run; None when unknown."""
+        if not self.in_flight:
+            return None
+        head = self.in_flight[0]
+        at = head.sent_at if self.last_report_at is None else max(head.sent_at, self.last_report_at)
+        for sent in self.in_flight:
+            seconds = sent.expected_s if sent.expected_s is not None else self.service_s
+            if seconds is None:
+                return None
+            at += seconds
+        return at
 
 
 class RouterCore:
-    def __init__(
-        self, policy: SchedulingPolicy, workers: Sequence[WorkerSlot], max_queue_len: int
-    ) -> None:
+    def __init__(self, policy: Scheduler, workers: Sequence[WorkerSlot], config: CoreConfig = CoreConfig(),
+                 costs: CostModel | None = None) -> None:
         if not workers:
             raise ValueError("RouterCore needs at least one worker")
-        if max_queue_len < 1:
-            raise ValueError(f"max_queue_len must be >= 1, got {max_queue_len}")
         self.policy = policy
-        self.max_queue_len = max_queue_len
+        self.config = config
         self._workers: dict[str, _Worker] = {}
-        for slot in workers:
+        for slot in sorted(workers, key=lambda s: s.rank):
             if slot.worker_id in self._workers:
                 raise ValueError(f"duplicate worker id {slot.worker_id!r}")
             if slot.max_batch_size < 1:
-                raise ValueError(
-                    f"worker {slot.worker_id!r}: max_batch_size must be >= 1, "
-                    f"got {slot.max_batch_size}"
-                )
+                raise ValueError(f"worker {slot.worker_id!r}: max_batch_size must be >= 1, got {slot.max_batch_size}")
             self._workers[slot.worker_id] = _Worker(slot)
-        self._records: dict[str, _Record] = {}  # submission order
-        self._queue: dict[str, None] = {}  # queued ids, submission order
-        self._queued_views: tuple[RequestView, ...] | None = None  # cached, like _Worker.views
+        if len({s.rank for s in workers}) != len(workers):
+            raise ValueError("worker ranks must be unique")
+        self._requests: dict[str, _Request] = {}
+        self._waiting: dict[str, None] = {}  # QUEUED or PAUSED ids
+        self._waiting_views: tuple[RequestView, ...] | None = None
+        # The snapshot's worker side, kept up to date incrementally: only workers that changed
+        # (`_stale`) or whose opening time came (`_openings`, a heap) are rebuilt in a round.
+        self._stale: set[str] = set(self._workers)
+        self._openings: list[tuple[float, int, str]] = []
+        # Lent to each round's snapshot (SnapshotIndex), not copied: a copy would cost O(workers).
+        self._worker_views: dict[str, WorkerView] = {}  # live workers, rank order
+        self._all_views: dict[str, tuple[RequestView, ...]] = {}  # every view each worker holds
+        self._load_counts: dict[tuple[int, int], int] = {}
+        self._open_ids: dict[str, None] = {}  # open, holding requests
+        self._open_idle_ids: dict[str, None] = {}  # open, holding nothing
+        self._tables_version = 0
+        self._with_drops: dict[str, None] = {}  # workers holding cancelled requests to forget
+        self._counts: dict[RequestKind, dict[RequestStatus, int]] = {k: {} for k in RequestKind}
+        self.sp_available = True
+        self.overhead = StepOverhead()
+        self._costs = costs  # predicts plans' times (pipeline timing, calibration); None: learn them
+        self._drain: dict[RequestKind, tuple[float, float | None]] = {}  # kind -> (last finish, smoothed rate)
+        self.load_version = 0
+        self.decisions = 0
+        self._now = 0.0
+        self._check = PlanChecker(self)
 
-    # ---- requests in ----
+    # ---- requests in ----------------------------------------------------------------------
 
-    def submit(self, spec: RequestSpec, now: float) -> None:
-        old = self._records.get(spec.request_id)
+    def submit(self, spec: RequestSpec, now: float, tail_s: float = 0.0) -> None:
+        """Queue a request. `tail_s`: the predicted time from its last denoising step to its
+        response (decode, encoding, the way out); the scheduler plans denoising to end that
+        much before the SLO."""
+        old = self._requests.get(spec.request_id)
         if old is not None and not old.status.is_terminal:
             raise DuplicateRequestError(f"request {spec.request_id!r} is already {old.status.value}")
-        if len(self._queue) >= self.max_queue_len:
-            raise QueueFullError(f"queue full ({self.max_queue_len} requests waiting)")
-        if spec.num_inference_steps < 1:
-            raise ValueError(f"request {spec.request_id!r}: num_inference_steps must be >= 1")
-        # A finished id submitted again is a new request: it goes to the back, not its old slot.
-        self._records.pop(spec.request_id, None)
-        self._records[spec.request_id] = _Record(
-            spec=spec, arrival_time=now, steps_total=spec.num_inference_steps
-        )
-        self._queue[spec.request_id] = None
-        self._queued_views = None
+        verdict = admit(self.load(), spec.kind)
+        if not verdict.admitted:
+            raise QueueFullError(verdict.message, verdict.status, verdict.retry_after_s)
+        if not (tail_s >= 0 and math.isfinite(tail_s)):
+            raise ValueError(f"request {spec.request_id!r}: tail_s must be a finite number >= 0, got {tail_s!r}")
+        deadline = math.inf if spec.slo_s is None else now + spec.slo_s - tail_s
+        self._requests.pop(spec.request_id, None)
+        record = _Request(spec, now, deadline)
+        self._requests[spec.request_id] = record
+        self._count(record, +1)
+        self._waiting[spec.request_id] = None
+        self._waiting_views = None
+        self._changed_load()
 
-    def mark_ready(self, request_id: str) -> None:
-        record = self._records.get(request_id)
-        # Embeddings can arrive after a cancel; that is not an error.
-        if record is not None and not record.status.is_terminal:
-            record.ready = True
-            self._changed(record)
+    def mark_ready(self, request_id: str, conditioning: object) -> None:
+        """The request's text embeddings are available (`conditioning` is their handle)."""
+        record = self._requests.get(request_id)
+        if record is not None and not record.status.is_terminal:  # may arrive after a cancel
+            record.conditioning = conditioning
+            self._touch(record)
 
-    # ---- rounds ----
+    # ---- rounds ---------------------------------------------------------------------------
 
-    def next_plan(self, worker_id: str, now: float) -> WorkerPlan:
-        worker = self._worker(worker_id)
-        plan = self.policy.plan(self.snapshot(now), worker_id)
-        self._validate(plan, worker)
+    def schedule(self, now: float, send: Send, max_passes: int = 4) -> Decision:
+        """Decide and dispatch a round. Returns what was sent (and the policy's `wake_at`).
 
+        A pass that exports state (a pause, or the first half of a move) changes what the next
+        placement can do, and a worker that got a plan may still be open (its pipeline has room
+        and the plan is shorter than the lead): either way the policy is asked again at once,
+        up to `max_passes` times.
+        """
+        sent: list[WorkerPlan] = []
+        wake_at: float | None = None
+        self._now = now
+        for _ in range(max_passes):
+            decision = self.policy.schedule(self.snapshot(now))
+            self.decisions += 1
+            self._check.decision(decision)
+            plans = {p.worker_id: p for p in decision.plans}
+            for wid in self._with_drops:  # cancelled residents still to forget
+                if wid not in plans and self._open(self._workers[wid]):
+                    plans[wid] = WorkerPlan(wid)
+            again = False
+            completed = self._complete(list(plans.values()), now)
+            # Every member of an SP group admits from the state as it is before the round.
+            admissions = [self._admissions(plan) for plan in completed]
+            self._count_steps(completed)
+            for plan, admitted in zip(completed, admissions):
+                sent.append(self._dispatch(plan, admitted, now, send))
+                again = again or bool(plan.export) or self._open(self._workers[plan.worker_id])
+            wake_at = decision.wake_at
+            if not again:
+                break
+        opens = self._next_opening()
+        if opens is not None:
+            wake_at = opens if wake_at is None else min(wake_at, opens)
+        return Decision(tuple(sent), wake_at)
+
+    def _complete(self, plans: list[WorkerPlan], now: float) -> list[WorkerPlan]:
+        """Add the router's parts: drops, checkpoints, finishes (and the releases they imply)."""
+        stepped: dict[str, list[str]] = {}  # id -> workers stepping it this round, rank order
+        for plan in plans:
+            for rid in plan.stepping:
+                stepped.setdefault(rid, []).append(plan.worker_id)
+        finish: dict[str, list[str]] = {}
+        release: dict[str, list[str]] = {}
+        checkpoint: dict[str, list[str]] = {}
+        interval = self.config.checkpoint_interval_s
+        for rid, holders in stepped.items():
+            record = self._requests[rid]
+            first = min(holders, key=lambda w: self._workers[w].slot.rank)
+            if record.steps_planned + 1 >= record.spec.num_inference_steps:
+                finish.setdefault(first, []).append(rid)
+                for w in holders:
+                    if w != first:
+                        release.setdefault(w, []).append(rid)
+            elif interval is not None and now - record.checkpoint_time >= interval and not any(
+                    rid in p.export for p in plans):
+                checkpoint.setdefault(first, []).append(rid)
+        out = []
+        for plan in plans:
+            worker = self._workers[plan.worker_id]
+            out.append(WorkerPlan(
+                plan.worker_id, admit=plan.admit, groups=plan.groups, export=plan.export,
+                release=plan.release + tuple(release.get(plan.worker_id, ())), drop=tuple(worker.drops),
+                checkpoint=tuple(checkpoint.get(plan.worker_id, ())), finish=tuple(finish.get(plan.worker_id, ())),
+                plan_id=worker.next_plan_id))
+            worker.next_plan_id += 1
+        return out
+
+    def _count_steps(self, plans: list[WorkerPlan]) -> None:
+        """Each stepped request advances one step this round (every member of an SP group lists
+        the same step)."""
+        degree: dict[str, int] = {}
+        for plan in plans:
+            for group in plan.groups:
+                for rid in group.request_ids:
+                    degree[rid] = max(1, len(group.ranks))
+        for rid, d in degree.items():
+            record = self._requests[rid]
+            record.steps_planned += 1
+            record.degrees.append(d)
+            self._touch(record)
+
+    def _admissions(self, plan: WorkerPlan) -> tuple[Admission, ...]:
+        out = []
         for rid in plan.admit:
-            record = self._records[rid]
-            del self._queue[rid]
-            self._changed(record)
-            record.status = RequestStatus.RUNNING
-            record.worker_id = worker_id
-            record.admit_time = now
-            worker.residents[rid] = None
-        if plan.admit:
-            worker.views = None
-        drops = tuple(worker.drops)
+            record = self._requests[rid]
+            if record.status is RequestStatus.PAUSED:
+                out.append(Admission(record.spec, record.host_state, True))
+            else:
+                out.append(Admission(record.spec, record.conditioning, False))
+        return tuple(out)
+
+    def _dispatch(self, plan: WorkerPlan, admissions: tuple[Admission, ...], now: float, send: Send) -> WorkerPlan:
+        worker = self._workers[plan.worker_id]
         worker.drops.clear()
-        return WorkerPlan(worker_id=worker_id, admit=plan.admit, groups=plan.groups, drop=drops,
-                          wake_at=plan.wake_at)
+        self._with_drops.pop(plan.worker_id, None)
+        epochs: dict[str, int] = {}
+        handles = send(plan, admissions)
+        if len(handles) != len(plan.outputs):
+            raise ValueError(f"send returned {len(handles)} handles for {len(plan.outputs)} outputs")
+        by_output = dict(zip(plan.outputs, handles))
+        touched = set(plan.admit) | set(plan.stepping) | set(plan.outputs) | set(plan.release)
+        for rid in touched:
+            epochs[rid] = self._requests[rid].epoch
+        predicted = self._predict(plan)
+        expected = None if predicted is None else predicted + self.overhead.applied[self._kind_of(plan)]
+        sent = _Sent(plan, now, epochs, by_output, predicted, expected,
+                     any(self._requests[rid].spec.is_video for rid in plan.finish))
+        self._commit(plan, sent, now)
+        worker.in_flight.append(sent)
+        self._retime(worker)
+        return plan
 
-    def apply(self, report: StepReport, now: float) -> list[str]:
-        """Fold a worker's report in; returns the ids that became terminal, in report order."""
-        worker = self._worker(report.worker_id)
-        outcomes = [(rid, RequestStatus.FINISHED, None) for rid in report.finished]
-        outcomes += [(rid, RequestStatus.FAILED, message) for rid, message in report.failed]
-        # Check the whole report before changing anything, so a bad one leaves no half-update.
-        live = {
-            rid: self._live_resident(rid, worker)
-            for rid in [p.request_id for p in report.progress] + [rid for rid, _, _ in outcomes]
-        }
-
-        for progress in report.progress:
-            record = live[progress.request_id]
-            if record is not None:
-                record.steps_done = progress.steps_done
-                record.steps_total = progress.steps_total
-                self._changed(record)
-
-        became_terminal: list[str] = []
-        for rid, status, message in outcomes:
-            record = live[rid]
-            # Whatever the router thinks, the worker no longer holds it: never drop it later.
+    def _commit(self, plan: WorkerPlan, sent: _Sent, now: float) -> None:
+        """The state as it will be once `plan` has run (its report confirms it)."""
+        worker = self._workers[plan.worker_id]
+        for rid in plan.admit:
+            record = self._requests[rid]
+            if record.status is not RequestStatus.RUNNING:
+                self._leave_waiting(record)
+                if record.status is RequestStatus.PAUSED and record.host_from is None:
+                    # The state it resumes from is a valid checkpoint until a newer one exists.
+                    record.checkpoint, record.checkpoint_steps = record.host_state, record.host_steps
+                self._set_status(record, RequestStatus.RUNNING)
+                record.host_state = None
+                record.workers = ()
+                if record.admit_time is None:
+                    record.admit_time = now
+                    record.checkpoint_time = now
+            record.workers = self._by_rank(record.workers + (plan.worker_id,))
+            worker.residents[rid] = None
+            self._stale.add(plan.worker_id)
+            self._touch(record)
+        for rid in plan.export:
+            record = self._requests[rid]
+            self._set_status(record, RequestStatus.PAUSED)
+            record.host_state, record.host_steps = sent.handles[rid], record.steps_planned
+            record.host_from = (plan.worker_id, plan.plan_id)
+            record.pauses += 1
+            self._leave_workers(record)
+            self._waiting[rid] = None
+            self._waiting_views = None
+        for rid in plan.checkpoint:
+            sent.checkpoints[rid] = self._requests[rid].steps_planned
+        for rid in plan.finish:
+            self._leave_workers(self._requests[rid])
+        for rid in plan.release:
+            record = self._requests[rid]
+            if plan.worker_id in record.workers:
+                record.workers = tuple(w for w in record.workers if w != plan.worker_id)
             worker.residents.pop(rid, None)
-            worker.views = None
-            worker.drops.pop(rid, None)
-            # A report naming an id twice (finished and failed) must not end it twice.
-            if record is None or record.status.is_terminal:
+            self._stale.add(plan.worker_id)
+            self._touch(record)
+        self._changed_load()
+
+    # ---- reports in -----------------------------------------------------------------------
+
+    def apply(self, report: StepReport, now: float) -> Outcome:
+        """Fold in a worker's report of its oldest plan in flight; the whole report is checked
+        before anything changes."""
+        worker = self._worker(report.worker_id)
+        if not worker.alive:
+            return Outcome()  # its plans were written off when it died
+        if worker.incarnation and report.incarnation and report.incarnation != worker.incarnation:
+            # A restarted worker ran this plan without the residents it had: everything it held is lost.
+            outcome = self.worker_lost(report.worker_id, now)
+            self.worker_back(report.worker_id, report.incarnation)
+            return outcome
+        worker.incarnation = worker.incarnation or report.incarnation
+        expected = worker.in_flight[0].plan.plan_id if worker.in_flight else worker.next_plan_id
+        if report.plan_id < expected:
+            return Outcome()  # a plan written off when the worker was lost: what it did is void
+        if not worker.in_flight or report.plan_id != expected:
+            raise ValueError(f"worker {report.worker_id!r} reported plan {report.plan_id}, expected {expected}")
+        sent = worker.in_flight[0]
+        known = set(sent.epochs)
+        for rid in [p.request_id for p in report.progress] + [f.request_id for f in report.failed]:
+            if rid not in known:
+                raise ValueError(f"worker {report.worker_id!r} reported {rid!r}, which plan {report.plan_id} "
+                                 f"does not name")
+        worker.in_flight.popleft()
+        self._calibrate(worker, sent, now)
+        self._retime(worker)
+
+        def current(rid: str) -> _Request | None:
+            record = self._requests.get(rid)
+            if record is None or record.status.is_terminal or record.epoch != sent.epochs[rid]:
+                return None
+            return record
+
+        failed, recovered, denoised = [], [], []
+        failures = {f.request_id: f for f in report.failed}
+        for rid, failure in failures.items():
+            record = current(rid)
+            if record is None:
                 continue
-            record.status = status
-            record.finish_time = now
-            record.error = message
-            if status is RequestStatus.FINISHED:
-                record.steps_done = record.steps_total
-            became_terminal.append(rid)
-        return became_terminal
+            if failure.lost:
+                if self._recover(record, now):
+                    recovered.append(rid)
+                else:
+                    failed.append(rid)
+            else:
+                self._end(record, RequestStatus.FAILED, failure.message, now)
+                failed.append(rid)
+        for progress in report.progress:
+            record = current(progress.request_id)
+            if record is not None and progress.request_id not in failures:
+                record.steps_done = max(record.steps_done, progress.steps_done)
+        for rid, steps in sent.checkpoints.items():
+            record = current(rid)
+            if record is not None and rid not in failures and steps >= record.checkpoint_steps:
+                record.checkpoint, record.checkpoint_steps = sent.handles[rid], steps
+                record.checkpoint_time = now
+        for rid in sent.plan.export:
+            record = current(rid)
+            if record is not None and rid not in failures and record.host_from == (report.worker_id, report.plan_id):
+                record.host_from = None
+        for rid in sent.plan.finish:
+            record = current(rid)
+            if record is not None and rid not in failures:
+                record.steps_done = record.spec.num_inference_steps
+                record.denoised_time = now
+                self._set_status(record, RequestStatus.DECODING)
+                denoised.append((rid, sent.handles[rid]))
+        self._changed_load()
+        return Outcome(tuple(denoised), tuple(failed), tuple(recovered))
+
+    def complete(self, request_id: str, now: float) -> bool:
+        """Its output is decoded/stored: the request is FINISHED."""
+        record = self._requests.get(request_id)
+        if record is None or record.status is not RequestStatus.DECODING:
+            return False
+        self._end(record, RequestStatus.FINISHED, None, now)
+        rate = self._drain.get(record.spec.kind)
+        # Smoothed completions per second, for the load report's predicted waits.
+        if rate is None:
+            self._drain[record.spec.kind] = (now, None)
+        else:
+            last, smoothed = rate
+            gap = max(now - last, 1e-6)
+            instant = 1.0 / gap
+            smoothed = instant if smoothed is None else smoothed + 0.05 * (instant - smoothed)
+            self._drain[record.spec.kind] = (now, smoothed)
+        return True
 
     def cancel(self, request_id: str, now: float) -> bool:
         return self._end_early(request_id, RequestStatus.CANCELLED, None, now)
 
     def fail(self, request_id: str, message: str, now: float) -> bool:
-        """End a live request as FAILED from outside its worker (e.g. its text encoding failed)."""
+        """End a live request as FAILED from outside its worker (e.g. its decode failed)."""
         return self._end_early(request_id, RequestStatus.FAILED, message, now)
 
     def _end_early(self, request_id: str, status: RequestStatus, message: str | None, now: float) -> bool:
-        record = self._records.get(request_id)
+        record = self._requests.get(request_id)
         if record is None or record.status.is_terminal:
             return False
-        if record.status is RequestStatus.QUEUED:
-            del self._queue[request_id]
-            self._queued_views = None
-        else:
-            worker = self._workers[record.worker_id]
-            del worker.residents[request_id]
-            worker.views = None
-            worker.drops[request_id] = None
-        record.status = status
-        record.finish_time = now
-        record.error = message
+        self._end(record, status, message, now)
         return True
 
-    def worker_failed(self, worker_id: str, message: str, now: float) -> list[str]:
-        """Fail every request resident on the worker; the slot stays for a restarted worker."""
-        worker = self._worker(worker_id)
-        failed = list(worker.residents)
-        for rid in failed:
-            record = self._records[rid]
-            record.status = RequestStatus.FAILED
-            record.finish_time = now
-            record.error = message
-        worker.residents.clear()
-        worker.views = None
-        # A dead worker holds nothing to drop; a restarted one never saw these ids.
-        worker.drops.clear()
-        return failed
+    # ---- faults ---------------------------------------------------------------------------
 
-    # ---- reading state ----
+    def worker_lost(self, worker_id: str, now: float) -> Outcome:
+        """The worker died (or restarted): every request whose state or output it held resumes
+        from its last checkpoint elsewhere. Nothing is sent to it until `worker_back`."""
+        worker = self._worker(worker_id)
+        if not worker.alive:
+            return Outcome()
+        worker.alive = False
+        self._retime(worker)
+        lost_plans = {(worker_id, sent.plan.plan_id) for sent in worker.in_flight}
+        affected: dict[str, int] = {}
+        for sent in worker.in_flight:
+            for rid in list(sent.plan.finish) + list(sent.plan.export) + list(sent.plan.checkpoint):
+                affected.setdefault(rid, sent.epochs[rid])
+        for rid in worker.residents:
+            affected.setdefault(rid, self._requests[rid].epoch)
+        for rid, record in self._requests.items():
+            if record.host_from in lost_plans:
+                affected.setdefault(rid, record.epoch)
+        worker.in_flight.clear()
+        worker.residents.clear()
+        worker.drops.clear()
+        self._with_drops.pop(worker_id, None)
+        recovered, failed = [], []
+        for rid, epoch in affected.items():
+            record = self._requests[rid]
+            if record.status.is_terminal or record.epoch != epoch:
+                continue
+            if record.status is RequestStatus.DECODING:
+                continue  # its output left the worker with the report
+            # Checkpoints are adopted only from reported plans, so the one it has survived.
+            (recovered if self._recover(record, now) else failed).append(rid)
+        self._changed_load()
+        return Outcome((), tuple(failed), tuple(recovered))
+
+    def worker_back(self, worker_id: str, incarnation: str = "") -> None:
+        """The worker serves again (restarted empty)."""
+        worker = self._worker(worker_id)
+        worker.alive = True
+        worker.incarnation = incarnation
+        worker.last_report_at = None
+        self._retime(worker)
+        self._changed_load()
+
+    def set_sp_available(self, available: bool) -> None:
+        """Whether SP groups can form: the caller takes the workers' world down when a member
+        dies (its size is fixed; the restarted worker must join a new one) and up once rebuilt."""
+        self.sp_available = available
+
+    @property
+    def sp_in_use(self) -> bool:
+        """Some request runs on an SP group, or a plan with an SP step is in flight."""
+        if any(len(r.workers) > 1 for r in self._requests.values() if r.status is RequestStatus.RUNNING):
+            return True
+        return any(g.ranks for w in self._workers.values() for s in w.in_flight for g in s.plan.groups)
+
+    def _recover(self, record: _Request, now: float) -> bool:
+        """Put a request whose state was lost back in line: PAUSED at its checkpoint, or QUEUED
+        from step 0. False (and FAILED) once it has been lost too often."""
+        record.epoch += 1
+        record.recoveries += 1
+        if record.recoveries > self.config.max_recoveries:
+            self._end(record, RequestStatus.FAILED,
+                      f"lost to worker faults {record.recoveries} times; giving up", now)
+            return False
+        self._leave_workers(record, drop=True)
+        if record.checkpoint is not None:
+            record.host_state, record.host_steps, record.host_from = record.checkpoint, record.checkpoint_steps, None
+            record.steps_done = record.steps_planned = record.checkpoint_steps
+            self._set_status(record, RequestStatus.PAUSED)
+        else:
+            record.host_state, record.host_from = None, None
+            record.steps_done = record.steps_planned = 0
+            self._set_status(record, RequestStatus.QUEUED)
+        record.degrees = record.degrees[: record.steps_planned]
+        self._waiting[record.spec.request_id] = None
+        self._waiting_views = None
+        self._touch(record)
+        return True
+
+    # ---- reading state --------------------------------------------------------------------
 
     def state(self, request_id: str) -> RequestState:
-        record = self._records[request_id]
-        return RequestState(
-            request_id=request_id,
-            status=record.status,
-            steps_done=record.steps_done,
-            steps_total=record.steps_total,
-            worker_id=record.worker_id,
-            arrival_time=record.arrival_time,
-            admit_time=record.admit_time,
-            finish_time=record.finish_time,
-            error=record.error,
-        )
+        r = self._requests[request_id]
+        return RequestState(request_id, r.spec.kind, r.status, r.steps_done, r.spec.num_inference_steps, r.workers,
+                            r.arrival, r.admit_time, r.denoised_time, r.finish_time, r.error, r.pauses, r.recoveries,
+                            tuple(r.degrees))
+
+    def spec(self, request_id: str) -> RequestSpec:
+        return self._requests[request_id].spec
 
     def forget(self, request_id: str) -> None:
         """Drop a terminal request's record once its result is delivered; unknown ids are a no-op."""
-        record = self._records.get(request_id)
+        record = self._requests.get(request_id)
         if record is None:
             return
         if not record.status.is_terminal:
             raise ValueError(f"request {request_id!r} is {record.status.value}; cancel it first")
-        del self._records[request_id]
+        del self._requests[request_id]
 
-    def has_work(self, worker_id: str) -> bool:
-        worker = self._worker(worker_id)
-        if worker.residents or worker.drops:
-            return True
-        return any(self._records[rid].ready for rid in self._queue)
+    def queue_length(self, kind: RequestKind | None = None) -> int:
+        kinds = RequestKind if kind is None else (kind,)
+        return sum(self._counts[k].get(s, 0) for k in kinds for s in (RequestStatus.QUEUED, RequestStatus.PAUSED))
 
-    @property
-    def queue_length(self) -> int:
-        return len(self._queue)
-
-    @property
-    def num_running(self) -> int:
-        return sum(len(w.residents) for w in self._workers.values())
+    def count(self, status: RequestStatus, kind: RequestKind | None = None) -> int:
+        kinds = RequestKind if kind is None else (kind,)
+        return sum(self._counts[k].get(status, 0) for k in kinds)
 
     @property
     def worker_ids(self) -> tuple[str, ...]:
         return tuple(self._workers)
 
-    def snapshot(self, now: float) -> ClusterSnapshot:
-        # Running views go worker by worker in admission order, so `running_on` agrees with
-        # `WorkerView.running`. Cancelled requests are in neither queue nor residents.
-        if self._queued_views is None:
-            self._queued_views = tuple(self._view(rid) for rid in self._queue)
-        running: list[RequestView] = []
-        workers: list[WorkerView] = []
-        for w in self._workers.values():
-            if w.views is None:
-                w.views = (
-                    tuple(self._view(rid) for rid in w.residents),
-                    WorkerView(w.slot.worker_id, w.slot.max_batch_size, tuple(w.residents)),
-                )
-            running.extend(w.views[0])
-            workers.append(w.views[1])
-        return ClusterSnapshot(now=now, queued=self._queued_views, running=tuple(running), workers=tuple(workers))
+    @property
+    def live_workers(self) -> int:
+        return sum(w.alive for w in self._workers.values())
 
-    # ---- internals ----
+    def in_flight(self, worker_id: str) -> int:
+        return len(self._worker(worker_id).in_flight)
+
+    def is_alive(self, worker_id: str) -> bool:
+        return self._worker(worker_id).alive
+
+    def load(self) -> LoadReport:
+        classes = {}
+        for kind in RequestKind:
+            limit = self.config.max_queued.get(kind)
+            if limit is None:
+                continue
+            drain = self._drain.get(kind)
+            classes[kind] = ClassLoad(
+                queued=self.queue_length(kind), running=self.count(RequestStatus.RUNNING, kind),
+                decoding=self.count(RequestStatus.DECODING, kind), max_queued=limit,
+                drain_per_s=None if drain is None else drain[1], max_wait_s=self.config.max_wait_s.get(kind))
+        return LoadReport(self.load_version, self.live_workers, classes)
+
+    def snapshot(self, now: float) -> ClusterSnapshot:
+        self._now = now
+        if self._waiting_views is None:
+            records = sorted((self._requests[rid] for rid in self._waiting), key=lambda r: r.arrival)
+            self._waiting_views = tuple(self._view(r) for r in records)
+        openings = self._openings
+        while openings and openings[0][0] <= now:  # their plans in flight end within the lead now
+            _, timer, wid = heapq.heappop(openings)
+            if self._workers[wid].timer == timer:
+                self._stale.add(wid)
+        if self._stale:
+            self._refresh_workers()
+        version = self._tables_version
+        index = SnapshotIndex(self._worker_views, self._all_views, tuple(self._open_ids), tuple(self._open_idle_ids),
+                              self._load_counts, lambda: self._tables_version == version)
+        overhead = tuple((k, v) for k, v in self.overhead.applied_by_kind().items() if v)
+        return ClusterSnapshot(now, self._waiting_views, index, self.sp_available, overhead)
+
+    # ---- internals ------------------------------------------------------------------------
 
     def _worker(self, worker_id: str) -> _Worker:
         try:
@@ -290,91 +712,162 @@ class RouterCore:
         except KeyError:
             raise KeyError(f"unknown worker {worker_id!r}") from None
 
-    def _changed(self, record: _Record) -> None:
-        """Drop cached views that show this record; call before moving it between queue and
-        worker, and after changing any field its view shows."""
-        record.view = None
-        if record.status is RequestStatus.QUEUED:
-            self._queued_views = None
-        elif record.worker_id is not None and record.spec.request_id in self._workers[record.worker_id].residents:
-            self._workers[record.worker_id].views = None
+    def _open(self, worker: _Worker) -> bool:
+        """It may take a plan now: alive, room in its pipeline, and (if busy) its current work
+        is predicted to end within the pipeline lead."""
+        return worker.alive and self._now >= worker.open_from
 
-    def _view(self, request_id: str) -> RequestView:
-        record = self._records[request_id]
+    def _retime(self, worker: _Worker) -> None:
+        """After its plans in flight, its life or its timing changed: when does it open next?"""
+        worker.timer += 1
+        if not worker.alive or len(worker.in_flight) >= self.config.pipeline_depth:
+            worker.open_from = math.inf
+        else:
+            free_at = worker.free_at() if worker.in_flight else None
+            worker.open_from = -math.inf if free_at is None else free_at - self.config.pipeline_lead_s
+            if worker.open_from > self._now:
+                heapq.heappush(self._openings, (worker.open_from, worker.timer, worker.slot.worker_id))
+        self._stale.add(worker.slot.worker_id)
+
+    def _next_opening(self) -> float | None:
+        """When the next busy worker opens (for the caller's timer)."""
+        openings = self._openings
+        while openings and self._workers[openings[0][2]].timer != openings[0][1]:
+            heapq.heappop(openings)
+        return openings[0][0] if openings else None
+
+    def _refresh_workers(self) -> None:
+        """Rebuild the snapshot's parts of the workers that changed."""
+        revived = False
+        for wid in self._stale:
+            worker = self._workers[wid]
+            old = self._worker_views.pop(wid, None)
+            if old is not None:
+                key = (old.max_batch_size, len(old.running))
+                self._load_counts[key] -= 1
+                if not self._load_counts[key]:
+                    del self._load_counts[key]
+            self._open_ids.pop(wid, None)
+            self._open_idle_ids.pop(wid, None)
+            self._all_views.pop(wid, None)
+            if not worker.alive:
+                continue
+            revived = revived or old is None
+            needing = [self._requests[rid] for rid in worker.residents if self._requests[rid].needs_steps]
+            views = tuple(self._view(r) for r in needing)
+            is_open = self._open(worker)
+            view = WorkerView(wid, worker.slot.rank, worker.slot.max_batch_size,
+                              tuple(r.spec.request_id for r in needing), open=is_open, busy=bool(worker.in_flight),
+                              decoding=any(s.decodes_video for s in worker.in_flight))
+            self._worker_views[wid] = view
+            self._all_views[wid] = views
+            key = (view.max_batch_size, len(view.running))
+            self._load_counts[key] = self._load_counts.get(key, 0) + 1
+            if is_open:
+                (self._open_ids if view.running else self._open_idle_ids)[wid] = None
+        self._stale.clear()
+        if revived:  # rank order, as the snapshot promises
+            for table in (self._worker_views, self._all_views, self._open_ids, self._open_idle_ids):
+                ordered = sorted(table.items(), key=lambda item: self._workers[item[0]].slot.rank)
+                table.clear()
+                table.update(ordered)
+        self._tables_version += 1  # snapshots lent the tables before are over
+
+    def _by_rank(self, workers: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(sorted(set(workers), key=lambda w: self._workers[w].slot.rank))
+
+    def _view(self, record: _Request) -> RequestView:
         if record.view is None:
-            record.view = self._build_view(request_id, record)
+            spec = record.spec
+            record.view = RequestView(
+                spec.request_id, spec.kind, spec.shape_key, spec.rows, record.steps_planned,
+                spec.num_inference_steps, record.arrival, record.deadline, record.ready, record.status,
+                record.workers if record.status is RequestStatus.RUNNING else ())
         return record.view
 
-    @staticmethod
-    def _build_view(request_id: str, record: _Record) -> RequestView:
-        return RequestView(
-            request_id=request_id,
-            shape_key=record.spec.shape_key,
-            uses_cfg=record.spec.uses_cfg,
-            steps_done=record.steps_done,
-            steps_total=record.steps_total,
-            arrival_time=record.arrival_time,
-            ready=record.ready,
-            worker_id=record.worker_id if record.status is RequestStatus.RUNNING else None,
-        )
+    def _touch(self, record: _Request) -> None:
+        """Drop cached views that show this record; call after changing anything a view shows."""
+        record.view = None
+        if record.status in (RequestStatus.QUEUED, RequestStatus.PAUSED):
+            self._waiting_views = None
+        self._stale.update(record.workers)
 
-    def _live_resident(self, request_id: str, worker: _Worker) -> _Record | None:
-        """The record a report may update, or None when the report is stale (cancel, failure)."""
-        record = self._records.get(request_id)
-        if record is None or record.status.is_terminal:
+    def _leave_waiting(self, record: _Request) -> None:
+        self._waiting.pop(record.spec.request_id, None)
+        self._waiting_views = None
+
+    def _leave_workers(self, record: _Request, drop: bool = False) -> None:
+        """The request's state leaves every worker holding it (`drop`: tell them to forget it)."""
+        rid = record.spec.request_id
+        for w in record.workers:
+            worker = self._workers[w]
+            worker.residents.pop(rid, None)
+            self._stale.add(w)
+            if drop and worker.alive:
+                worker.drops[rid] = None
+                self._with_drops[w] = None
+        record.workers = ()
+        record.view = None
+
+    def _set_status(self, record: _Request, status: RequestStatus) -> None:
+        self._count(record, -1)
+        record.status = status
+        self._count(record, +1)
+        record.view = None
+
+    def _count(self, record: _Request, delta: int) -> None:
+        counts = self._counts[record.spec.kind]
+        counts[record.status] = counts.get(record.status, 0) + delta
+
+    def _end(self, record: _Request, status: RequestStatus, message: str | None, now: float) -> None:
+        if record.status in (RequestStatus.QUEUED, RequestStatus.PAUSED):
+            self._leave_waiting(record)
+        self._leave_workers(record, drop=True)
+        self._set_status(record, status)
+        record.finish_time = now
+        record.error = message
+        # Whatever the handles point at can be freed now.
+        record.conditioning = record.host_state = record.checkpoint = None
+        self._changed_load()
+
+    def _changed_load(self) -> None:
+        self.load_version += 1
+
+    def _predict(self, plan: WorkerPlan) -> float | None:
+        """The profile's time for the plan: its forwards (one round) and any video decode."""
+        if self._costs is None or not (plan.groups or plan.finish):
             return None
-        if request_id not in worker.residents:
-            raise ValueError(
-                f"worker {worker.slot.worker_id!r} reported request {request_id!r}, "
-                f"which is {record.status.value} on worker {record.worker_id!r}"
-            )
-        return record
+        batches = []
+        for group in plan.groups:
+            specs = [self._requests[rid].spec for rid in group.request_ids]
+            head = specs[0]
+            batches.append(BatchShape(head.model, head.height, head.width, sum(s.rows for s in specs),
+                                      head.num_frames, max(1, len(group.ranks))))
+        total = self._costs.round_seconds(batches) if batches else 0.0
+        for rid in plan.finish:
+            spec = self._requests[rid].spec
+            if spec.is_video:
+                total += self._costs.decode_seconds(spec.model, spec.height, spec.width, spec.num_frames)
+        return total
 
-    def _validate(self, plan: WorkerPlan, worker: _Worker) -> None:
-        name = getattr(self.policy, "name", type(self.policy).__name__)
-        worker_id = worker.slot.worker_id
+    def _calibrate(self, worker: _Worker, sent: _Sent, now: float) -> None:
+        """What the plan cost as the router saw it (from when the worker could start it to its
+        report) against the profile's prediction; the difference is the round trip and the
+        worker's own overheads, which the scheduler then adds to its predictions."""
+        start = sent.sent_at if worker.last_report_at is None else max(sent.sent_at, worker.last_report_at)
+        worker.last_report_at = now
+        observed = now - start
+        worker.service_s = observed if worker.service_s is None else worker.service_s + 0.2 * (
+            observed - worker.service_s)
+        plan = sent.plan
+        if sent.predicted_s is None or plan.admit or plan.export or plan.checkpoint or plan.finish:
+            return  # moving state is not in the profile's numbers: calibrate on plain steps
+        self.overhead.observe(self._kind_of(plan), observed, sent.predicted_s)
 
-        def fail(problem: str) -> PolicyError:
-            return PolicyError(f"policy {name!r}, plan for worker {worker_id!r}: {problem}")
-
-        if not isinstance(plan, WorkerPlan):
-            raise fail(f"expected a WorkerPlan, got {type(plan).__name__}")
-        if plan.worker_id != worker_id:
-            raise fail(f"plan is addressed to worker {plan.worker_id!r}")
-        if plan.drop:
-            raise fail(f"drop is router-filled, but the policy set {list(plan.drop)}")
-
-        seen: set[str] = set()
-        for rid in plan.admit:
-            if rid in seen:
-                raise fail(f"admits {rid!r} twice")
-            seen.add(rid)
-            record = self._records.get(rid)
-            if rid not in self._queue or record is None:
-                status = "unknown" if record is None else record.status.value
-                raise fail(f"admits {rid!r}, which is not queued ({status})")
-            if not record.ready:
-                raise fail(f"admits {rid!r}, which is not ready (conditioning still in flight)")
-
-        resident_after = len(worker.residents) + len(plan.admit)
-        if resident_after > worker.slot.max_batch_size:
-            raise fail(
-                f"{resident_after} resident requests after admission exceed "
-                f"max_batch_size {worker.slot.max_batch_size}"
-            )
-
-        stepping: set[str] = set()
-        for index, group in enumerate(plan.groups):
-            if not group:
-                raise fail(f"group {index} is empty")
-            for rid in group:
-                if rid in stepping:
-                    raise fail(f"{rid!r} appears twice in groups")
-                stepping.add(rid)
-                if rid in worker.drops:
-                    raise fail(f"steps {rid!r}, which was cancelled")
-                if rid not in worker.residents and rid not in seen:
-                    raise fail(f"steps {rid!r}, which is not resident on this worker")
-            keys = {self._records[rid].spec.shape_key for rid in group}
-            if len(keys) > 1:
-                raise fail(f"group {index} mixes shape keys {sorted(keys)}")
+    def _kind_of(self, plan: WorkerPlan) -> RequestKind:
+        """Videos' steps are calibrated apart from images' (other shapes, SP all-to-alls)."""
+        for group in plan.groups:
+            record = self._requests.get(group.request_ids[0])
+            if group.ranks or (record is not None and record.spec.is_video):
+                return RequestKind.T2V
+        return RequestKind.T2I

@@ -1,4 +1,4 @@
-"""The application graph: Ingress → Router (→ denoiser workers) → TextEncoder, and VAEDecoder.
+"""The application graph: Ingress → Router (→ denoiser workers) → TextEncoder, VAEDecoder, JobStore.
 
 `build_app(args)` is used from Python and from Serve YAML (`import_path:
 stepserve.deployments.app:build_app`, `args:` holding an `AppConfig`).
@@ -11,15 +11,15 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
-from ..actors.coserve_router import CoServeRouter
-from ..actors.router import Router
-from .config import COSERVE_POLICY, AppConfig, ComponentConfig
-from .ingress import Ingress
-from .text_encoder import TextEncoder
-from .vae_decoder import VAEDecoder
+from stepserve.actors.router import Router, RouterSpec
+from stepserve.deployments.config import AppConfig, ComponentConfig
+from stepserve.deployments.ingress import Ingress
+from stepserve.deployments.job_store import JobStore
+from stepserve.deployments.text_encoder import TextEncoder
+from stepserve.deployments.vae_decoder import VAEDecoder
 
 # Every in-flight image holds a call open on the ingress and the router for its whole life;
-# the router's own queue bound (router.max_queue_len → 429) is what sheds load.
+# admission (router.max_queued_*, shed at the ingress with 429) is what bounds them.
 LONG_CALLS = 100_000
 
 
@@ -44,18 +44,19 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
         num_replicas=vd.num_replicas, max_ongoing_requests=16, ray_actor_options=_actor_options(vd),
     ).bind(image_sources, vd.device, vd.torch_threads)
 
+    # One replica, apart from the router: a router restart loses no finished job.
+    jobs = config.jobs
+    store = serve.deployment(JobStore, name="JobStore").options(
+        num_replicas=1, max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0},
+    ).bind(jobs.ttl_s, jobs.max_bytes, jobs.max_jobs)
+
     rc = config.router
-    options = {"num_replicas": 1, "max_ongoing_requests": LONG_CALLS, "ray_actor_options": {"num_cpus": 0}}
-    if rc.policy == COSERVE_POLICY:
-        router = serve.deployment(CoServeRouter, name="Router").options(**options).bind(
-            sources, config.workers.to_spec(), config.genserve_config(), tuple(rc.profiles),
-            {m.name: m.slo_s for m in config.models}, rc.max_queue_len, text_encoder)
-    else:
-        router = serve.deployment(Router, name="Router").options(**options).bind(
-            sources, config.workers.to_spec(), rc.policy, rc.policy_options, rc.max_queue_len, text_encoder,
-            rc.pipeline_depth)
+    spec = RouterSpec(rc.policy, config.policy_options(), tuple(rc.profiles), rc.core_config())
+    router = serve.deployment(Router, name="Router").options(
+        num_replicas=1, max_ongoing_requests=LONG_CALLS, ray_actor_options={"num_cpus": 0},
+    ).bind(sources, config.workers.to_spec(), spec, text_encoder, vae_decoder, store)
 
     ing = config.ingress
     return serve.deployment(Ingress, name="Ingress").options(
         num_replicas=ing.num_replicas, max_ongoing_requests=LONG_CALLS, ray_actor_options=_actor_options(ing),
-    ).bind(config, router, vae_decoder)
+    ).bind(config, router, store, text_encoder)

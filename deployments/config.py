@@ -10,12 +10,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..actors.pool import WorkerPoolSpec
-from ..engine.families import FAMILIES, ModelSource
-from ..policies.genserve import GenServeConfig
-
-# The router.policy that deploys the image + video co-serving router instead of `Router`.
-COSERVE_POLICY = "genserve"
+from stepserve.actors.pool import WorkerPoolSpec
+from stepserve.actors.router_core import CoreConfig
+from stepserve.engine.families import FAMILIES, ModelSource, family_class
+from stepserve.policies import needs_costs
+from stepserve.policies.registry import validate_policy
+from stepserve.policies.types import RequestKind
 
 
 class _Strict(BaseModel):
@@ -45,8 +45,8 @@ class ModelConfig(_Strict):
     default_guidance_scale: float = Field(default=7.5, ge=0, description="guidance_scale when omitted.")
     slo_s: float | None = Field(
         default=None, gt=0,
-        description="Latency objective of this model's requests in seconds from arrival; the 'genserve' "
-                    "policy schedules against it (None: best effort, after everything with an SLO).",
+        description="Latency objective of this model's requests in seconds from arrival; SLO-aware policies "
+                    "('genserve') schedule against it (None: best effort, after everything with an SLO).",
     )
     # Video models only (see `is_video`); image models ignore these four.
     default_num_frames: int = Field(
@@ -68,9 +68,13 @@ class ModelConfig(_Strict):
         return self
 
     @property
+    def kind(self) -> RequestKind:
+        """What this model makes, as its family declares it."""
+        return family_class(self.family).kind
+
+    @property
     def is_video(self) -> bool:
-        """Whether this model makes videos: its family can shape one (Wan); the others make images."""
-        return hasattr(FAMILIES[self.family], "video_shape")
+        return self.kind is RequestKind.T2V
 
     def to_source(self) -> ModelSource:
         return ModelSource(
@@ -94,23 +98,80 @@ class WorkersConfig(_Strict):
 class RouterConfig(_Strict):
     policy: str = Field(
         default="continuous",
-        description=f"Scheduling policy name (policies registry), or {COSERVE_POLICY!r}: the image + video "
-                    "co-serving router (GenServe), needed to serve video models.",
+        description="Scheduling policy (a name from the policies registry): 'continuous' (step-level continuous "
+                    "batching), 'static_fcfs', 'dynamic_batching' (request-level baselines) or 'genserve' (SLO-aware "
+                    "image + video co-serving: preemption, knapsack DP, elastic sequence parallelism).",
     )
     policy_options: dict[str, Any] = Field(
         default_factory=dict,
-        description="Options of the policy's config (for 'genserve': GenServeConfig fields, e.g. sp_degrees).",
+        description="Options of the policy's config dataclass (for 'genserve': GenServeConfig fields, e.g. "
+                    "sp_degrees, preemption, dp, elastic_sp, round_s).",
     )
     profiles: list[str] = Field(
         default_factory=list,
-        description="Latency profiles (names in configs/profiles or CSV paths) the 'genserve' policy predicts "
-                    "step times from, covering every served model; required with it.",
+        description="Latency profiles (names in configs/profiles or CSV paths) covering every served model. "
+                    "Required by policies that predict step times ('genserve'); with any policy they also time "
+                    "the pipeline and the decode tail more precisely.",
     )
-    max_queue_len: int = Field(default=256, ge=1, description="Queued requests beyond which new ones get 429.")
+    max_queued_images: int = Field(
+        default=256, ge=1,
+        description="Image requests waiting or being decoded beyond which new ones get 429 (videos have their own "
+                    "bound, so a video backlog cannot turn images away).",
+    )
+    max_queued_videos: int = Field(default=64, ge=1, description="The same bound for video jobs.")
+    max_image_queue_wait_s: float | None = Field(
+        default=None, gt=0,
+        description="Reject an image (429) when its predicted queue wait, from the measured completion rate, "
+                    "exceeds this; None: only the count bound applies.",
+    )
+    max_video_queue_wait_s: float | None = Field(default=None, gt=0, description="The same for video jobs.")
     pipeline_depth: int = Field(
         default=2, ge=1, le=4,
         description="Plans queued per worker: 2 hides the router round trip; 1 is strict lockstep.",
     )
+    pipeline_lead_s: float = Field(
+        default=0.05, ge=0,
+        description="How long before a worker's current plan is predicted to end its next one is decided: long "
+                    "enough to hide the round trip, short enough that the decision sees fresh state.",
+    )
+    checkpoint_interval_s: float | None = Field(
+        default=10.0, ge=0,
+        description="A running request's state is copied to host memory at most this often, so a worker fault "
+                    "costs at most this much of its work; None: never (it restarts from step 0).",
+    )
+    max_recoveries: int = Field(default=3, ge=0, description="Worker faults one request survives before it fails.")
+
+    @model_validator(mode="after")
+    def _check_policy(self) -> "RouterConfig":
+        try:
+            validate_policy(self.policy, self.policy_options)
+        except ValueError as exc:
+            raise ValueError(f"router: {exc}") from None
+        if needs_costs(self.policy) and not self.profiles:
+            raise ValueError(f"router.policy {self.policy!r} predicts step times: it needs router.profiles")
+        return self
+
+    def core_config(self) -> CoreConfig:
+        return CoreConfig(
+            pipeline_depth=self.pipeline_depth, pipeline_lead_s=self.pipeline_lead_s,
+            max_queued={RequestKind.T2I: self.max_queued_images, RequestKind.T2V: self.max_queued_videos},
+            max_wait_s={RequestKind.T2I: self.max_image_queue_wait_s, RequestKind.T2V: self.max_video_queue_wait_s},
+            checkpoint_interval_s=self.checkpoint_interval_s, max_recoveries=self.max_recoveries)
+
+
+class JobsConfig(_Strict):
+    ttl_s: float = Field(
+        default=3600.0, gt=0,
+        description="Seconds a finished video job (completed, failed or cancelled) and an idempotent image result "
+                    "are kept after they end; afterwards they read as not found (404).")
+    max_bytes: int = Field(
+        default=2 << 30, ge=1,
+        description="Bytes of finished videos' frames and remembered image responses held by the job store; the "
+                    "oldest finished go first. A single video larger than this fails with 'result_too_large'.")
+    max_jobs: int = Field(
+        default=10_000, ge=1,
+        description="Video job records kept; the oldest finished are dropped for new ones, and a create when every "
+                    "record is still live gets 429.")
 
 
 class ComponentConfig(_Strict):
@@ -137,17 +198,21 @@ class LimitsConfig(_Strict):
 class AppConfig(_Strict):
     models: list[ModelConfig] = Field(min_length=1, description="Served models; the first is the default.")
     workers: WorkersConfig = Field(default_factory=WorkersConfig, description="Denoiser worker pool.")
-    router: RouterConfig = Field(default_factory=RouterConfig, description="Queue and scheduling policy.")
+    router: RouterConfig = Field(default_factory=RouterConfig, description="Queues and the scheduling policy.")
     text_encoder: TextEncoderConfig = Field(default_factory=TextEncoderConfig, description="Text encoder.")
-    vae_decoder: ComponentConfig = Field(default_factory=ComponentConfig, description="VAE decode + PNG.")
+    vae_decoder: ComponentConfig = Field(default_factory=ComponentConfig, description="VAE decode + PNG (images).")
     ingress: ComponentConfig = Field(default_factory=ComponentConfig, description="HTTP/handle ingress.")
+    jobs: JobsConfig = Field(default_factory=JobsConfig, description="Video job store: retention and byte budget.")
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Request validation limits.")
     api_keys: list[str] = Field(
-        default_factory=list, description="Accepted bearer tokens; empty (and no api_keys_env) means auth is off."
-    )
+        default_factory=list,
+        description="Accepted bearer tokens; with any key (here or in api_keys_env) every route but /health needs "
+                    "one. Empty (and no api_keys_env) means auth is off.")
     api_keys_env: str | None = Field(
-        default=None, description="Environment variable holding comma-separated bearer tokens (read at start)."
-    )
+        default=None, description="Environment variable holding comma-separated bearer tokens (read at start).")
+    metrics_api_keys: list[str] = Field(
+        default_factory=list,
+        description="Tokens for GET /metrics only (e.g. a Prometheus scraper's); empty: /metrics takes api_keys.")
 
     @field_validator("models")
     @classmethod
@@ -157,33 +222,39 @@ class AppConfig(_Strict):
             raise ValueError(f"model names must be unique: {names}")
         return models
 
+    @field_validator("api_keys", "metrics_api_keys")
+    @classmethod
+    def _no_empty_keys(cls, keys: list[str]) -> list[str]:
+        # An empty token would let every request with "Authorization: Bearer " through.
+        if any(not k.strip() for k in keys):
+            raise ValueError("API keys must not be empty or blank")
+        return keys
+
     @model_validator(mode="after")
-    def _check_router(self) -> "AppConfig":
-        videos = [m.name for m in self.models if m.is_video]
-        if videos and self.router.policy != COSERVE_POLICY:
-            raise ValueError(f"video models {videos} need router.policy {COSERVE_POLICY!r} (the co-serving router)")
-        if self.router.policy == COSERVE_POLICY:
-            if not self.router.profiles:
-                raise ValueError(f"router.policy {COSERVE_POLICY!r} needs router.profiles (latency profiles)")
-            self.genserve_config()  # unknown or bad options fail here, at deploy time
+    def _check_keys(self) -> "AppConfig":
+        if self.api_keys_env and not self.resolved_api_keys(only_env=True):
+            raise ValueError(f"api_keys_env names {self.api_keys_env!r}, which is unset or holds no keys here: "
+                             "refusing to start with auth configured but no key to check")
+        if self.metrics_api_keys and not (self.api_keys or self.api_keys_env):
+            raise ValueError("metrics_api_keys without api_keys would leave every other route open")
         return self
 
-    def genserve_config(self) -> GenServeConfig:
-        options = {"image_max_batch": self.workers.max_batch_size, **self.router.policy_options}
-        if "sp_degrees" in options:
-            options["sp_degrees"] = tuple(options["sp_degrees"])
-        try:
-            return GenServeConfig(**options)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"router.policy_options for {COSERVE_POLICY!r}: {exc}") from None
+    def policy_options(self) -> dict[str, Any]:
+        """The policy's options as the router builds it (GenServe batches up to the workers' cap)."""
+        options = dict(self.router.policy_options)
+        if self.router.policy == "genserve":
+            options.setdefault("image_max_batch", self.workers.max_batch_size)
+            if "sp_degrees" in options:
+                options["sp_degrees"] = tuple(options["sp_degrees"])
+        return options
 
     def model(self, name: str | None) -> ModelConfig | None:
         if name is None:
             return self.models[0]
         return next((m for m in self.models if m.name == name), None)
 
-    def resolved_api_keys(self) -> tuple[str, ...]:
-        keys = list(self.api_keys)
+    def resolved_api_keys(self, only_env: bool = False) -> tuple[str, ...]:
+        keys = [] if only_env else list(self.api_keys)
         if self.api_keys_env:
             keys += [k.strip() for k in os.environ.get(self.api_keys_env, "").split(",") if k.strip()]
         return tuple(keys)

@@ -1,15 +1,17 @@
-"""The HTTP/handle ingress: validates, fans a request out to the router, decodes, answers.
+"""The HTTP/handle ingress: authenticates, reads and validates requests, admits them at the edge,
+and hands them to the images and video-jobs services.
 
-Routes: POST /v1/images/generations, POST /v1/videos, GET /v1/videos/{id}, GET /v1/videos/{id}/content,
-GET /v1/models, GET /health, GET /ready, GET /metrics. Handle callers use `generate(request)`,
-`progress(request_id)`, `create_video(request)`, `get_video(id)` and `video_content(id)` with the same types.
+Routes: POST /v1/images/generations; POST /v1/videos, GET /v1/videos (list), GET/DELETE
+/v1/videos/{id}, POST /v1/videos/{id}/cancel, GET /v1/videos/{id}/content; GET /v1/models,
+/health, /ready, /metrics. Handle callers use the methods below with the same request types.
+Every error is the OpenAI error shape with an `x-request-id` header (and `retry-after` on 429
+and 503); a 500 body names the request id and nothing else (the details go to the log).
 """
 
 # No `from __future__ import annotations` here: FastAPI must see real annotations on the route
 # methods that `serve.ingress` wraps, or it mistakes `request: Request` for a query parameter.
 
 import asyncio
-import base64
 import hmac
 import json
 import logging
@@ -18,39 +20,48 @@ import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from ray import serve
 
-from ..actors.router import RequestCancelledError, RequestFailedError
-from ..actors.router_core import DuplicateRequestError, QueueFullError
-from .config import AppConfig
-from .errors import APIError, invalid
-from .protocol import ImageGenerationRequest
-from .validation import to_specs
-from .video_encoding import FORMAT_HEADER
-from .video_validation import VideoCreateRequest
-from .videos import VideoJobs, is_form, read_form
+from stepserve.deployments.config import AppConfig
+from stepserve.deployments.edge import AdmissionGate, as_api_error, mapped
+from stepserve.deployments.errors import APIError, invalid, server_error
+from stepserve.deployments.images import ImageRequests, request_id_for
+from stepserve.deployments.protocol import ImageGenerationRequest
+from stepserve.deployments.video_encoding import FORMAT_HEADER
+from stepserve.deployments.video_validation import VideoCreateRequest
+from stepserve.deployments.videos import VideoJobs, is_form, read_form
 
 logger = logging.getLogger("stepserve.ingress")
+
+READY_TIMEOUT_S = 5.0
+IDEMPOTENCY_HEADER = "idempotency-key"
+MAX_IDEMPOTENCY_KEY = 256
 
 api = FastAPI(title="stepserve", description="Diffusion serving scheduled by the denoising step.")
 
 
 @api.exception_handler(APIError)
 async def _on_api_error(_: Request, exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
+
+
+@api.exception_handler(RequestValidationError)
+async def _on_bad_parameter(_: Request, exc: RequestValidationError) -> JSONResponse:
+    # FastAPI's own 422 for a query parameter of the wrong type, in the OpenAI shape instead.
+    first = exc.errors()[0]
+    param = str(first["loc"][-1]) if first.get("loc") else None
+    error = invalid(param, f"{param}: {first['msg']}")
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
 
 
 @api.exception_handler(Exception)
 async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
-    logger.exception("unhandled error")
-    return JSONResponse(APIError(500, "internal server error", code="internal_error").body(), status_code=500)
-
-
-async def read_json(request: Request, limit: int) -> Any:
-    """The body as JSON, refusing more than `limit` bytes before reading them all."""
-    return parse_json(await read_body(request, limit))
+    error = server_error(f"req-{uuid.uuid4().hex}")
+    logger.error("unhandled error (request id %s)", error.request_id, exc_info=exc)
+    return JSONResponse(error.body(), status_code=500, headers=error.headers())
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -73,25 +84,13 @@ def parse_json(body: bytes) -> Any:
         raise invalid(None, "request body is not valid JSON", code="invalid_json") from None
 
 
-def _as_api_error(exc: BaseException) -> BaseException:
-    """Router outcomes as API errors; anything else (e.g. CancelledError) passes unchanged."""
-    if isinstance(exc, QueueFullError):
-        return APIError(429, "the server is at capacity; retry later", code="queue_full", type="rate_limit_error")
-    if isinstance(exc, RequestFailedError):
-        return APIError(500, f"generation failed: {exc}", code="generation_failed")
-    if isinstance(exc, RequestCancelledError):
-        return APIError(409, str(exc), code="cancelled")
-    if isinstance(exc, DuplicateRequestError):
-        return APIError(409, str(exc), param="request_id", code="duplicate_request_id")
-    return exc
-
-
-async def _mapped(call: Any) -> Any:
-    """Await `call`, turning router exceptions into API errors as `generate` does."""
-    try:
-        return await call
-    except BaseException as exc:
-        raise _as_api_error(exc) from None
+def idempotency_key(request: Request) -> str | None:
+    key = request.headers.get(IDEMPOTENCY_HEADER)
+    if key is None:
+        return None
+    if not key.strip() or len(key) > MAX_IDEMPOTENCY_KEY:
+        raise invalid("Idempotency-Key", f"Idempotency-Key must be 1 to {MAX_IDEMPOTENCY_KEY} characters")
+    return key
 
 
 class HTTPMetrics:
@@ -106,125 +105,171 @@ class HTTPMetrics:
 
 @serve.ingress(api)
 class Ingress:
-    def __init__(self, config: AppConfig, router: Any, vae_decoder: Any):
+    def __init__(self, config: AppConfig, router: Any, store: Any, text_encoder: Any):
         self.config = config
         self.router = router
-        self.vae_decoder = vae_decoder
+        self.text_encoder = text_encoder
         self.api_keys = config.resolved_api_keys()
+        if config.api_keys_env and not self.api_keys:
+            raise RuntimeError(f"{config.api_keys_env} holds no API keys in this replica: refusing to serve openly")
+        self.metrics_keys = tuple(config.metrics_api_keys) or self.api_keys
         self.http = HTTPMetrics()
-        self.videos = VideoJobs(config, router)
+        gate = AdmissionGate(router)
+        self.images = ImageRequests(config, router, store, gate)
+        self.videos = VideoJobs(config, router, store, gate)
 
     # -- handle API ----------------------------------------------------------------------
 
     async def generate(self, request: ImageGenerationRequest | dict, request_id: str | None = None) -> dict:
-        """Generate images; returns the OpenAI images response body. Raises APIError."""
-        specs = to_specs(request, self.config, request_id or f"img-{uuid.uuid4().hex}")
-        try:
-            latents = await asyncio.gather(*(self.router.submit.remote(spec) for spec in specs))
-        except BaseException as exc:
-            # Free the siblings of a failed or abandoned request; but a duplicate id belongs to
-            # another caller's live request, which must not be cancelled.
-            if not isinstance(exc, DuplicateRequestError):
-                for spec in specs:
-                    self.router.cancel.remote(spec.request_id)
-            raise _as_api_error(exc) from None
-        pngs = await asyncio.gather(
-            *(self.vae_decoder.decode_png.remote(spec.model, lat) for spec, lat in zip(specs, latents))
-        )
-        return {
-            "created": int(time.time()),
-            "data": [{"b64_json": base64.b64encode(png).decode(), "seed": spec.seed} for spec, png in zip(specs, pngs)],
-        }
+        """Generate images; returns the OpenAI images response body. `request_id`: a client id
+        that makes retries idempotent and names the request for `progress`/`cancel`."""
+        return await self.images.generate(request, request_id)
 
     async def progress(self, request_id: str) -> dict | None:
-        """{status, steps_done, steps_total} while the request is known to the router, else None."""
-        return await self.router.progress.remote(request_id)
+        """{status, steps_done, steps_total, ...} of the request `generate` got this id for."""
+        return await self.router.progress.remote(request_id_for(request_id))
 
     async def cancel(self, request_id: str) -> bool:
-        return await self.router.cancel.remote(request_id)
+        rid = request_id_for(request_id)
+        siblings = [rid] + [f"{rid}-{i}" for i in range(self.config.limits.max_n)]
+        return any(await asyncio.gather(*(self.router.cancel.remote(r) for r in siblings)))
 
-    async def create_video(self, request: VideoCreateRequest | dict) -> dict:
-        """Queue a video job; returns the OpenAI video object at once (poll `get_video`). Raises APIError."""
-        return await _mapped(self.videos.create(request))
+    async def create_video(self, request: VideoCreateRequest | dict, idempotency_key: str | None = None) -> dict:
+        """Queue a video job; returns the OpenAI video object at once (poll `get_video`)."""
+        return await self.videos.create(request, idempotency_key)
 
     async def get_video(self, video_id: str) -> dict:
-        """The OpenAI video object: status, progress (0-100), steps_done/steps_total. Raises APIError (404)."""
-        return await _mapped(self.videos.get(video_id))
+        return await self.videos.get(video_id)
 
-    async def video_content(self, video_id: str) -> bytes:
-        """The finished video as MP4 bytes (a ZIP of PNGs if PyAV is missing). Raises APIError (404, 409)."""
-        return (await _mapped(self.videos.content(video_id))).data
+    async def list_videos(self, after: str | None = None, limit: int = 20, order: str = "desc") -> dict:
+        return await self.videos.page(after, limit, order)
+
+    async def cancel_video(self, video_id: str) -> dict:
+        return await self.videos.cancel(video_id)
+
+    async def delete_video(self, video_id: str) -> dict:
+        return await self.videos.delete(video_id)
+
+    async def video_content(self, video_id: str, variant: str = "video") -> bytes:
+        """The finished video as MP4 bytes (a ZIP of PNGs if PyAV is missing, or with variant='frames')."""
+        return (await self.videos.content(video_id, variant)).data
 
     # -- HTTP ----------------------------------------------------------------------------
 
     @api.post("/v1/images/generations")
-    async def http_generate(self, request: Request) -> JSONResponse:
-        async def handle() -> JSONResponse:
+    async def http_generate(self, request: Request) -> Response:
+        async def handle() -> Response:
             self._authorize(request)
-            payload = await read_json(request, self.config.limits.max_body_bytes)
-            return JSONResponse(await self.generate(payload))
+            key = idempotency_key(request)
+            payload = parse_json(await read_body(request, self.config.limits.max_body_bytes))
+            return JSONResponse(await self.generate(payload, key))
 
         return await self._observed("/v1/images/generations", handle)
 
     @api.post("/v1/videos")
-    async def http_create_video(self, request: Request) -> JSONResponse:
-        async def handle() -> JSONResponse:
+    async def http_create_video(self, request: Request) -> Response:
+        async def handle() -> Response:
             self._authorize(request)
+            key = idempotency_key(request)
             body = await read_body(request, self.config.limits.max_body_bytes)
             # OpenAI's clients send this route multipart/form-data; curl users send JSON.
             payload = await read_form(request, body) if is_form(request) else parse_json(body)
-            return JSONResponse(await self.create_video(payload))
+            return JSONResponse(await self.create_video(payload, key))
 
         return await self._observed("/v1/videos", handle)
 
+    @api.get("/v1/videos")
+    async def http_list_videos(self, request: Request, after: str | None = None, limit: int = 20,
+                               order: str = "desc") -> Response:
+        async def handle() -> Response:
+            self._authorize(request)
+            return JSONResponse(await self.list_videos(after, limit, order))
+
+        return await self._observed("/v1/videos:list", handle)
+
     @api.get("/v1/videos/{video_id}")
-    async def http_get_video(self, video_id: str, request: Request) -> JSONResponse:
-        async def handle() -> JSONResponse:
+    async def http_get_video(self, video_id: str, request: Request) -> Response:
+        async def handle() -> Response:
             self._authorize(request)
             return JSONResponse(await self.get_video(video_id))
 
         return await self._observed("/v1/videos/{video_id}", handle)
 
+    @api.delete("/v1/videos/{video_id}")
+    async def http_delete_video(self, video_id: str, request: Request) -> Response:
+        async def handle() -> Response:
+            self._authorize(request)
+            return JSONResponse(await self.delete_video(video_id))
+
+        return await self._observed("/v1/videos/{video_id}:delete", handle)
+
+    @api.post("/v1/videos/{video_id}/cancel")
+    async def http_cancel_video(self, video_id: str, request: Request) -> Response:
+        async def handle() -> Response:
+            self._authorize(request)
+            return JSONResponse(await self.cancel_video(video_id))
+
+        return await self._observed("/v1/videos/{video_id}/cancel", handle)
+
     @api.get("/v1/videos/{video_id}/content")
     async def http_video_content(self, video_id: str, request: Request, variant: str = "video") -> Response:
         async def handle() -> Response:
             self._authorize(request)
-            video = await _mapped(self.videos.content(video_id, variant))
+            video = await self.videos.content(video_id, variant)
             return Response(video.data, media_type=video.media_type, headers={FORMAT_HEADER: video.format})
 
         return await self._observed("/v1/videos/{video_id}/content", handle)
 
     @api.get("/v1/models")
-    async def http_models(self, request: Request) -> JSONResponse:
-        self._authorize(request)
-        data = [{"id": m.name, "object": "model", "created": 0, "owned_by": "stepserve"} for m in self.config.models]
-        return JSONResponse({"object": "list", "data": data})
+    async def http_models(self, request: Request) -> Response:
+        async def handle() -> Response:
+            self._authorize(request)
+            data = [{"id": m.name, "object": "model", "created": 0, "owned_by": "stepserve", "kind": m.kind.value}
+                    for m in self.config.models]
+            return JSONResponse({"object": "list", "data": data})
+
+        return await self._observed("/v1/models", handle)
 
     @api.get("/health")
     async def http_health(self) -> JSONResponse:
         return JSONResponse({"status": "ok"})
 
     @api.get("/ready")
-    async def http_ready(self) -> JSONResponse:
-        try:
-            await asyncio.wait_for(self.router.ready.remote(), timeout=5.0)
-        except Exception as exc:
-            raise APIError(503, f"not ready: {type(exc).__name__}", code="not_ready") from None
-        return JSONResponse({"status": "ready", **await self.router.stats.remote()})
+    async def http_ready(self, request: Request) -> Response:
+        """200 while at least one denoiser worker serves and the text encoder answers."""
+        async def handle() -> Response:
+            self._authorize(request)
+            rid = f"ready-{uuid.uuid4().hex[:8]}"
+            try:
+                state, _ = await asyncio.wait_for(asyncio.gather(
+                    self.router.readiness.remote(), self.text_encoder.ready.remote()), READY_TIMEOUT_S)
+            except Exception as exc:
+                logger.warning("not ready: %r", exc)
+                raise server_error(rid, "not_ready", "not ready", status=503, retry_after_s=1.0) from None
+            if state["live_workers"] < 1:
+                raise server_error(rid, "not_ready", "no denoiser worker is serving", status=503, retry_after_s=1.0)
+            return JSONResponse({"status": "ready", **state})
+
+        return await self._observed("/ready", handle)
 
     @api.get("/metrics")
-    async def http_metrics(self) -> Response:
-        router_text = await self.router.metrics_text.remote()
+    async def http_metrics(self, request: Request) -> Response:
+        self._authorize(request, self.metrics_keys)
+        router_text = await mapped(self.router.metrics_text.remote(), f"metrics-{uuid.uuid4().hex[:8]}")
         return Response(generate_latest(self.http.registry) + router_text, media_type=CONTENT_TYPE_LATEST)
 
-    def _authorize(self, request: Request) -> None:
-        if not self.api_keys:
+    def _authorize(self, request: Request, keys: tuple[str, ...] | None = None) -> None:
+        keys = self.api_keys if keys is None else keys
+        if not keys:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not any(hmac.compare_digest(token, k) for k in self.api_keys):
+        # Compared as bytes (compare_digest refuses non-ASCII str): the header's own bytes, which
+        # Starlette decoded as latin-1, against the key's UTF-8.
+        given = token.encode("latin-1", "replace")
+        if scheme.lower() != "bearer" or not any(hmac.compare_digest(given, k.encode()) for k in keys):
             raise APIError(401, "missing or invalid API key (Authorization: Bearer <key>)", code="invalid_api_key")
 
-    async def _observed(self, route: str, handle) -> JSONResponse:
+    async def _observed(self, route: str, handle) -> Response:
         start = time.perf_counter()
         code = 500
         try:
@@ -234,6 +279,10 @@ class Ingress:
         except APIError as exc:
             code = exc.status
             raise
+        except Exception as exc:
+            error = as_api_error(exc, f"req-{uuid.uuid4().hex}")
+            code = getattr(error, "status", 500)
+            raise error from None
         finally:
             self.http.requests.labels(route, str(code)).inc()
             self.http.latency.labels(route).observe(time.perf_counter() - start)

@@ -1,18 +1,70 @@
-"""Text encoder deployment: batches prompts across requests and caches embeddings by text."""
+"""Text encoder deployment: batches prompts across requests and caches embeddings by text.
+
+One bad item never fails its batch: a batch that raises is encoded again item by item, and an
+item that still fails raises for its own caller only.
+"""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 from ray import serve
 
-from ..actors.denoiser import resolve_device
-from ..engine.families import TEXT, ModelSource, load_family
-from ..engine.text_encoding import CachedTextEncoder
+from stepserve.actors.denoiser import resolve_device
+from stepserve.engine.families import TEXT, ModelSource, load_family
+from stepserve.engine.text_encoding import CachedTextEncoder
 
 Embeddings = tuple[np.ndarray, np.ndarray | None]  # (prompt [1, seq, dim], negative or None)
+Item = tuple[str, str, str | None]  # (model, prompt, negative prompt or None: no CFG)
+
+# Serve writes the "ray.serve" logger to the replica's log, tagged with the request id.
+logger = logging.getLogger("ray.serve")
+
+
+def encode_items(encoder: CachedTextEncoder, items: Sequence[Item]) -> list[Embeddings | Exception]:
+    """One result per item, in order: its embeddings, or the exception encoding it alone raised.
+
+    Each model's items are encoded in one batch; if that raises, each item is encoded alone, so
+    only the items that fail by themselves get an exception.
+    """
+    out: list[Embeddings | Exception | None] = [None] * len(items)
+    for model in dict.fromkeys(m for m, _, _ in items):
+        idx = [i for i, item in enumerate(items) if item[0] == model]
+        for i, result in zip(idx, _encode_group(encoder, model, [items[i] for i in idx])):
+            out[i] = result
+    return out
+
+
+def _encode_group(encoder: CachedTextEncoder, model: str, group: Sequence[Item]) -> list[Embeddings | Exception]:
+    try:
+        return _encode_together(encoder, model, group)
+    except Exception as exc:
+        if len(group) == 1:  # its error is its own: encoding it again would only fail again
+            logger.exception("text encoding failed for one item of model %r", model)
+            return [exc]
+        logger.warning("text encoding failed for a batch of %d items of model %r; retrying them one by one",
+                       len(group), model, exc_info=True)
+    # Outside the `except`, so an item's own error does not carry the batch's as its context.
+    return [_encode_alone(encoder, model, item) for item in group]
+
+
+def _encode_together(encoder: CachedTextEncoder, model: str, group: Sequence[Item]) -> list[Embeddings]:
+    texts = [prompt for _, prompt, _ in group] + [neg for _, _, neg in group if neg is not None]
+    embeds = iter(encoder.encode(model, texts))
+    conds = [next(embeds) for _ in group]
+    return [(cond, next(embeds) if neg is not None else None) for cond, (_, _, neg) in zip(conds, group)]
+
+
+def _encode_alone(encoder: CachedTextEncoder, model: str, item: Item) -> Embeddings | Exception:
+    try:
+        (result,) = _encode_together(encoder, model, [item])
+    except Exception as exc:
+        logger.exception("text encoding failed for one item of model %r (encoded alone)", model)
+        return exc
+    return result
 
 
 class TextEncoder:
@@ -27,19 +79,20 @@ class TextEncoder:
 
     async def encode(self, model: str, prompt: str, negative_prompt: str | None) -> Embeddings:
         """Negative prompt None means no CFG: only the prompt is encoded."""
-        return await self._encode_batch((model, prompt, negative_prompt))
+        result = await self._encode_batch((model, prompt, negative_prompt))
+        # serve.batch fails every caller of a batch that raises, but hands a returned exception to
+        # its own caller as a plain value: raising it here fails this request alone.
+        if isinstance(result, Exception):
+            raise result
+        return result
 
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.002)
-    async def _encode_batch(self, items: list[tuple[str, str, str | None]]) -> list[Embeddings]:
-        out: list[Embeddings | None] = [None] * len(items)
-        for model in dict.fromkeys(m for m, _, _ in items):
-            idx = [i for i, item in enumerate(items) if item[0] == model]
-            texts = [items[i][1] for i in idx] + [items[i][2] for i in idx if items[i][2] is not None]
-            embeds = iter(self.encoder.encode(model, texts))
-            conds = [next(embeds) for _ in idx]
-            for i, cond in zip(idx, conds):
-                out[i] = (cond, next(embeds) if items[i][2] is not None else None)
-        return out
+    async def _encode_batch(self, items: list[Item]) -> list[Embeddings | Exception]:
+        return encode_items(self.encoder, items)
+
+    async def ready(self) -> bool:
+        """A replica answers only once its constructor, which loads the models, has finished."""
+        return True
 
     def cache_stats(self) -> dict[str, int]:
         return {"hits": self.encoder.hits, "misses": self.encoder.misses}

@@ -11,14 +11,17 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from ..policies.types import RequestSpec
-from .config import AppConfig, LimitsConfig, ModelConfig
-from .errors import APIError, invalid
-from .protocol import ImageGenerationRequest
+from stepserve.deployments.config import AppConfig, LimitsConfig, ModelConfig
+from stepserve.deployments.errors import APIError, invalid
+from stepserve.deployments.protocol import ImageGenerationRequest
+from stepserve.engine.families import family_class
+from stepserve.policies.types import RequestSpec
 
 SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
 MAX_SEED = 2**63 - 1
-VAE_MULTIPLE = 8  # SD-class VAEs downscale 8x; sizes must divide evenly
+# C0 controls but tab, LF and CR: invisible, never part of a real prompt, and NUL cuts text short
+# wherever it reaches C strings (native libraries, log pipelines).
+CONTROL_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f]")
 Body = TypeVar("Body", bound=BaseModel)
 
 
@@ -38,10 +41,11 @@ def parse_body(payload: object, schema: type[Body]) -> Body:
         first = exc.errors()[0]
         param = ".".join(str(p) for p in first["loc"]) or None
         message = "unknown field" if first["type"] == "extra_forbidden" else first["msg"]
-        raise invalid(param, f"{param}: {message}") from None
+        raise invalid(param, f"{param}: {message}" if param else message) from None
 
 
-def parse_size(size: str | None, model: ModelConfig, multiple: int = VAE_MULTIPLE) -> tuple[int, int]:
+def parse_size(size: str | None, model: ModelConfig, multiple: int) -> tuple[int, int]:
+    """`multiple`: the family's `size_multiple` (its VAE downscale, times its patch size for DiTs)."""
     text = model.default_size if size in (None, "auto") else size
     match = SIZE.match(text)
     if not match:
@@ -58,12 +62,30 @@ def parse_size(size: str | None, model: ModelConfig, multiple: int = VAE_MULTIPL
 
 
 def check_prompts(req: Any, limits: LimitsConfig) -> None:
-    """The prompt is not blank, and neither it nor the negative prompt is over the limit."""
+    """The prompt is not blank; it and the negative prompt are within the limit and clean text."""
     if not req.prompt.strip():
         raise invalid("prompt", "prompt must not be empty")
     for name, text in (("prompt", req.prompt), ("negative_prompt", req.negative_prompt or "")):
         if len(text) > limits.max_prompt_chars:
             raise invalid(name, f"{name} is longer than {limits.max_prompt_chars} characters")
+        check_text(name, text)
+
+
+def check_text(name: str, text: str) -> None:
+    """`text` encodes as UTF-8 and holds no control character but tab, newline and CR.
+
+    JSON's "\\ud800" parses to a str with a lone surrogate, which passes pydantic but makes the
+    text encoder's tokenizer raise, failing every request batched with it; it must stop here.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:  # UTF-8 encodes every code point but the surrogates
+        raise invalid(name, f"{name} contains an unpaired surrogate (U+{ord(text[exc.start]):04X}) at "
+                            f"character {exc.start}; send valid Unicode text") from None
+    control = CONTROL_CHARS.search(text)
+    if control:
+        raise invalid(name, f"{name} contains the control character U+{ord(control.group()):04X} at character "
+                            f"{control.start()}; only tab, newline and carriage return are allowed")
 
 
 def sampling_settings(req: Any, model: ModelConfig, limits: LimitsConfig) -> tuple[int, float]:
@@ -77,7 +99,8 @@ def sampling_settings(req: Any, model: ModelConfig, limits: LimitsConfig) -> tup
     return steps, guidance
 
 
-def to_specs(payload: object, config: AppConfig, request_id: str) -> list[RequestSpec]:
+def to_specs(payload: object, config: AppConfig, request_id: str, default_seed: int | None = None) -> list[RequestSpec]:
+    """`default_seed`: the seed when the body has none (an idempotent retry must draw the same)."""
     req = parse_request(payload)
     limits = config.limits
     # Without `model`, the first image model: the first configured one may make videos.
@@ -96,15 +119,18 @@ def to_specs(payload: object, config: AppConfig, request_id: str) -> list[Reques
     if not 1 <= req.n <= limits.max_n:
         raise invalid("n", f"n must be between 1 and {limits.max_n}")
     steps, guidance = sampling_settings(req, model, limits)
-    seed = secrets.randbelow(2**31) if req.seed is None else req.seed
+    if req.seed is not None:
+        seed = req.seed
+    else:
+        seed = secrets.randbelow(2**31) if default_seed is None else default_seed
     if not 0 <= seed <= MAX_SEED - req.n:
         raise invalid("seed", f"seed must be between 0 and {MAX_SEED - req.n}")
-    width, height = parse_size(req.size, model)
+    width, height = parse_size(req.size, model, family_class(model.family).size_multiple)
     return [
         RequestSpec(
             request_id=request_id if req.n == 1 else f"{request_id}-{i}", model=model.name, prompt=req.prompt,
             negative_prompt=req.negative_prompt or "", width=width, height=height, num_inference_steps=steps,
-            guidance_scale=guidance, seed=seed + i,
+            guidance_scale=guidance, seed=seed + i, slo_s=model.slo_s,
         )
         for i in range(req.n)
     ]

@@ -1,4 +1,4 @@
-"""Turns a `POST /v1/videos` body into a validated `VideoSpec`, or a 4xx naming the field.
+"""Turns a `POST /v1/videos` body into a validated video `RequestSpec`, or a 4xx naming the field.
 
 The body follows OpenAI's Videos API (`model`, `prompt`, `size`, `seconds`) plus the extensions
 stepserve's image API has (`negative_prompt`, `num_inference_steps`, `guidance_scale`, `seed`)
@@ -21,10 +21,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ..engine.video_sampler import VideoSpec
-from .config import AppConfig, ModelConfig
-from .errors import APIError, invalid
-from .validation import MAX_SEED, check_prompts, parse_body, parse_size, sampling_settings
+from stepserve.deployments.config import AppConfig, ModelConfig
+from stepserve.deployments.errors import APIError, invalid
+from stepserve.deployments.validation import MAX_SEED, check_prompts, parse_body, parse_size, sampling_settings
+from stepserve.engine.families import family_class
+from stepserve.policies.types import RequestKind, RequestSpec
 
 VIDEO_ID = re.compile(r"^video_[0-9a-f]{32}$")
 
@@ -87,11 +88,10 @@ class VideoGrid:
         return 1 + self.frame_step * max(k, 0)
 
 
-# Per video family, read off the family's own shape rules, which need no weights to state:
-# `WanFamily.video_shape` refuses sides not divisible by 16 (VAE 8x times patch 2) and rounds
-# frames to 4k+1 (4x temporal VAE). tests/cpu/deployments/test_video_validation.py checks this
-# table against a loaded tiny Wan, and that every video family has an entry.
-VIDEO_GRIDS: dict[str, VideoGrid] = {"wan": VideoGrid(size_multiple=16, frame_step=4)}
+def video_grid(family: str) -> VideoGrid:
+    """The frame and size grid a video family declares on its class (`size_multiple`, `frame_step`)."""
+    cls = family_class(family)
+    return VideoGrid(size_multiple=cls.size_multiple, frame_step=cls.frame_step)
 
 
 def new_video_id() -> str:
@@ -139,11 +139,13 @@ def frame_count(req: VideoCreateRequest, model: ModelConfig, grid: VideoGrid, fp
     return n if n <= limit else n - grid.frame_step
 
 
-def to_video_spec(payload: object, config: AppConfig, video_id: str | None = None) -> VideoSpec:
+def to_video_spec(payload: object, config: AppConfig, video_id: str | None = None,
+                  default_seed: int | None = None) -> RequestSpec:
+    """`default_seed`: the seed when the body has none (an idempotent retry must draw the same)."""
     req = parse_body(payload, VideoCreateRequest)
     limits = config.limits
     model = video_model(req.model, config)
-    grid = VIDEO_GRIDS[model.family]
+    grid = video_grid(model.family)
     if req.input_reference is not None:
         raise invalid("input_reference", "input_reference (image-to-video) is not supported", code="unsupported_value")
     check_prompts(req, limits)
@@ -152,12 +154,15 @@ def to_video_spec(payload: object, config: AppConfig, video_id: str | None = Non
         raise invalid("fps", f"fps must be between 1 and {model.max_fps}")
     num_frames = frame_count(req, model, grid, fps)
     steps, guidance = sampling_settings(req, model, limits)
-    seed = secrets.randbelow(2**31) if req.seed is None else req.seed
+    if req.seed is not None:
+        seed = req.seed
+    else:
+        seed = secrets.randbelow(2**31) if default_seed is None else default_seed
     if not 0 <= seed <= MAX_SEED:
         raise invalid("seed", f"seed must be between 0 and {MAX_SEED}")
     width, height = parse_size(req.size, model, multiple=grid.size_multiple)
-    return VideoSpec(
+    return RequestSpec(
         request_id=video_id or new_video_id(), model=model.name, prompt=req.prompt, width=width, height=height,
-        num_frames=num_frames, num_inference_steps=steps, guidance_scale=guidance, seed=seed, fps=fps,
-        negative_prompt=req.negative_prompt or "",
+        num_inference_steps=steps, guidance_scale=guidance, seed=seed, negative_prompt=req.negative_prompt or "",
+        kind=RequestKind.T2V, num_frames=num_frames, fps=fps, slo_s=model.slo_s,
     )

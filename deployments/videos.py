@@ -1,19 +1,16 @@
-"""The `/v1/videos` job API behind the ingress: create a job, poll it, download the file.
+"""The `/v1/videos` job API behind the ingress: create, poll, list, cancel, delete, download.
 
-Shared by the HTTP routes and the DeploymentHandle methods of `Ingress`, which map router
-exceptions (queue full, duplicate id) to API errors; this module raises `APIError` for the rest.
-It talks to the router only through `submit_video`, `video_status` and `video_frames`.
-
-The router's status carries no request fields, so the ingress remembers the spec of each job it
-created (bounded, most recent first); a job created through another ingress replica, or
-forgotten here, is still served, with `model`, `size`, `seconds`, `prompt` null and the file
-encoded at the spec's default frame rate.
+Shared by the HTTP routes and the DeploymentHandle methods of `Ingress`. The job store holds
+every job's record (and a finished job's frames) under a TTL and a byte budget; the router
+knows a live job's progress. A job's status is the store's once it ended, else the router's:
+queued while it waits for a worker, in progress from its first step to its stored result.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
+import hashlib
+import json
 import time
 from collections import OrderedDict
 from typing import Any
@@ -21,107 +18,176 @@ from typing import Any
 from starlette.datastructures import UploadFile
 from starlette.requests import Request
 
-from ..engine.video_sampler import VideoSpec
-from .config import AppConfig
-from .errors import APIError, invalid
-from .video_encoding import EncodedVideo, encode_video, png_zip
-from .video_validation import VIDEO_ID, VideoCreateRequest, to_video_spec
-
-logger = logging.getLogger("stepserve.videos")
+from stepserve.deployments.config import AppConfig
+from stepserve.deployments.edge import AdmissionGate, as_api_error, mapped
+from stepserve.deployments.errors import APIError, invalid
+from stepserve.deployments.jobs import JobRecord
+from stepserve.deployments.video_encoding import EncodedVideo, encode_video, png_zip
+from stepserve.deployments.video_validation import VIDEO_ID, VideoCreateRequest, parse_body, to_video_spec
+from stepserve.policies.types import RequestKind, RequestSpec
 
 FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
 MAX_FORM_FIELDS = 64
+MAX_PAGE = 100
 
 
 class VideoJobs:
-    def __init__(self, config: AppConfig, router: Any, max_specs: int = 4096, max_files: int = 4):
+    def __init__(self, config: AppConfig, router: Any, store: Any, gate: AdmissionGate, max_files: int = 4):
         self.config = config
         self.router = router
-        self.max_specs = max_specs
+        self.store = store
+        self.gate = gate
         self.max_files = max_files
-        self._specs: OrderedDict[str, VideoSpec] = OrderedDict()
         # Encoded files of the last few completed jobs: a client (or a browser's <video>) may
         # fetch the content more than once, and encoding costs seconds of ingress CPU.
         self._files: OrderedDict[str, EncodedVideo] = OrderedDict()
 
-    async def create(self, payload: VideoCreateRequest | dict) -> dict[str, Any]:
-        spec = to_video_spec(payload, self.config)
-        await self.router.submit_video.remote(spec)  # returns once queued; may raise QueueFullError
-        _remember(self._specs, spec.request_id, spec, self.max_specs)
-        status = await self.router.video_status.remote(spec.request_id)
-        return video_object(spec.request_id, spec, status or _queued(spec))
+    async def create(self, payload: VideoCreateRequest | dict, idempotency_key: str | None = None) -> dict[str, Any]:
+        """Queue a job; a retry with the same Idempotency-Key and body returns the same job."""
+        req = parse_body(payload, VideoCreateRequest)
+        digest = request_digest(req)
+        spec = to_video_spec(req, self.config, default_seed=key_seed(idempotency_key))
+        rid = spec.request_id
+        record = JobRecord(rid, "video", time.time(), spec, idempotency_key=idempotency_key, request_digest=digest)
+        record = await mapped(self.store.create.remote(record), rid)  # a retry gets its job back (or a 409)
+        if record.job_id != rid:
+            return await self._object(record)
+        try:
+            self.gate.check(RequestKind.T2V, rid)
+            await self.router.submit_video.remote(spec)
+        except BaseException as exc:
+            await self.store.delete.remote(rid)  # never accepted: no trace of it
+            raise as_api_error(exc, rid) from None
+        return await self._object(record)
 
     async def get(self, video_id: str) -> dict[str, Any]:
-        return video_object(video_id, self._specs.get(video_id), await self._status(video_id))
+        return await self._object(await self._record(video_id))
+
+    async def page(self, after: str | None, limit: int, order: str) -> dict[str, Any]:
+        """OpenAI's list shape: newest first by default, `after` a job id cursor."""
+        if not 1 <= limit <= MAX_PAGE:
+            raise invalid("limit", f"limit must be between 1 and {MAX_PAGE}")
+        if order not in ("asc", "desc"):
+            raise invalid("order", "order must be 'asc' or 'desc'")
+        try:
+            records, has_more = await self.store.page.remote(after, limit, order)
+        except ValueError:
+            raise invalid("after", f"no video {after!r} to list after (unknown or expired)") from None
+        data = await asyncio.gather(*(self._object(r) for r in records))
+        return {"object": "list", "data": list(data), "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None, "has_more": has_more}
+
+    async def cancel(self, video_id: str) -> dict[str, Any]:
+        """Stop a queued or running job at its next step boundary; its record stays (cancelled)."""
+        record = await self._record(video_id)
+        if record.terminal:
+            raise APIError(409, f"video {video_id} already {record.status}; nothing to cancel", param="video_id",
+                           code="video_not_cancellable")
+        if not await self.router.cancel.remote(video_id):
+            await self.store.set_status.remote(video_id, "cancelled")  # the router had already let go of it
+        return await self._object(await self._record(video_id))
+
+    async def delete(self, video_id: str) -> dict[str, Any]:
+        """Cancel it if it still runs, and forget it (and its file)."""
+        record = await self._record(video_id)
+        if not record.terminal:
+            await self.router.cancel.remote(video_id)
+        await self.store.delete.remote(video_id)
+        for variant in ("video", "frames"):
+            self._files.pop(f"{video_id}/{variant}", None)
+        return {"id": video_id, "object": "video.deleted", "deleted": True}
 
     async def content(self, video_id: str, variant: str = "video") -> EncodedVideo:
         """variant 'video': the MP4 (OpenAI's default); 'frames' (our extension): every frame as
         a lossless PNG in a ZIP, for callers that post-process or compare frames exactly."""
         if variant not in ("video", "frames"):
             raise invalid("variant", f"variant must be 'video' or 'frames', got {variant!r}", code="unsupported_value")
-        status = await self._status(video_id)
-        if status["status"] != "completed":
-            raise not_ready(video_id, status)
+        record = await self._record(video_id)
+        if record.status != "completed":
+            raise not_ready(video_id, await self._object(record))
         key = f"{video_id}/{variant}"
         encoded = self._files.get(key)
         if encoded is not None:
             self._files.move_to_end(key)
             return encoded
-        frames = await self.router.video_frames.remote(video_id)
-        if frames is None:  # forgotten by the router between the two calls
+        frames = await self.store.content.remote(video_id)
+        if frames is None:  # evicted between the two calls
             raise not_found(video_id)
-        spec = self._specs.get(video_id)
-        if spec is None:
-            logger.warning("video %s was created elsewhere; encoding at the default %d fps", video_id, VideoSpec.fps)
-        fps = spec.fps if spec is not None else VideoSpec.fps
         if variant == "frames":
             encoded = EncodedVideo(await asyncio.to_thread(png_zip, frames), "application/zip", "png-zip", None)
         else:
-            encoded = await asyncio.to_thread(encode_video, frames, fps)
-        _remember(self._files, key, encoded, self.max_files)
+            encoded = await asyncio.to_thread(encode_video, frames, record.spec.fps)
+        self._files[key] = encoded
+        while len(self._files) > self.max_files:
+            self._files.popitem(last=False)
         return encoded
 
-    async def _status(self, video_id: str) -> dict[str, Any]:
-        # Ids this server never hands out are refused without asking the router.
-        status = await self.router.video_status.remote(video_id) if VIDEO_ID.match(video_id) else None
-        if status is None:
+    async def _record(self, video_id: str) -> JobRecord:
+        # Ids this server never hands out are refused without asking the store.
+        record = await self.store.get.remote(video_id) if VIDEO_ID.match(video_id) else None
+        if record is None:
             raise not_found(video_id)
-        return status
+        return record
+
+    async def _object(self, record: JobRecord) -> dict[str, Any]:
+        progress = None
+        if not record.terminal:
+            try:
+                progress = await self.router.progress.remote(record.job_id)
+            except Exception:  # the router is restarting: the record's own status stands
+                progress = None
+        return video_object(record, progress)
 
 
-def video_object(video_id: str, spec: VideoSpec | None, status: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI's video object, plus num_frames, fps, steps_done, steps_total and seed."""
-    done, total = status["steps_done"], status["steps_total"]
-    state = status["status"]
+def video_object(record: JobRecord, progress: dict[str, Any] | None) -> dict[str, Any]:
+    """OpenAI's video object, plus num_frames, fps, seed, steps_done/steps_total and how the
+    scheduler runs it (sp_degree, pauses)."""
+    spec: RequestSpec = record.spec
+    status = record.status
+    done = spec.num_inference_steps if status == "completed" else 0
+    sp_degree, pauses = 0, record.pauses
+    if progress is not None:
+        done, sp_degree, pauses = progress["steps_done"], progress["sp_degree"], progress["pauses"]
+        if progress["status"] not in ("queued",):
+            status = "in_progress"
+    total = spec.num_inference_steps
     # Steps are most of the work but not all of it (decoding follows): 100 only when completed.
-    progress = 100 if state == "completed" else min(99, 100 * done // total) if total else 0
-    error = None
-    if state == "failed":
-        error = {"code": "generation_failed", "message": status.get("error") or "video generation failed"}
-    completed_at = status.get("completed_at")
+    percent = 100 if status == "completed" else min(99, 100 * done // total)
     return {
-        "id": video_id,
+        "id": record.job_id,
         "object": "video",
-        "created_at": int(status["created_at"]),
-        "completed_at": None if completed_at is None else int(completed_at),
-        "status": state,
-        "model": spec.model if spec else None,
-        "progress": progress,
-        "prompt": spec.prompt if spec else None,
+        "created_at": int(record.created_at),
+        "completed_at": None if record.completed_at is None else int(record.completed_at),
+        "status": status,
+        "model": spec.model,
+        "progress": percent,
+        "prompt": spec.prompt,
         # The real length of the clip: frames / fps (65 frames at 16 fps is "4.0625").
-        "seconds": f"{spec.num_frames / spec.fps:g}" if spec else None,
-        "size": f"{spec.width}x{spec.height}" if spec else None,
-        "error": error,
-        "num_frames": spec.num_frames if spec else None,
-        "fps": spec.fps if spec else None,
-        "seed": spec.seed if spec else None,
+        "seconds": f"{spec.num_frames / spec.fps:g}",
+        "size": f"{spec.width}x{spec.height}",
+        "error": record.error,
+        "num_frames": spec.num_frames,
+        "fps": spec.fps,
+        "seed": spec.seed,
         "steps_done": done,
         "steps_total": total,
-        # How the co-serving scheduler is running it: workers in its SP group now (0 while
-        # queued or paused) and how often it was paused for more urgent work.
-        "sp_degree": status.get("sp_degree"),
-        "pauses": status.get("pauses"),
+        # Workers in its SP group now (0 while waiting) and how often it yielded to other work.
+        "sp_degree": sp_degree,
+        "pauses": pauses,
     }
+
+
+def request_digest(req: Any) -> str:
+    """What identifies a request body for idempotent retries (its fields, not its bytes)."""
+    return hashlib.sha256(json.dumps(req.model_dump(), sort_keys=True, default=str).encode()).hexdigest()
+
+
+def key_seed(idempotency_key: str | None) -> int | None:
+    """The seed a retried request without one gets: the same for the same key, so the retry is
+    the same request."""
+    if idempotency_key is None:
+        return None
+    return int.from_bytes(hashlib.sha256(idempotency_key.encode()).digest()[:4], "big") >> 1
 
 
 def not_found(video_id: str) -> APIError:
@@ -129,13 +195,14 @@ def not_found(video_id: str) -> APIError:
                     code="video_not_found")
 
 
-def not_ready(video_id: str, status: dict[str, Any]) -> APIError:
+def not_ready(video_id: str, video: dict[str, Any]) -> APIError:
     # 409, not 404: the video exists but its state forbids the download, and a client must be
     # able to tell "poll again" (or "it failed") from "no such video, stop polling".
-    if status["status"] == "failed":
-        return APIError(409, f"video {video_id} failed and has no content: {status.get('error') or 'unknown error'}",
+    if video["status"] in ("failed", "cancelled"):
+        message = (video.get("error") or {}).get("message") or video["status"]
+        return APIError(409, f"video {video_id} {video['status']} and has no content: {message}",
                         param="video_id", code="video_failed")
-    return APIError(409, f"video {video_id} is {status['status']} ({status['steps_done']}/{status['steps_total']} "
+    return APIError(409, f"video {video_id} is {video['status']} ({video['steps_done']}/{video['steps_total']} "
                          f"steps); poll GET /v1/videos/{video_id} until status is 'completed'",
                     param="video_id", code="video_not_ready")
 
@@ -167,15 +234,3 @@ async def read_form(request: Request, body: bytes) -> dict[str, str]:
 
 def is_form(request: Request) -> bool:
     return request.headers.get("content-type", "").split(";")[0].strip().lower() in FORM_TYPES
-
-
-def _queued(spec: VideoSpec) -> dict[str, Any]:
-    return {"status": "queued", "steps_done": 0, "steps_total": spec.num_inference_steps, "error": None,
-            "created_at": time.time(), "completed_at": None}
-
-
-def _remember(cache: OrderedDict, key: str, value: Any, limit: int) -> None:
-    cache[key] = value
-    cache.move_to_end(key)
-    while len(cache) > limit:
-        cache.popitem(last=False)

@@ -1,25 +1,31 @@
-"""Per-request denoising state: its own scheduler, generator and latents.
+"""Per-request denoising state, for images and videos alike: its own scheduler, generator and
+latents, which can leave a worker between steps and continue on another.
 
 diffusers schedulers keep a step counter (and some keep history), so requests that share a
-forward cannot share a scheduler. Each `RequestSampler` replays exactly what
-`StableDiffusionPipeline.__call__` does for one image, split at the model call so many
-requests can share it.
+forward cannot share a scheduler. A `Sampler` replays exactly what its family's pipeline
+(`StableDiffusionPipeline`, `WanPipeline`) does for one request, split at the model call so
+many requests, or the ranks of a sequence-parallel group, can share it; where the pipelines
+differ, the family's hooks (`DiffusionFamily.initial_latents`, `prepare_scheduler`,
+`scale_model_input`, `step_kwargs`) say how.
+
+Its whole state exports to a picklable dict of host-memory copies (`state()`), and
+`Sampler.from_state` rebuilds it on any worker. Nothing in the state depends on how many ranks
+ran the forwards, so a video paused at SP degree d resumes at any other degree, and a resumed
+request equals an uninterrupted one.
 """
 
 from __future__ import annotations
 
 import copy
-import inspect
 from dataclasses import dataclass
 from typing import Any
 
 import diffusers
+import torch
 from diffusers.configuration_utils import FrozenDict
 
-import torch
-
-from ..policies.types import RequestSpec
-from .families.base import DiffusionFamily
+from stepserve.engine.families.base import DiffusionFamily
+from stepserve.policies.types import RequestSpec
 
 
 @dataclass(frozen=True)
@@ -30,8 +36,48 @@ class Conditioning:
     negative_prompt_embeds: torch.Tensor | None = None
 
 
-class StepProgress:
-    """Where a sampler stands, for any sampler with `timesteps`, `step_index` and `uses_cfg`."""
+STATE_FORMAT = 2  # 2: schedulers restore from their instance dict (no set_timesteps)
+
+
+class Sampler:
+    def __init__(self, spec: RequestSpec, family: DiffusionFamily, conditioning: Conditioning):
+        _check_kind(spec, family)
+        self.spec = spec
+        self.scheduler = family.make_scheduler()
+        family.prepare_scheduler(self.scheduler, spec.num_inference_steps)
+        # The pipelines draw the initial noise (and SD every stochastic step) from one CPU
+        # generator, so a request's result is the same on any device.
+        self.generator = torch.Generator("cpu").manual_seed(spec.seed)
+        self.latents = family.initial_latents(spec, self.scheduler, self.generator)
+        context = conditioning.prompt_embeds.to(device=family.device, dtype=family.dtype)
+        if self.uses_cfg:
+            if conditioning.negative_prompt_embeds is None:
+                raise ValueError(f"request {spec.request_id}: CFG needs negative prompt embeddings")
+            uncond = conditioning.negative_prompt_embeds.to(device=family.device, dtype=family.dtype)
+            context = torch.cat([uncond, context])  # the pipelines' [uncond, cond] order
+        self.context = context
+        self.step_index = 0
+        self._bind(family)
+
+    def _bind(self, family: DiffusionFamily) -> None:
+        # The family's per-step hooks, resolved once: a step must cost as little as possible.
+        self._scale_model_input = family.scale_model_input
+        self._step_kwargs = family.step_kwargs(self.scheduler, self.generator)
+
+    # ---- where it stands ----------------------------------------------------------------
+
+    @property
+    def uses_cfg(self) -> bool:
+        return self.spec.uses_cfg
+
+    @property
+    def rows(self) -> int:
+        """Rows this request adds to a forward: [uncond, cond] under CFG."""
+        return self.spec.rows
+
+    @property
+    def timesteps(self) -> torch.Tensor:
+        return self.scheduler.timesteps
 
     @property
     def steps_total(self) -> int:
@@ -41,97 +87,75 @@ class StepProgress:
     def done(self) -> bool:
         return self.step_index >= self.steps_total
 
-    @property
-    def rows(self) -> int:
-        return 2 if self.uses_cfg else 1
-
-
-class RequestSampler(StepProgress):
-    def __init__(self, spec: RequestSpec, family: DiffusionFamily, conditioning: Conditioning):
-        self.spec = spec
-        self.uses_cfg = spec.uses_cfg
-        self.guidance_scale = spec.guidance_scale
-        self.scheduler = family.make_scheduler()
-        self.scheduler.set_timesteps(spec.num_inference_steps, device=family.device)
-        self.timesteps = self.scheduler.timesteps
-        # The pipeline draws the initial noise and every stochastic step from one CPU generator.
-        self.generator = torch.Generator("cpu").manual_seed(spec.seed)
-        self.latents = family.initial_latents(spec.height, spec.width, self.scheduler, self.generator)
-        cond = conditioning.prompt_embeds.to(device=family.device, dtype=family.dtype)
-        if self.uses_cfg:
-            if conditioning.negative_prompt_embeds is None:
-                raise ValueError(f"request {spec.request_id}: CFG needs negative prompt embeddings")
-            uncond = conditioning.negative_prompt_embeds.to(device=family.device, dtype=family.dtype)
-            cond = torch.cat([uncond, cond])  # the pipeline's [uncond, cond] order
-        self.context = cond
-        self.step_kwargs = _extra_step_kwargs(self.scheduler, self.generator)
-        self.step_index = 0
+    # ---- stepping -----------------------------------------------------------------------
 
     def model_input(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(sample, per-row timesteps, context) for this request's rows of the next forward."""
+        """(sample, per-row timesteps, context) for this request's rows of the next forward.
+        The pipelines run CFG as one forward of two rows (SD) or two forwards (Wan); rows are
+        independent, so either way gives the same result."""
+        if self.done:
+            raise RuntimeError(f"request {self.spec.request_id}: all {self.steps_total} steps are done")
         t = self.timesteps[self.step_index]
         sample = torch.cat([self.latents] * 2) if self.uses_cfg else self.latents
-        sample = self.scheduler.scale_model_input(sample, t)
+        sample = self._scale_model_input(self.scheduler, sample, t)
         return sample, t.reshape(1).expand(self.rows), self.context
 
     def advance(self, noise_pred: torch.Tensor) -> None:
+        """Take this request's step from its rows of the forward's output."""
         if self.uses_cfg:
-            uncond, text = noise_pred.chunk(2)
-            noise_pred = uncond + self.guidance_scale * (text - uncond)
+            uncond, cond = noise_pred.chunk(2)
+            noise_pred = uncond + self.spec.guidance_scale * (cond - uncond)
         t = self.timesteps[self.step_index]
-        self.latents = self.scheduler.step(noise_pred, t, self.latents, **self.step_kwargs, return_dict=False)[0]
+        self.latents = self.scheduler.step(noise_pred, t, self.latents, **self._step_kwargs, return_dict=False)[0]
         self.step_index += 1
 
-    # ---- moving between workers -----------------------------------------------------------
+    @torch.inference_mode()
+    def step(self, family: DiffusionFamily, sp_group: Any = None) -> None:
+        """One step on its own: forward (sequence-parallel over `sp_group` if given), advance."""
+        sample, timesteps, context = self.model_input()
+        self.advance(family.denoise(sample, timesteps, context, sp_group=sp_group))
+
+    # ---- moving between workers ---------------------------------------------------------
 
     def state(self, device: str | torch.device = "cpu") -> dict[str, Any]:
-        """Everything needed to continue this image on another worker, as copies on `device`
-        (host memory by default): the co-serving router moves a queued-up image to whichever
-        worker its batch runs on. Picklable; independent of this sampler afterwards."""
-        return export_state(self, device)
+        """Everything needed to continue this request elsewhere, as copies on `device` (host
+        memory by default): spec, step, latents, text context, generator position and the
+        scheduler. Picklable; independent of this sampler afterwards."""
+        device = torch.device(device)
+        return {
+            "format": STATE_FORMAT,
+            "spec": self.spec,
+            "step_index": self.step_index,
+            "latents": copy_to(self.latents, device),
+            "context": copy_to(self.context, device),
+            "generator_state": self.generator.get_state(),
+            "scheduler": scheduler_state(self.scheduler, device, self.latents.device),
+        }
 
     @classmethod
-    def from_state(cls, state: dict[str, Any], family: DiffusionFamily) -> "RequestSampler":
-        """Rebuild a sampler from `state()` on `family`'s device; it continues exactly where the
-        exported one stopped (same scheduler history, same generator position)."""
+    def from_state(cls, state: dict[str, Any], family: DiffusionFamily) -> "Sampler":
+        """Rebuild a sampler from `state()` on `family`'s device (any worker, any SP degree); it
+        continues exactly where the exported one stopped (same scheduler history, same
+        generator position)."""
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(f"unsupported sampler state format {state.get('format')!r}")
         self = cls.__new__(cls)
-        import_state(self, state, family)
-        self.uses_cfg = self.spec.uses_cfg
-        self.guidance_scale = self.spec.guidance_scale
-        self.timesteps = self.scheduler.timesteps
-        self.step_kwargs = _extra_step_kwargs(self.scheduler, self.generator)
+        self.spec = state["spec"]
+        _check_kind(self.spec, family)
+        self.step_index = state["step_index"]
+        self.latents = copy_to(state["latents"], family.device)
+        self.context = state["context"].to(device=family.device, dtype=family.dtype, copy=True)
+        self.generator = torch.Generator("cpu")
+        self.generator.set_state(state["generator_state"])
+        self.scheduler = restore_scheduler(state["scheduler"], family.device)
+        self._bind(family)
         return self
 
 
-STATE_FORMAT = 2  # 2: schedulers restore from their instance dict (no set_timesteps)
-
-
-def export_state(sampler: Any, device: str | torch.device) -> dict[str, Any]:
-    """What every sampler needs to continue elsewhere (image and video samplers add their own
-    fields): spec, step, latents, text context, generator position and scheduler, as copies."""
-    device = torch.device(device)
-    return {
-        "format": STATE_FORMAT,
-        "spec": sampler.spec,
-        "step_index": sampler.step_index,
-        "latents": copy_to(sampler.latents, device),
-        "context": copy_to(sampler.context, device),
-        "generator_state": sampler.generator.get_state(),
-        "scheduler": scheduler_state(sampler.scheduler, device, sampler.latents.device),
-    }
-
-
-def import_state(sampler: Any, state: dict[str, Any], family: Any) -> None:
-    """Set what `export_state` saved on a bare sampler (`cls.__new__`), on `family`'s device."""
-    if state.get("format") != STATE_FORMAT:
-        raise ValueError(f"unsupported sampler state format {state.get('format')!r}")
-    sampler.spec = state["spec"]
-    sampler.step_index = state["step_index"]
-    sampler.latents = copy_to(state["latents"], family.device)
-    sampler.context = state["context"].to(device=family.device, dtype=family.dtype, copy=True)
-    sampler.generator = torch.Generator("cpu")
-    sampler.generator.set_state(state["generator_state"])
-    sampler.scheduler = restore_scheduler(state["scheduler"], family.device)
+def _check_kind(spec: RequestSpec, family: DiffusionFamily) -> None:
+    if spec.kind is not family.kind:
+        raise ValueError(f"request {spec.request_id} is {spec.kind.value}, but model {family.source.name!r} "
+                         f"generates {family.kind.value}")
 
 
 def scheduler_state(scheduler: Any, device: torch.device, home: torch.device) -> dict[str, Any]:
@@ -147,28 +171,6 @@ def scheduler_state(scheduler: Any, device: torch.device, home: torch.device) ->
         "attrs": {k: copy_to(v, device) for k, v in attrs.items()},
         "off_home": sorted(k for k, v in attrs.items() if isinstance(v, torch.Tensor) and v.device != home),
     }
-
-
-def _extra_step_kwargs(scheduler, generator: torch.Generator) -> dict:
-    # As `DiffusionPipeline.prepare_extra_step_kwargs`: only schedulers that take them get them.
-    params = inspect.signature(scheduler.step).parameters
-    kwargs: dict = {}
-    if "eta" in params:
-        kwargs["eta"] = 0.0
-    if "generator" in params:
-        kwargs["generator"] = generator
-    return kwargs
-
-
-def copy_to(value: Any, device: torch.device | str) -> Any:
-    """A deep copy with every tensor moved to `device`."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to(device, copy=True)
-    if isinstance(value, (list, tuple)):
-        return type(value)(copy_to(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: copy_to(v, device) for k, v in value.items()}
-    return copy.deepcopy(value)
 
 
 def restore_scheduler(saved: dict[str, Any], device: torch.device) -> Any:
@@ -187,3 +189,14 @@ def restore_scheduler(saved: dict[str, Any], device: torch.device) -> Any:
     for name, value in saved["attrs"].items():
         vars(scheduler)[name] = copy_to(value, "cpu" if name in off_home else device)
     return scheduler
+
+
+def copy_to(value: Any, device: torch.device | str) -> Any:
+    """A deep copy with every tensor moved to `device`."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device, copy=True)
+    if isinstance(value, (list, tuple)):
+        return type(value)(copy_to(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: copy_to(v, device) for k, v in value.items()}
+    return copy.deepcopy(value)

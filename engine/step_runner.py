@@ -1,118 +1,261 @@
-"""Executes one `WorkerPlan`: drop, admit, then one denoiser forward per shape group.
+"""Executes one `WorkerPlan` on the requests resident on one worker: images and videos alike.
 
-The runner owns the samplers of the requests resident on its device. It never decides what
-runs; policies do. Finished latents are handed back and forgotten here, so decoding happens
-elsewhere and never stalls the step loop.
+The runner owns the samplers of its resident requests and never decides what runs; the router
+does, one plan per round. A plan runs, in order: drop, admit, one denoiser forward per group
+(sequence-parallel when the group names ranks), export, checkpoint, finish, release.
+
+Every failure is confined to the requests it concerns, reported in the `StepReport`, and a
+failed request is forgotten here (the router resumes it from a checkpoint or fails it). After a
+sequence-parallel step every member of the group holds an identical full copy of the request
+(Ulysses hands every rank the whole output), so any one of them can export or finish it while
+the others release theirs.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
-from ..policies.types import RequestProgress, RequestSpec, StepReport, WorkerPlan
-from .families.base import DiffusionFamily
-from .sampler import Conditioning, RequestSampler
+from stepserve.engine.families.base import DiffusionFamily
+from stepserve.engine.sampler import Conditioning, Sampler
+from stepserve.policies.types import (
+    RequestFailure,
+    RequestProgress,
+    RequestSpec,
+    StepGroup,
+    StepReport,
+    WorkerPlan,
+)
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What a worker needs to make a request resident: its spec and either its text
+    conditioning (a fresh start) or the state another worker exported (a resume)."""
+
+    spec: RequestSpec
+    conditioning: Conditioning | None = None
+    state: dict[str, Any] | None = None
 
 
 class StepRunner:
-    def __init__(self, worker_id: str, families: Mapping[str, DiffusionFamily]):
+    def __init__(self, worker_id: str, families: Mapping[str, DiffusionFamily], incarnation: str = ""):
         self.worker_id = worker_id
         self.families = dict(families)
-        self.samplers: dict[str, RequestSampler] = {}
+        self.incarnation = incarnation
+        self.samplers: dict[str, Sampler] = {}
+        self._cuda_devices = {f.device for f in self.families.values() if f.device.type == "cuda"}
 
     @property
     def resident(self) -> tuple[str, ...]:
+        """Resident request ids, in admission order."""
         return tuple(self.samplers)
 
-    def admit(self, spec: RequestSpec, conditioning: Conditioning) -> RequestSampler:
-        if spec.request_id in self.samplers:
-            raise ValueError(f"request {spec.request_id} is already resident")
-        if spec.model not in self.families:
-            raise ValueError(f"model {spec.model!r} is not loaded on worker {self.worker_id}")
-        sampler = RequestSampler(spec, self.families[spec.model], conditioning)
-        self.samplers[spec.request_id] = sampler
+    @torch.inference_mode()
+    def execute(
+        self,
+        plan: WorkerPlan,
+        admissions: Mapping[str, Admission],
+        sp_group: Callable[[tuple[int, ...]], Any] | None = None,
+    ) -> tuple[StepReport, list[Any]]:
+        """Run `plan`. `admissions` holds an `Admission` for each id in `plan.admit`; `sp_group`
+        maps a group's world ranks to its process group (None for this worker alone).
+
+        Returns the report and one payload per id of `plan.outputs`, in that order: an export's
+        or a checkpoint's state (host-memory copies), a finished image's latents (float32
+        [1, C, h, w]) or a finished video's frames (uint8 [F, H, W, 3]); None where it failed.
+        """
+        start = time.perf_counter()
+        run = _PlanRun(self)
+        for rid in plan.drop:
+            self.samplers.pop(rid, None)
+        for rid in plan.admit:
+            run.admit(rid, admissions.get(rid))
+        for group in plan.groups:
+            run.step(group, sp_group)
+        # What stepped (or was admitted) stands here now, also for those that leave below.
+        progress = {rid: RequestProgress(rid, s.step_index, s.steps_total)
+                    for rid in run.touched if (s := self.samplers.get(rid)) is not None}
+        payloads = [run.export(rid) for rid in plan.export]
+        payloads += [run.checkpoint(rid) for rid in plan.checkpoint]
+        payloads += [run.finish(rid) for rid in plan.finish]
+        for rid in plan.release:
+            self.samplers.pop(rid, None)
+        for device in self._cuda_devices:  # kernels are asynchronous; count them in the plan's time
+            torch.cuda.synchronize(device)
+        report = StepReport(
+            worker_id=self.worker_id,
+            plan_id=plan.plan_id,
+            progress=tuple(p for rid, p in progress.items() if rid not in run.failed),
+            failed=tuple(run.failed.values()),
+            duration_s=time.perf_counter() - start,
+            batch_size=len(plan.stepping),
+            incarnation=self.incarnation,
+        )
+        return report, payloads
+
+
+class _PlanRun:
+    """One plan's ops on a runner, with what they touched and what failed (a failed request
+    is forgotten at once and skipped by the plan's later ops)."""
+
+    def __init__(self, runner: StepRunner):
+        self.runner = runner
+        self.samplers = runner.samplers
+        self.touched: dict[str, None] = {}  # admitted or stepped, in order
+        self.failed: dict[str, RequestFailure] = {}
+
+    def fail(self, rid: str, message: str, lost: bool) -> None:
+        self.failed.setdefault(rid, RequestFailure(rid, message, lost))
+        self.samplers.pop(rid, None)
+
+    def resident(self, rid: str) -> Sampler | None:
+        """The request's sampler, or None (reported as lost) if its state is not here."""
+        if rid in self.failed:
+            return None
+        sampler = self.samplers.get(rid)
+        if sampler is None:
+            self.fail(rid, f"request {rid} is not resident on worker {self.runner.worker_id}", lost=True)
         return sampler
 
-    def drop(self, request_id: str) -> None:
-        self.samplers.pop(request_id, None)
+    def family(self, spec: RequestSpec) -> DiffusionFamily:
+        family = self.runner.families.get(spec.model)
+        if family is None:
+            raise ValueError(f"model {spec.model!r} is not loaded on worker {self.runner.worker_id}")
+        return family
 
-    def export(self, request_id: str) -> dict:
-        """A resident request's state in host memory; it leaves this worker (the co-serving
-        router moves it to the worker its batch runs on next)."""
-        sampler = self.samplers.pop(request_id, None)
-        if sampler is None:
-            raise KeyError(f"request {request_id!r} is not resident on worker {self.worker_id}")
-        return sampler.state()
+    # ---- the ops --------------------------------------------------------------------------
 
-    def import_state(self, state: dict) -> None:
-        """Make an exported request resident here; its next step continues where it stopped."""
-        spec = state["spec"]
-        if spec.request_id in self.samplers:
-            raise ValueError(f"request {spec.request_id} is already resident")
-        if spec.model not in self.families:
-            raise ValueError(f"model {spec.model!r} is not loaded on worker {self.worker_id}")
-        self.samplers[spec.request_id] = RequestSampler.from_state(state, self.families[spec.model])
+    def admit(self, rid: str, admission: Admission | None) -> None:
+        try:
+            if admission is None:
+                raise ValueError("the plan admits it but no admission was given")
+            spec = admission.spec
+            if spec.request_id != rid:
+                raise ValueError(f"the admission is for request {spec.request_id}")
+            if rid in self.samplers:
+                raise ValueError(f"it is already resident on worker {self.runner.worker_id}")
+            if (admission.conditioning is None) == (admission.state is None):
+                raise ValueError("an admission carries either conditioning or a state")
+            family = self.family(spec)
+            if admission.state is not None:
+                if admission.state.get("spec") != spec:
+                    raise ValueError("the state is another request's")
+                sampler = Sampler.from_state(admission.state, family)
+            else:
+                sampler = Sampler(spec, family, admission.conditioning)
+        except Exception as exc:  # one bad admission must not take the worker (or the plan) down
+            self.fail(rid, f"admission failed: {type(exc).__name__}: {exc}", lost=False)
+            return
+        self.samplers[rid] = sampler
+        self.touched[rid] = None
 
-    def step_group(self, request_ids: tuple[str, ...]) -> None:
-        """One forward for requests of one shape key; each advances one step."""
-        samplers = [self.samplers[rid] for rid in request_ids]
-        family = self.families[samplers[0].spec.model]
-        inputs = [s.model_input() for s in samplers]
+    def step(self, group: StepGroup, sp_group: Callable[[tuple[int, ...]], Any] | None) -> None:
+        """One forward for the group's resident members; each advances one step."""
+        members: list[tuple[str, Sampler, tuple]] = []
+        for rid in group.request_ids:
+            sampler = self.resident(rid)
+            if sampler is None:
+                continue
+            try:
+                members.append((rid, sampler, sampler.model_input()))
+            except Exception as exc:
+                self.fail(rid, f"denoising step failed: {type(exc).__name__}: {exc}", lost=False)
+        if not members:
+            return
+        try:
+            family = self._group_family(group, [sampler for _, sampler, _ in members], sp_group)
+        except Exception as exc:
+            for rid, _, _ in members:
+                self.fail(rid, f"denoising step refused: {type(exc).__name__}: {exc}", lost=False)
+            return
+        inputs = [model_input for _, _, model_input in members]
         if len(inputs) == 1:
             sample, timesteps, context = inputs[0]
         else:
             sample, timesteps, context = (torch.cat(parts) for parts in zip(*inputs))
-        noise_pred = family.denoise(sample, timesteps, context)
-        for sampler, rows in zip(samplers, noise_pred.split([s.rows for s in samplers])):
-            sampler.advance(rows)
-
-    @torch.inference_mode()
-    def execute(
-        self, plan: WorkerPlan, admissions: Mapping[str, tuple[RequestSpec, Conditioning]]
-    ) -> tuple[StepReport, dict[str, torch.Tensor]]:
-        """Run a plan. A failing admission or group fails only its own requests."""
-        start = time.perf_counter()
-        failed: dict[str, str] = {}
-        touched: list[str] = []
-        for rid in plan.drop:
-            self.drop(rid)
-        for rid in plan.admit:
+        try:
+            process_group = sp_group(group.ranks) if group.ranks and sp_group is not None else None
+            noise_pred = family.denoise(sample, timesteps, context, sp_group=process_group)
+        except Exception as exc:
+            # Over ranks, a forward fails mostly because a partner died or never came: the
+            # request's state is then only as good as its last checkpoint.
+            for rid, _, _ in members:
+                self.fail(rid, f"denoising step failed: {type(exc).__name__}: {exc}", lost=bool(group.ranks))
+            return
+        for (rid, sampler, _), rows in zip(members, noise_pred.split([s.rows for _, s, _ in members])):
             try:
-                spec, conditioning = admissions[rid]
-                self.admit(spec, conditioning)
-                touched.append(rid)
-            except Exception as exc:  # bad request state must not take the worker down
-                failed[rid] = f"admission failed: {exc}"
-        for group in plan.groups:
-            group = tuple(rid for rid in group if rid in self.samplers)
-            if not group:
-                continue
-            try:
-                self.step_group(group)
+                sampler.advance(rows)
             except Exception as exc:
-                for rid in group:
-                    failed[rid] = f"denoising step failed: {type(exc).__name__}: {exc}"
-                    self.drop(rid)
+                self.fail(rid, f"denoising step failed: {type(exc).__name__}: {exc}", lost=False)
                 continue
-            touched.extend(group)
-        finished: dict[str, torch.Tensor] = {}
-        progress = []
-        for rid in dict.fromkeys(touched):
-            sampler = self.samplers.get(rid)
-            if sampler is None:
-                continue
-            progress.append(RequestProgress(rid, sampler.step_index, sampler.steps_total))
-            if sampler.done:
-                finished[rid] = self.samplers.pop(rid).latents
-        report = StepReport(
-            worker_id=self.worker_id,
-            progress=tuple(progress),
-            finished=tuple(finished),
-            failed=tuple(failed.items()),
-            duration_s=time.perf_counter() - start,
-            batch_size=len(plan.stepping),
-        )
-        return report, finished
+            self.touched[rid] = None
+
+    def _group_family(self, group: StepGroup, samplers: list[Sampler],
+                      sp_group: Callable[[tuple[int, ...]], Any] | None) -> DiffusionFamily:
+        """The family that runs the group's forward, once the group is known to be runnable."""
+        models = sorted({sampler.spec.model for sampler in samplers})
+        if len(models) > 1:
+            raise ValueError(f"one forward cannot mix models {models}")
+        if len({sampler.latents.shape for sampler in samplers}) > 1:
+            raise ValueError("one forward cannot mix latent shapes")
+        family = self.family(samplers[0].spec)
+        if len(group.ranks) > 1:
+            if len(group.request_ids) != 1:
+                raise ValueError(f"a sequence-parallel group holds one request, not {len(group.request_ids)}")
+            if not family.sequence_parallel:
+                raise ValueError(f"model {models[0]!r} cannot run sequence-parallel")
+            if sp_group is None:
+                raise ValueError(f"worker {self.runner.worker_id} has no process groups (ranks {group.ranks})")
+        return family
+
+    def export(self, rid: str) -> dict[str, Any] | None:
+        state = self._state(rid, "export")
+        self.samplers.pop(rid, None)
+        return state
+
+    def checkpoint(self, rid: str) -> dict[str, Any] | None:
+        return self._state(rid, "checkpoint")
+
+    def _state(self, rid: str, op: str) -> dict[str, Any] | None:
+        sampler = self.resident(rid)
+        if sampler is None:
+            return None
+        try:
+            return sampler.state("cpu")  # `.to("cpu")` waits for the device
+        except Exception as exc:
+            self.fail(rid, f"{op} failed: {type(exc).__name__}: {exc}", lost=False)
+            return None
+
+    def finish(self, rid: str) -> np.ndarray | None:
+        sampler = self.resident(rid)
+        if sampler is None:
+            return None
+        try:
+            if not sampler.done:
+                raise ValueError(f"{sampler.steps_total - sampler.step_index} of its {sampler.steps_total} steps "
+                                 "are left; only a fully denoised request finishes")
+            family = self.family(sampler.spec)
+            if family.decode_on_worker:
+                output = _decode_video(family, sampler.latents)
+            else:
+                output = sampler.latents.float().cpu().numpy()
+        except Exception as exc:
+            self.fail(rid, f"finish failed: {type(exc).__name__}: {exc}", lost=False)
+            return None
+        self.samplers.pop(rid, None)
+        return output
+
+
+def _decode_video(family: DiffusionFamily, latents: torch.Tensor) -> np.ndarray:
+    """A video's frames, uint8 [F, H, W, 3], decoded by this worker's VAE."""
+    if getattr(family, "vae", None) is None:
+        raise ValueError(f"model {family.source.name!r} has no VAE loaded on this worker")
+    video = family.decode(latents)[0]
+    # Rounded as diffusers' `numpy_to_pil` rounds (the frames are already clamped to [0, 1]).
+    return (video * 255).round().astype(np.uint8)

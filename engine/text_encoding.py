@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from .families.base import DiffusionFamily
+from stepserve.engine.families.base import DiffusionFamily
 
 
 class CachedTextEncoder:

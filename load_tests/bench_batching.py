@@ -20,15 +20,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from stepserve.load_tests.live import run_open_loop, wait_ready
+from stepserve.load_tests.local_app import bench_serve_config, deployed, free_port, local_ray
+from stepserve.load_tests.metrics import Summary, summarize
+from stepserve.load_tests.plots import plot_batching
+from stepserve.load_tests.records import RequestRecord
+from stepserve.load_tests.server_metrics import run_means, scrape
+from stepserve.load_tests.workload import PoissonWorkload, ScheduledRequest, generate
 from stepserve.runtime import default_config_path, load_serve_config
-
-from .live import run_open_loop, wait_ready
-from .local_app import bench_serve_config, deployed, free_port, local_ray
-from .metrics import Summary, summarize
-from .plots import plot_batching
-from .records import RequestRecord
-from .server_metrics import run_means, scrape
-from .workload import PoissonWorkload, ScheduledRequest, generate
 
 POLICIES = ("continuous", "static_fcfs")
 TARGET_P95_RATIO = 0.7  # the bar; InstGenIE reports 0.71x against static batching

@@ -35,14 +35,13 @@ import torch
 from stepserve.deployments.config import AppConfig
 from stepserve.engine.families import ALL_PARTS, DiffusionFamily, ModelSource, load_family
 from stepserve.engine.sampler import Conditioning
-from stepserve.engine.step_runner import StepRunner
-from stepserve.policies.types import RequestSpec, WorkerPlan
+from stepserve.engine.step_runner import Admission, StepRunner
+from stepserve.load_tests.live import check_loopback, run_open_loop
+from stepserve.load_tests.local_app import bench_serve_config, deployed, free_port, local_ray
+from stepserve.load_tests.plots import plot_overhead
+from stepserve.load_tests.workload import DEFAULT_PROMPT, ScheduledRequest
+from stepserve.policies.types import RequestSpec, StepGroup, WorkerPlan
 from stepserve.runtime import default_config_path, load_serve_config
-
-from .live import check_loopback, run_open_loop
-from .local_app import bench_serve_config, deployed, free_port, local_ray
-from .plots import plot_overhead
-from .workload import DEFAULT_PROMPT, ScheduledRequest
 
 TARGET_ENGINE_RATIO = 1.10  # the issue's bar: stepserve / diffusers at engine level
 
@@ -80,18 +79,21 @@ def make_spec(source: ModelSource, size: int, steps: int, guidance: float, seed:
 
 def stepserve_engine(family: DiffusionFamily, spec: RequestSpec) -> np.ndarray:
     """One request through the serving engine: what the text encoder, a denoiser worker running
-    one plan per step, and the VAE decoder do for it, without the Ray hops between them."""
+    one plan per step (as the router writes them: admit with the first, finish with the last),
+    and the VAE decoder do for it, without the Ray hops between them."""
+    rid, steps = spec.request_id, spec.num_inference_steps
     cond, uncond = family.encode_text([spec.prompt, spec.negative_prompt]).split(1)
-    admissions = {spec.request_id: (spec, Conditioning(cond, uncond if spec.uses_cfg else None))}
+    admissions = {rid: Admission(spec, conditioning=Conditioning(cond, uncond if spec.uses_cfg else None))}
     runner = StepRunner("bench", {spec.model: family})
-    plan = WorkerPlan("bench", admit=(spec.request_id,), groups=((spec.request_id,),))
-    while True:
-        report, finished = runner.execute(plan, admissions)
+    for step in range(steps):
+        first, last = step == 0, step == steps - 1
+        plan = WorkerPlan("bench", admit=(rid,) if first else (), groups=(StepGroup((rid,)),),
+                          finish=(rid,) if last else (), plan_id=step + 1)
+        report, payloads = runner.execute(plan, admissions if first else {})
         if report.failed:
             raise RuntimeError(f"engine run failed: {report.failed}")
-        if spec.request_id in finished:
-            return family.decode(finished[spec.request_id])[0]
-        plan, admissions = WorkerPlan("bench", groups=((spec.request_id,),)), {}
+    [latents] = payloads  # the last plan's one output: the finished image's latents
+    return family.decode(torch.from_numpy(latents))[0]
 
 
 def diffusers_pipeline(family: DiffusionFamily, spec: RequestSpec) -> np.ndarray:

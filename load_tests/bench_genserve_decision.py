@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+from stepserve.policies.cost_model import BatchShape
 from stepserve.policies.genserve import (
     GenServeConfig,
     ImageRequest,
@@ -46,15 +47,14 @@ VIDEO_FRAMES = (33, 81)
 
 
 class AnalyticCosts:
-    """Shaped like the paper's profiles: image steps batch well at low resolution (Fig. 3);
-    video steps scale sublinearly with SP because of communication (Figs. 5-6)."""
+    """Shaped like the paper's profiles: image steps (one frame) batch well at low resolution
+    (Fig. 3); video steps scale sublinearly with SP because of communication (Figs. 5-6)."""
 
-    def image_step_seconds(self, model: str, height: int, width: int, rows: int) -> float:
-        return 0.012 + 0.035 * rows * (height * width / 1e6) ** 1.2
-
-    def video_step_seconds(self, model: str, height: int, width: int, frames: int, degree: int) -> float:
-        work = 0.78 * (height * width * frames) / (720 * 1280 * 81)
-        return work / degree + 0.004 * (degree - 1) + 0.02
+    def step_seconds(self, batch: BatchShape) -> float:
+        if batch.frames == 1:
+            return 0.012 + 0.035 * batch.rows * (batch.height * batch.width / 1e6) ** 1.2
+        work = 0.78 * batch.pixels / (720 * 1280 * 81)
+        return work / batch.sp_degree + 0.004 * (batch.sp_degree - 1) + 0.02
 
 
 def make_round(rng: random.Random, n_workers: int, groups: int, config: GenServeConfig) -> RoundInput:

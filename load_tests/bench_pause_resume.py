@@ -1,8 +1,9 @@
 """What pausing and resuming a video costs against one of its steps (GenServe Table 7).
 
-For each video shape, a `VideoRunner` steps the video, exports it to host memory (pause: the
-latents, the scheduler's multistep history, the generator and the text embeddings are copied
-off the device) and imports it back (resume), interleaved over repeats; medians are reported.
+For each video shape, a `StepRunner` runs three plans over and over: one step of the video, an
+export to host memory (pause: the latents, the scheduler's multistep history, the generator and
+the text embeddings are copied off the device) and an admission from that state (resume); the
+medians of the plans' own durations (`StepReport.duration_s`) are reported.
 The state also crosses a pickle round trip, which is what Ray does when the router hands a
 paused video to another worker.
 
@@ -29,28 +30,37 @@ import torch
 
 from stepserve.engine.families import ALL_PARTS, ModelSource, load_family
 from stepserve.engine.sampler import Conditioning
-from stepserve.engine.video_runner import VideoRunner
-from stepserve.engine.video_sampler import VideoSpec
+from stepserve.engine.step_runner import Admission, StepRunner
+from stepserve.load_tests.plots import plot_pause_resume
+from stepserve.policies.types import RequestKind, RequestSpec, StepGroup, WorkerPlan
 
-from .plots import plot_pause_resume
+
+def run(runner: StepRunner, plan: WorkerPlan, admissions: dict | None = None) -> tuple:
+    report, payloads = runner.execute(plan, admissions or {})
+    if report.failed:
+        raise RuntimeError(f"plan failed: {report.failed}")
+    return report, payloads
 
 
-def measure(runner: VideoRunner, family, spec: VideoSpec, repeats: int) -> dict:
+def measure(runner: StepRunner, family, spec: RequestSpec, repeats: int) -> dict:
     cond, uncond = family.encode_text([spec.prompt, spec.negative_prompt]).split(1)
-    runner.start(spec, Conditioning(cond, uncond))
-    runner.step(spec.request_id)  # warm-up; the multistep history is non-empty from here on
+    rid = spec.request_id
+    step, pause = WorkerPlan("bench", groups=(StepGroup((rid,)),)), WorkerPlan("bench", export=(rid,))
+    run(runner, WorkerPlan("bench", admit=(rid,)), {rid: Admission(spec, Conditioning(cond, uncond))})
+    run(runner, step)  # warm-up; the multistep history is non-empty from here on
     steps, pauses, resumes, pickles, sizes = [], [], [], [], []
     for _ in range(repeats):
-        steps.append(runner.step(spec.request_id).duration_s)
-        state = runner.export(spec.request_id)
-        pauses.append(state["paused"].duration_s)
+        steps.append(run(runner, step)[0].duration_s)
+        report, (state,) = run(runner, pause)
+        pauses.append(report.duration_s)
         begin = time.perf_counter()
         blob = pickle.dumps(state)
         state = pickle.loads(blob)
         pickles.append(time.perf_counter() - begin)
         sizes.append(len(blob))
-        resumes.append(runner.import_state(state).duration_s)
-    runner.drop(spec.request_id)
+        report, _ = run(runner, WorkerPlan("bench", admit=(rid,)), {rid: Admission(spec, state=state)})
+        resumes.append(report.duration_s)
+    run(runner, WorkerPlan("bench", drop=(rid,)))
     step = statistics.median(steps)
     row = {"height": spec.height, "width": spec.width, "frames": spec.num_frames, "step_ms": step * 1e3,
            "pause_ms": statistics.median(pauses) * 1e3, "resume_ms": statistics.median(resumes) * 1e3,
@@ -76,12 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     source = ModelSource(name="wan", family="wan", preset=args.preset, seed=0,
                          dtype="float32" if args.device == "cpu" else "bfloat16")
     family = load_family(source, ALL_PARTS, args.device)
-    runner = VideoRunner("bench", {"wan": family})
+    runner = StepRunner("bench", {"wan": family})
     rows = []
     for size in args.sizes.split(","):
         height, width = (int(v) for v in size.split("x"))
-        spec = VideoSpec(f"v{height}x{width}", "wan", "a red fox runs through snow", width, height, args.frames,
-                         args.steps, 5.0, 0)
+        spec = RequestSpec(f"v{height}x{width}", "wan", "a red fox runs through snow", width, height, args.steps,
+                           5.0, 0, kind=RequestKind.T2V, num_frames=args.frames)
         row = measure(runner, family, spec, args.repeats)
         rows.append(row)
         print(f"{height}x{width}x{args.frames}: step {row['step_ms']:.2f} ms, pause {row['pause_ms']:.3f} ms "

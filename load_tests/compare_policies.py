@@ -16,10 +16,9 @@ import argparse
 import json
 import sys
 
-from stepserve.policies import make_policy
-
-from .sweep import (add_sim_args, config_from_args, load_cost, print_table, run_sweep, sweep_report,
-                    workload_from_args, write_outputs)
+from stepserve.load_tests.sweep import (add_sim_args, config_from_args, load_cost, print_table, run_sweep,
+                                        sweep_report, workload_from_args, write_outputs)
+from stepserve.policies.registry import validate_policy
 
 BASELINES = ("static_fcfs", "dynamic_batching", "continuous")
 
@@ -47,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     for policy in policies:  # fail before hours of simulation, not after
-        make_policy(policy, args.policy_options.get(policy))
+        validate_policy(policy, args.policy_options.get(policy))
     spec = workload_from_args(args)
     config = config_from_args(args)
     cost = load_cost(args.profile)

@@ -12,8 +12,8 @@ from pathlib import Path
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from .metrics import Summary
-from .records import RequestRecord
+from stepserve.load_tests.metrics import Summary
+from stepserve.load_tests.records import RequestRecord
 
 
 def _figure(width: float, height: float) -> Figure:
@@ -220,6 +220,7 @@ def plot_ablation(table: Mapping[float, Mapping[str, Mapping[str, float]]], titl
             xs = [k + (j - 1) * width for k in range(len(rows))]
             ax.bar(xs, [100 * table[rate][r][key] for r in rows], width, label=label)
         ax.set_xticks(range(len(rows)), rows)
+        ax.tick_params(axis="x", labelrotation=30)
         ax.set_ylim(0, 100)
         ax.set_ylabel("SLO attainment (%)")
         ax.set_title(f"{rate * 60:g} req/min")
@@ -248,4 +249,63 @@ def plot_pause_resume(rows: Sequence[Mapping], title: str, path: Path) -> None:
     ax.set_ylabel("% of one denoising step")
     ax.set_title(title)
     ax.legend(fontsize=8)
+    fig.savefig(path, dpi=110)
+
+
+def plot_router_scaling(points: Sequence[Mapping], title: str, path: Path) -> None:
+    """Against the number of workers (log-log): the simulation's wall seconds and the router's
+    decision seconds per simulated request. Each point has `workers`, `wall_s_per_request` and
+    `decision_s_per_request`."""
+    figure = _figure(6.5, 4.5)
+    ax = figure.add_subplot(1, 1, 1)
+    workers = [p["workers"] for p in points]
+    # Wall labels above their points, decision labels below: the two lines run close.
+    for key, label, style, dy in (("wall_s_per_request", "simulation wall", "o-", 6),
+                                  ("decision_s_per_request", "of which router decisions", "s--", -12)):
+        values = [p[key] for p in points]
+        ax.plot(workers, values, style, label=label)
+        for w, v in zip(workers, values):
+            ax.annotate(f"{1e3 * v:.2g} ms", (w, v), textcoords="offset points", xytext=(4, dy), fontsize=8)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(workers, [str(w) for w in workers])
+    ax.set(xlabel="workers (same offered load per worker)", ylabel="seconds per simulated request", title=title)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend()
+    figure.savefig(path, dpi=110)
+
+
+def plot_overload(runs: Sequence[Mapping], title: str, path: Path) -> None:
+    """Per admission setting: what happened to each request over time (admitted and met its
+    SLO, admitted and late, rejected), and the rejection latency CDF."""
+    fig = _figure(6.0 * len(runs) + 5.0, 4.2)
+    for i, run in enumerate(runs):
+        ax = fig.add_subplot(1, len(runs) + 1, i + 1)
+        records = run["records"]
+        groups = {"rejected (429/503)": [], "admitted, late or failed": [], "admitted, met SLO": []}
+        for r in records:
+            if r["status"] in (429, 503):
+                key = "rejected (429/503)"
+            elif r["status"] == 200 and r["slo_s"] is not None and r["latency_s"] is not None \
+                    and r["latency_s"] <= r["slo_s"]:
+                key = "admitted, met SLO"
+            else:
+                key = "admitted, late or failed"
+            groups[key].append(r["scheduled_s"])
+        ax.hist(list(groups.values()), bins=30, stacked=True, label=list(groups))
+        ax.set_xlabel("send time (s)")
+        ax.set_ylabel("requests")
+        ax.set_title(f"{run['label']}: {run['offered_rps']:.1f} req/s offered, capacity {run['capacity_rps']:.1f}",
+                     fontsize=9)
+        ax.legend(fontsize=7)
+    ax = fig.add_subplot(1, len(runs) + 1, len(runs) + 1)
+    for run in runs:
+        rejections = [1000 * r["latency_s"] for r in run["records"]
+                      if r["status"] in (429, 503) and r["latency_s"] is not None]
+        if rejections:
+            _cdf(ax, rejections, run["label"], None)
+    ax.set_xlabel("rejection latency (ms)")
+    ax.set_ylabel("share of rejections")
+    ax.legend(fontsize=8)
+    fig.suptitle(title)
     fig.savefig(path, dpi=110)

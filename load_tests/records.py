@@ -4,7 +4,10 @@ so one `metrics.summarize` serves both."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the simulator imports this module
+    from stepserve.load_tests.sim.simulator import RequestTrace
 
 
 @dataclass(frozen=True)
@@ -43,9 +46,9 @@ class RequestRecord:
         return self.ok and self.latency_s is not None and self.latency_s <= self.slo_s
 
 
-def record_of(trace: Any) -> RequestRecord:
-    """The record of one simulated request, from a simulator trace (either simulator's): the
-    same fields a live run records, so one metrics implementation serves both."""
+def record_of(trace: RequestTrace) -> RequestRecord:
+    """The record of one simulated request, image or video: the same fields a live run records,
+    so one metrics implementation serves both."""
     ok = trace.status == "finished"
     return RequestRecord(
         index=trace.index, steps=trace.steps, scheduled_s=trace.arrival_s, sent_s=trace.arrival_s,

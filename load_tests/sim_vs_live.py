@@ -27,16 +27,15 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from stepserve.load_tests.bench_batching import run_policy
+from stepserve.load_tests.local_app import free_port, local_ray
+from stepserve.load_tests.metrics import Summary, summarize
+from stepserve.load_tests.plots import plot_sim_vs_live
+from stepserve.load_tests.records import RequestRecord
+from stepserve.load_tests.sim import SimConfig, simulate
+from stepserve.load_tests.sweep import load_cost, parse_rates, sim_config_from_serve
+from stepserve.load_tests.workload import generate, load_workload
 from stepserve.runtime import default_config_path, load_serve_config
-
-from .bench_batching import run_policy
-from .local_app import free_port, local_ray
-from .metrics import Summary, summarize
-from .plots import plot_sim_vs_live
-from .records import RequestRecord
-from .sim import SimConfig, simulate
-from .sweep import load_cost, parse_rates, sim_config_from_serve
-from .workload import generate, load_workload
 
 TOLERANCE = 0.15  # the issue's bar for P50 and P95
 
@@ -85,7 +84,7 @@ class Comparison:
         return all(e is not None and abs(e) <= tolerance for e in errors) and not self.live.failed
 
 
-def measure_profile(args: argparse.Namespace, requests: list) -> Path:
+def measure_profile(args: argparse.Namespace, requests: list) -> list[Path]:
     """`stepserve profile` for every model in the requests, at their sizes, into one CSV each."""
     paths = []
     for model in sorted({r.model for r in requests}):

@@ -14,10 +14,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from .metrics import Summary, summarize
-from .plots import plot_latency_cdfs, plot_load_sweep, plot_policy_bars
-from .sim import SimConfig, SimResult, TextEncoderSpec, simulate
-from .workload import WorkloadSpec, describe, generate, load_workload
+from stepserve.load_tests.metrics import Summary, summarize
+from stepserve.load_tests.plots import plot_latency_cdfs, plot_load_sweep, plot_policy_bars
+from stepserve.load_tests.sim import SimConfig, SimResult, TextEncoderSpec, simulate
+from stepserve.load_tests.workload import WorkloadSpec, describe, generate, load_workload
 
 
 @dataclass(frozen=True)
@@ -51,8 +51,15 @@ def add_sim_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-size", type=int, default=None,
                         help="requests resident per worker (default: 8, SynerDiff's cap)")
     parser.add_argument("--pipeline-depth", type=int, default=None, help="plans in flight per worker (default: 2)")
-    parser.add_argument("--max-queue-len", type=int, default=None,
-                        help="queued requests beyond which new ones are rejected, as the router does (default: 256)")
+    parser.add_argument("--pipeline-lead", type=float, default=None,
+                        help="seconds before a busy worker's current plan is predicted to end that its next one is "
+                             "decided, as the router does (default: 0.05; 0: at the step boundary; inf: whenever a "
+                             "round finds room in its pipeline)")
+    parser.add_argument("--max-queued-images", type=int, default=None,
+                        help="image requests waiting or decoding beyond which new ones are rejected, as the router "
+                             "does (default: 256)")
+    parser.add_argument("--max-queued-videos", type=int, default=None,
+                        help="the same bound for videos (default: 1024)")
     parser.add_argument("--decoders", type=int, default=None,
                         help="VAE decoder replicas (default: one per worker)")
     parser.add_argument("--text-encoders", type=int, default=None, help="text encoder replicas (default: 1)")
@@ -60,8 +67,8 @@ def add_sim_args(parser: argparse.ArgumentParser) -> None:
                         help="all components share one CPU host of this many cores (a CPU box running the whole "
                              "app, as configs/local.yaml does); default: each has a device of its own")
     parser.add_argument("--serve-config", type=Path, default=None,
-                        help="take workers, batch cap, queue length, pipeline depth, encoder and decoder "
-                             "replicas from this Serve YAML (flags given explicitly still win)")
+                        help="take workers, batch cap, policy, queue bounds, pipeline depth and lead, encoder and "
+                             "decoder replicas from this Serve YAML (flags given explicitly still win)")
     parser.add_argument("--num-requests", type=int, default=None, help="override the workload's request count")
     parser.add_argument("--duration", type=float, default=None, help="override the workload's duration, s")
     parser.add_argument("--seed", type=int, default=None, help="override the workload's seed")
@@ -86,8 +93,9 @@ def sim_config_from_serve(path: str | os.PathLike) -> dict[str, Any]:
     te = app.text_encoder
     return dict(
         workers=app.workers.num_workers, max_batch_size=app.workers.max_batch_size, policy=app.router.policy,
-        policy_options=dict(app.router.policy_options), max_queue_len=app.router.max_queue_len,
-        pipeline_depth=app.router.pipeline_depth, decoders=app.vae_decoder.num_replicas,
+        policy_options=dict(app.router.policy_options), max_queued_images=app.router.max_queued_images,
+        max_queued_videos=app.router.max_queued_videos, pipeline_depth=app.router.pipeline_depth,
+        pipeline_lead_s=app.router.pipeline_lead_s, decoders=app.vae_decoder.num_replicas,
         text_encoder=TextEncoderSpec(replicas=te.num_replicas, max_batch_size=te.max_batch_size,
                                      batch_wait_s=te.batch_wait_timeout_s, cache_size=te.cache_size),
     )
@@ -98,7 +106,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     if args.serve_config is not None:
         fields.update(sim_config_from_serve(args.serve_config))
     explicit = dict(workers=args.workers, max_batch_size=args.max_batch_size, pipeline_depth=args.pipeline_depth,
-                    max_queue_len=args.max_queue_len, decoders=args.decoders, host_cpus=args.host_cpus)
+                    pipeline_lead_s=args.pipeline_lead, max_queued_images=args.max_queued_images,
+                    max_queued_videos=args.max_queued_videos, decoders=args.decoders, host_cpus=args.host_cpus)
     fields.update({k: v for k, v in explicit.items() if v is not None})
     if args.text_encoders is not None:
         fields["text_encoder"] = replace(fields.get("text_encoder", TextEncoderSpec()), replicas=args.text_encoders)
@@ -172,8 +181,8 @@ def sweep_report(kind: str, spec: WorkloadSpec, profile: str, config: SimConfig,
                 "summary": asdict(run.summary),
                 "simulation": {
                     "requests": len(run.result.traces), "simulated_s": run.result.end_s, "wall_s": run.result.wall_s,
-                    "plan_wall_s": run.result.plan_wall_s, "events": run.result.events,
-                    "plan_calls": run.result.plan_calls, "rounds": run.result.rounds,
+                    "decision_wall_s": sum(run.result.decision_wall_s), "events": run.result.events,
+                    "decisions": run.result.decisions, "rounds": run.result.rounds,
                     "text_encoder_busy_s": run.result.text_encoder_busy_s,
                     "decoder_busy_s": run.result.decoder_busy_s, "worker_busy_s": dict(run.result.busy_s),
                 },

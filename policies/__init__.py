@@ -4,15 +4,19 @@ Importing this package registers every policy, so `make_policy(name)` works afte
 `import stepserve.policies`.
 """
 
-from stepserve.policies.base import PolicyError, SchedulingPolicy
-from stepserve.policies.registry import make_policy, policy_names, register_policy
+from stepserve.policies.base import PerWorker, PolicyError, Scheduler, WorkerPolicy
+from stepserve.policies.registry import make_policy, needs_costs, policy_names, register_policy
 from stepserve.policies.types import (
     ClusterSnapshot,
+    Decision,
+    RequestFailure,
+    RequestKind,
     RequestProgress,
     RequestSpec,
     RequestStatus,
     RequestView,
     ShapeKey,
+    StepGroup,
     StepReport,
     WorkerPlan,
     WorkerView,
@@ -20,20 +24,28 @@ from stepserve.policies.types import (
 
 # Imported for their registration side effect.
 from stepserve.policies import continuous, dynamic_batching, static_fcfs  # noqa: E402,F401  isort: skip
+from stepserve.policies.genserve import policy as genserve_policy  # noqa: E402,F401  isort: skip
 
 __all__ = [
     "ClusterSnapshot",
+    "Decision",
+    "PerWorker",
     "PolicyError",
+    "RequestFailure",
+    "RequestKind",
     "RequestProgress",
     "RequestSpec",
     "RequestStatus",
     "RequestView",
-    "SchedulingPolicy",
+    "Scheduler",
     "ShapeKey",
+    "StepGroup",
     "StepReport",
     "WorkerPlan",
+    "WorkerPolicy",
     "WorkerView",
     "make_policy",
+    "needs_costs",
     "policy_names",
     "register_policy",
 ]

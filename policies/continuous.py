@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from stepserve.policies.base import batch_limit, check_batch_cap, group_by_shape, residents_of
 from stepserve.policies.registry import register_policy
-from stepserve.policies.types import ClusterSnapshot, RequestView, WorkerPlan
+from stepserve.policies.types import ClusterSnapshot, Decision, RequestView, WorkerPlan
 
 
 @dataclass(frozen=True)
@@ -31,19 +31,15 @@ class ContinuousBatching:
     def __init__(self, config: ContinuousConfig = ContinuousConfig()) -> None:
         self.config = config
 
-    def plan(self, snapshot: ClusterSnapshot, worker_id: str) -> WorkerPlan:
+    def plan(self, snapshot: ClusterSnapshot, worker_id: str) -> Decision:
         cap = self.config.max_batch_size
         me = snapshot.worker(worker_id)
         limit = batch_limit(me, cap)
         # Join-shortest-queue: the worker asking first must not swallow a burst that
         # idle peers could start on right away, so it stops once it is more loaded than
-        # the least-loaded peer that could still take work.
-        peer_loads = [
-            len(w.running)
-            for w in snapshot.workers
-            if w.worker_id != worker_id and len(w.running) < batch_limit(w, cap)
-        ]
-        ceiling = min(peer_loads) if peer_loads else None
+        # the least-loaded peer that could still take work. A peer whose pipeline is full
+        # counts too: it takes work at its next boundary, a step away at most.
+        ceiling = snapshot.least_load_with_room(cap, excluding=worker_id)
 
         load = len(me.running)
         admitted: list[RequestView] = []
@@ -57,8 +53,7 @@ class ContinuousBatching:
             admitted.append(request)
             load += 1
 
-        return WorkerPlan(
-            worker_id=worker_id,
-            admit=tuple(r.request_id for r in admitted),
-            groups=group_by_shape(residents_of(snapshot, worker_id) + admitted),
-        )
+        groups = group_by_shape(residents_of(snapshot, worker_id) + admitted)
+        if not groups:
+            return Decision()
+        return Decision((WorkerPlan(worker_id, admit=tuple(r.request_id for r in admitted), groups=groups),))

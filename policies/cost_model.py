@@ -1,6 +1,10 @@
 """Latency cost models: what a denoiser forward, a worker round, text encoding, decoding and a
 whole request cost on one device, fitted from the profile CSVs `stepserve profile` writes.
 
+Every denoiser latency is asked about a `BatchShape`, the one description of a batch that all
+schedulers share: a new dimension of the work (mask ratio, LoRA set, patches) becomes a field
+there and a column in the profile, not another cost protocol.
+
 Pure Python, like every policy: the simulator and the live router ask the same model.
 
 Profiles measure a grid; requests fall between grid points (PatchedServe: the combinations
@@ -71,20 +75,27 @@ class UnknownModelError(LookupError):
 
 
 @dataclass(frozen=True)
-class GroupShape:
-    """One denoiser forward on one worker: requests of one shape key stepping together."""
+class BatchShape:
+    """One denoiser forward of one batch of same-shape rows, split over `sp_degree` workers by
+    sequence parallelism (1: on one worker).
+
+    Images are one frame; a video multiplies the work per row by its frames. Later dimensions of
+    the work (mask ratio, LoRA set, patches) extend this with defaulted fields, so every cost
+    question keeps one argument.
+    """
 
     model: str
     height: int
     width: int
     rows: int  # batch rows: 2 per CFG request, 1 per non-CFG request
-    frames: int = 1  # images are one frame; video multiplies the work per row
+    frames: int = 1
+    sp_degree: int = 1
 
     def __post_init__(self) -> None:
-        for field in ("height", "width", "rows", "frames"):
+        for field in ("height", "width", "rows", "frames", "sp_degree"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"GroupShape.{field} must be a positive int, got {value!r}")
+                raise ValueError(f"BatchShape.{field} must be a positive int, got {value!r}")
 
     @property
     def pixels(self) -> int:
@@ -95,11 +106,16 @@ class GroupShape:
 class CostModel(Protocol):
     """Latencies in seconds on one device. Policies and the simulator code against this."""
 
-    def denoise_seconds(self, group: GroupShape) -> float:
-        """One forward of one group."""
+    def denoise_seconds(self, batch: BatchShape) -> float:
+        """One forward of one batch at its SP degree."""
 
-    def round_seconds(self, groups: Sequence[GroupShape]) -> float:
-        """One worker round: its groups one after another, plus the per-round overhead."""
+    def round_seconds(self, batches: Sequence[BatchShape]) -> float:
+        """One worker round: its batches one after another, plus the per-round overhead."""
+
+    def step_seconds(self, batch: BatchShape) -> float:
+        """One round that runs just this batch (on each worker of its SP group): what one
+        denoising step of its requests costs. +inf for an SP degree the device cannot run, so a
+        scheduler never picks it."""
 
     def text_encode_seconds(self, model: str, texts: int) -> float:
         """One text-encoder call for `texts` strings."""
@@ -552,20 +568,33 @@ class ProfiledCostModel:
 
     # -- CostModel ---------------------------------------------------------------------------
 
-    def denoise_seconds(self, group: GroupShape) -> float:
-        return self._costs(group.model).denoise(group.pixels, group.rows)
+    def denoise_seconds(self, batch: BatchShape) -> float:
+        """Raises `UnknownModelError` for an SP degree the profile lacks: each degree is fitted
+        on its own, and communication's share does not extrapolate from the others."""
+        return self._costs(batch.model).denoise(batch.pixels, batch.rows, batch.sp_degree)
 
-    def round_overhead_seconds(self, groups: Sequence[GroupShape]) -> float:
+    def round_overhead_seconds(self, batches: Sequence[BatchShape]) -> float:
         """Beyond the forwards: one fixed cost per round (the plan/report RPC; the largest of the
-        models present, as one message carries all groups) plus bookkeeping per group."""
-        if not groups:
+        models present, as one message carries all batches) plus bookkeeping per batch."""
+        if not batches:
             return 0.0
-        fixed = max(self._costs(g.model).round_fixed for g in groups)
-        return fixed + sum(self._costs(g.model).per_group_overhead(g.pixels, g.rows) for g in groups)
+        fixed = max(self._costs(b.model).round_fixed for b in batches)
+        return fixed + sum(self._costs(b.model).per_group_overhead(b.pixels, b.rows) for b in batches)
 
-    def round_seconds(self, groups: Sequence[GroupShape]) -> float:
-        """A worker runs its groups one after another; an empty round costs nothing."""
-        return sum(self.denoise_seconds(g) for g in groups) + self.round_overhead_seconds(groups)
+    def round_seconds(self, batches: Sequence[BatchShape]) -> float:
+        """A worker runs its batches one after another; an empty round costs nothing."""
+        return sum(self.denoise_seconds(b) for b in batches) + self.round_overhead_seconds(batches)
+
+    def step_seconds(self, batch: BatchShape) -> float:
+        """Every worker of an SP group runs the same round, so a step at degree d is the forward
+        at d plus one round's overhead. A degree the profile lacks is +inf rather than an error:
+        schedulers ask about every degree they could choose."""
+        costs = self._costs(batch.model)
+        # A model without any denoise rows still raises (in `denoise`): that is a broken
+        # profile, and +inf would leave its requests waiting forever without a word.
+        if costs.sp_degrees and batch.sp_degree not in costs.sp_degrees:
+            return math.inf
+        return costs.denoise(batch.pixels, batch.rows, batch.sp_degree) + self.round_overhead_seconds((batch,))
 
     def text_encode_seconds(self, model: str, texts: int) -> float:
         if texts < 1:
@@ -583,10 +612,10 @@ class ProfiledCostModel:
 
     def video_step_seconds(self, model: str, height: int, width: int, frames: int, degree: int,
                            cfg: bool = True) -> float:
-        """One denoising step of one video on an SP group of `degree` workers: the forward at
-        that degree plus one round's overhead (every member runs the same round)."""
-        group = GroupShape(model, height, width, 2 if cfg else 1, frames)
-        return self._costs(model).denoise(group.pixels, group.rows, degree) + self.round_overhead_seconds([group])
+        """`step_seconds` of one video, raising for an unprofiled degree: what `stepserve profile`
+        prints after a video profile (stepserve/profile_video.py)."""
+        batch = BatchShape(model, height, width, 2 if cfg else 1, frames, degree)
+        return self.denoise_seconds(batch) + self.round_overhead_seconds((batch,))
 
     def request_overhead_seconds(self, model: str) -> float:
         return self._costs(model).request_overhead
@@ -610,14 +639,14 @@ class ProfiledCostModel:
 
     def solo_seconds(self, model: str, height: int, width: int, steps: int, cfg: bool, frames: int = 1) -> float:
         """The prompt (and, with CFG, the negative prompt) encoded in one call, `steps` rounds of
-        one group alone on one worker (a video at SP degree 1), one decode, and the fixed
+        one batch alone on one worker (a video at SP degree 1), one decode, and the fixed
         per-request overhead."""
         if steps < 0:
             raise ValueError(f"steps must be >= 0, got {steps}")
         rows = 2 if cfg else 1
         return (
             self.text_encode_seconds(model, rows)
-            + steps * self.round_seconds([GroupShape(model, height, width, rows, frames)])
+            + steps * self.round_seconds([BatchShape(model, height, width, rows, frames)])
             + self.decode_seconds(model, height, width, frames)
             + self.request_overhead_seconds(model)
         )

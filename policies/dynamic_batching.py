@@ -4,8 +4,8 @@ Like static batching, a batch shares one shape and one step count and runs from 
 to its last with nothing joining. The difference: an idle worker does not start the moment one
 request is ready; it collects a batch for up to a window (0.5 s in SynerDiff) measured from the
 arrival of the oldest ready request of that batch's kind, and starts early only when the batch
-is full. While it waits it returns an empty plan whose `wake_at` is when the earliest window
-closes, so the router asks again then even if nothing arrives.
+is full. While it waits it answers with no plan and a `wake_at` at which the earliest window
+closes (a `Decision` with only `wake_at`), so the router asks again then even if nothing arrives.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from stepserve.policies.base import batch_limit, check_batch_cap, group_by_shape, residents_of
 from stepserve.policies.registry import register_policy
-from stepserve.policies.types import ClusterSnapshot, RequestView, ShapeKey, WorkerPlan
+from stepserve.policies.types import ClusterSnapshot, Decision, RequestView, ShapeKey, StepGroup, WorkerPlan
 
 
 @dataclass(frozen=True)
@@ -38,10 +38,10 @@ class DynamicBatching:
     def __init__(self, config: DynamicBatchingConfig = DynamicBatchingConfig()) -> None:
         self.config = config
 
-    def plan(self, snapshot: ClusterSnapshot, worker_id: str) -> WorkerPlan:
+    def plan(self, snapshot: ClusterSnapshot, worker_id: str) -> Decision:
         residents = residents_of(snapshot, worker_id)
         if residents:
-            return WorkerPlan(worker_id=worker_id, groups=group_by_shape(residents))
+            return Decision((WorkerPlan(worker_id, groups=group_by_shape(residents)),))
 
         limit = batch_limit(snapshot.worker(worker_id), self.config.max_batch_size)
         # Candidate batches by kind, in FCFS order of their oldest ready member. Requests whose
@@ -59,6 +59,6 @@ class DynamicBatching:
             closes = batch[0].arrival_time + self.config.window_s
             if len(batch) >= limit or snapshot.now >= closes:
                 ids = tuple(r.request_id for r in batch)
-                return WorkerPlan(worker_id=worker_id, admit=ids, groups=(ids,))
+                return Decision((WorkerPlan(worker_id, admit=ids, groups=(StepGroup(ids),)),))
             earliest_close = closes if earliest_close is None else min(earliest_close, closes)
-        return WorkerPlan(worker_id=worker_id, wake_at=earliest_close)
+        return Decision(wake_at=earliest_close)

@@ -1,4 +1,9 @@
-"""Policies by name, so configs and the simulator can pick one with a string and a dict."""
+"""Policies by name, so configs and the simulator can pick one with a string and a dict.
+
+A registered class is either a `Scheduler` (it has `schedule`) or a `WorkerPolicy` (it has
+`plan`), which `make_policy` wraps in `PerWorker`. A class that predicts step times sets
+`needs_costs = True` and is built as `cls(config, costs)`.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from stepserve.policies.base import SchedulingPolicy
+from stepserve.policies.base import PerWorker, Scheduler
 
 T = TypeVar("T", bound=type)
 
@@ -23,6 +28,8 @@ def register_policy(name: str, config_cls: type) -> Callable[[T], T]:
         raise TypeError(f"config for policy {name!r} must be a dataclass, got {config_cls!r}")
 
     def decorate(policy_cls: T) -> T:
+        if not (hasattr(policy_cls, "schedule") or hasattr(policy_cls, "plan")):
+            raise TypeError(f"policy {name!r}: {policy_cls!r} has neither schedule() nor plan()")
         previous = _REGISTRY.get(name)
         # Re-running the same module (importlib.reload) is fine; two classes claiming one name
         # is a bug that would otherwise silently pick whichever was imported last.
@@ -37,14 +44,26 @@ def register_policy(name: str, config_cls: type) -> Callable[[T], T]:
     return decorate
 
 
-def make_policy(name: str, options: dict[str, Any] | None = None) -> SchedulingPolicy:
-    """Build the named policy; every error is a ValueError that says what to fix."""
-    try:
-        policy_cls, config_cls = _REGISTRY[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown policy {name!r}; known policies: {', '.join(policy_names())}"
-        ) from None
+def make_policy(name: str, options: dict[str, Any] | None = None, costs: Any = None) -> Scheduler:
+    """Build the named policy as a `Scheduler`; every error is a ValueError that says what to fix.
+
+    `costs` (a `StepCosts`) is handed to policies that predict step times and required by them.
+    """
+    policy_cls, _ = _lookup(name)
+    config = validate_policy(name, options)
+    if needs_costs(name):
+        if costs is None:
+            raise ValueError(f"policy {name!r} predicts step times: it needs latency profiles (router.profiles)")
+        policy = policy_cls(config, costs)
+    else:
+        policy = policy_cls(config)
+    return policy if hasattr(policy, "schedule") else PerWorker(policy)
+
+
+def validate_policy(name: str, options: dict[str, Any] | None = None) -> Any:
+    """The named policy's config built from `options` (a config file is checked with it before
+    anything is deployed); ValueError says what to fix."""
+    _, config_cls = _lookup(name)
     options = dict(options or {})
     valid = [f.name for f in dataclasses.fields(config_cls) if f.init]
     unknown = [key for key in options if key not in valid]
@@ -53,15 +72,30 @@ def make_policy(name: str, options: dict[str, Any] | None = None) -> SchedulingP
             f"policy {name!r}: unknown option(s) {', '.join(map(repr, unknown))}; "
             f"valid options: {', '.join(valid) or '(none)'}"
         )
+    if "sp_degrees" in options and isinstance(options["sp_degrees"], list):
+        options["sp_degrees"] = tuple(options["sp_degrees"])  # YAML has no tuples
     try:
-        config = config_cls(**options)
+        return config_cls(**options)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"policy {name!r}: invalid options: {exc}") from exc
-    return policy_cls(config)
+
+
+def needs_costs(name: str) -> bool:
+    """Whether the named policy predicts step times from a cost model."""
+    return bool(getattr(_lookup(name)[0], "needs_costs", False))
 
 
 def policy_names() -> list[str]:
     return sorted(_REGISTRY)
+
+
+def _lookup(name: str) -> tuple[type, type]:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown policy {name!r}; known policies: {', '.join(policy_names())}"
+        ) from None
 
 
 def _qualname(cls: type) -> str:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from stepserve.policies.base import batch_limit, check_batch_cap, group_by_shape, residents_of
 from stepserve.policies.registry import register_policy
-from stepserve.policies.types import ClusterSnapshot, RequestView, WorkerPlan
+from stepserve.policies.types import ClusterSnapshot, Decision, RequestView, StepGroup, WorkerPlan
 
 
 @dataclass(frozen=True)
@@ -30,10 +30,10 @@ class StaticFCFS:
     def __init__(self, config: StaticFCFSConfig = StaticFCFSConfig()) -> None:
         self.config = config
 
-    def plan(self, snapshot: ClusterSnapshot, worker_id: str) -> WorkerPlan:
+    def plan(self, snapshot: ClusterSnapshot, worker_id: str) -> Decision:
         residents = residents_of(snapshot, worker_id)
         if residents:
-            return WorkerPlan(worker_id=worker_id, groups=group_by_shape(residents))
+            return Decision((WorkerPlan(worker_id, groups=group_by_shape(residents)),))
 
         limit = batch_limit(snapshot.worker(worker_id), self.config.max_batch_size)
         batch: list[RequestView] = []
@@ -46,5 +46,7 @@ class StaticFCFS:
             if request.shape_key == head.shape_key and request.steps_total == head.steps_total:
                 batch.append(request)
 
+        if not batch:
+            return Decision()
         ids = tuple(r.request_id for r in batch)
-        return WorkerPlan(worker_id=worker_id, admit=ids, groups=(ids,) if ids else ())
+        return Decision((WorkerPlan(worker_id, admit=ids, groups=(StepGroup(ids),)),))

@@ -1,16 +1,24 @@
-"""Values that cross layers: the request spec, what policies see, and what they decide.
+"""Values that cross layers: the one request model, what schedulers see, and what they decide.
 
 Pure Python, frozen dataclasses. The ingress turns validated HTTP/handle input into a
-`RequestSpec`; the router keeps mutable state of its own and hands policies read-only
-`ClusterSnapshot`s; a policy answers with a `WorkerPlan`; a worker answers with a `StepReport`.
-The simulator builds the same snapshots and reads the same reports, so nothing here may know
-about Ray, torch or the wall clock.
+`RequestSpec`; the router core keeps mutable state of its own and hands schedulers read-only
+`ClusterSnapshot`s; a scheduler answers with a `Decision` (one `WorkerPlan` per worker it
+plans for); a worker answers each plan with a `StepReport`. The simulator builds the same
+snapshots and reads the same reports, so nothing here may know about Ray, torch or the clock.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from enum import Enum
+from functools import cached_property
+
+
+class RequestKind(str, Enum):
+    T2I = "t2i"  # text to image
+    T2V = "t2v"  # text to video
 
 
 @dataclass(frozen=True, order=True)
@@ -20,11 +28,16 @@ class ShapeKey:
     model: str
     height: int
     width: int
+    frames: int = 1
 
 
 @dataclass(frozen=True)
 class RequestSpec:
-    """One image to generate. Immutable once the ingress has validated it."""
+    """One image or video to generate. Immutable once the ingress has validated it.
+
+    An image is a one-frame request; `fps` is the frame rate of a video's file. `slo_s` is the
+    latency objective from arrival (None: best effort).
+    """
 
     request_id: str
     model: str
@@ -35,46 +48,46 @@ class RequestSpec:
     guidance_scale: float
     seed: int
     negative_prompt: str = ""
-    kind: str = "t2i"
+    kind: RequestKind = RequestKind.T2I
+    num_frames: int = 1
+    fps: int = 16
+    slo_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, RequestKind):
+            raise ValueError(f"request {self.request_id!r}: kind must be a RequestKind, got {self.kind!r}")
+        if self.kind is RequestKind.T2I and self.num_frames != 1:
+            raise ValueError(f"request {self.request_id!r}: an image has one frame, got {self.num_frames}")
+        if self.num_frames < 1 or self.num_inference_steps < 1:
+            raise ValueError(f"request {self.request_id!r}: num_frames and num_inference_steps must be >= 1")
+        if self.slo_s is not None and not self.slo_s > 0:
+            raise ValueError(f"request {self.request_id!r}: slo_s must be > 0 or None, got {self.slo_s!r}")
 
     @property
     def uses_cfg(self) -> bool:
-        # Same rule as diffusers' `do_classifier_free_guidance`.
+        # Same rule as diffusers' `do_classifier_free_guidance` (SD and Wan pipelines alike).
         return self.guidance_scale > 1.0
+
+    @property
+    def rows(self) -> int:
+        """Batch rows this request adds to a forward: [uncond, cond] under CFG."""
+        return 2 if self.uses_cfg else 1
+
+    @property
+    def is_video(self) -> bool:
+        return self.kind is RequestKind.T2V
 
     @property
     def shape_key(self) -> ShapeKey:
-        return ShapeKey(self.model, self.height, self.width)
-
-
-@dataclass(frozen=True)
-class VideoSpec:
-    """One video to generate (text-to-video). `fps` only matters when the frames are encoded to
-    a file. Pure data like `RequestSpec`, so the router, the simulator and the engine share it."""
-
-    request_id: str
-    model: str
-    prompt: str
-    width: int
-    height: int
-    num_frames: int
-    num_inference_steps: int
-    guidance_scale: float
-    seed: int
-    fps: int = 16
-    negative_prompt: str = ""
-    kind: str = "t2v"
-
-    @property
-    def uses_cfg(self) -> bool:
-        # Same rule as WanPipeline's `do_classifier_free_guidance`.
-        return self.guidance_scale > 1.0
+        return ShapeKey(self.model, self.height, self.width, self.num_frames)
 
 
 class RequestStatus(str, Enum):
-    QUEUED = "queued"  # waiting for a worker (conditioning may still be in flight)
-    RUNNING = "running"  # resident on a worker, stepping
-    FINISHED = "finished"  # all denoising steps done; latents handed back
+    QUEUED = "queued"  # never ran (or lost its state with a worker and starts over)
+    RUNNING = "running"  # its state is on a worker (an SP group for a video)
+    PAUSED = "paused"  # its state waits in host memory (preempted, moving, or resuming after a fault)
+    DECODING = "decoding"  # denoised; its output is being decoded, encoded or stored
+    FINISHED = "finished"
     CANCELLED = "cancelled"
     FAILED = "failed"
 
@@ -85,71 +98,228 @@ class RequestStatus(str, Enum):
 
 @dataclass(frozen=True)
 class RequestView:
-    """What a policy may know about one request."""
+    """What a scheduler may know about one request that still needs denoising steps.
+
+    Steps count the plans already sent (pipelined plans included): a scheduler plans from where
+    the request will be once those have run.
+    """
 
     request_id: str
+    kind: RequestKind
     shape_key: ShapeKey
-    uses_cfg: bool
+    rows: int
     steps_done: int
     steps_total: int
     arrival_time: float
+    deadline: float  # absolute, for the end of denoising (the SLO minus the decode tail); inf: none
     ready: bool  # conditioning (text embeddings) is available, so a worker can admit it
-    worker_id: str | None  # None while queued
+    status: RequestStatus  # QUEUED or PAUSED while waiting; RUNNING on `workers`
+    workers: tuple[str, ...] = ()  # where its state is while running
 
     @property
     def steps_left(self) -> int:
         return self.steps_total - self.steps_done
 
+    @property
+    def uses_cfg(self) -> bool:
+        return self.rows == 2
+
+    @property
+    def is_video(self) -> bool:
+        return self.kind is RequestKind.T2V
+
+    @property
+    def worker_id(self) -> str | None:
+        """The one worker holding it, or None (waiting, or spread over an SP group)."""
+        return self.workers[0] if len(self.workers) == 1 else None
+
 
 @dataclass(frozen=True)
 class WorkerView:
-    """What a policy may know about one denoiser worker."""
+    """What a scheduler may know about one live denoiser worker (dead ones are left out)."""
 
     worker_id: str
-    max_batch_size: int  # requests that may be resident and step together
+    rank: int  # its rank in the workers' process-group world (StepGroup.ranks)
+    max_batch_size: int  # requests that may be resident on it at once
     running: tuple[str, ...]  # resident request ids, in admission order
+    open: bool = True  # it may take a plan now (room in its pipeline; its current work ends soon)
+    busy: bool = False  # a plan is executing or queued on it (open and busy: its next plan is pipelined)
+    decoding: bool = False  # its queued work includes a video's VAE decode (seconds, not a step)
 
 
 @dataclass(frozen=True)
+class SnapshotIndex:
+    """A snapshot's workers and running requests as lookups. The router core keeps them up to
+    date as things change and lends them to the round's snapshot, so a round costs what changed,
+    not a walk over the pool (building every worker's tuples each round would). Being lent, they
+    are valid only until the core changes again: `current()` says whether they still are, and a
+    snapshot refuses to read them once they are not (a scheduler must not keep a snapshot)."""
+
+    workers_by_id: Mapping[str, WorkerView]  # live workers, rank order
+    running_by_worker: Mapping[str, tuple[RequestView, ...]]  # every holder (all SP members)
+    # Open workers holding requests, and holding nothing: each in the order they last changed
+    # (deterministic; keeping rank order would cost a sort per round).
+    open_ids: tuple[str, ...]
+    open_idle_ids: tuple[str, ...]
+    # Live workers by (max_batch_size, residents): what join-shortest-queue needs.
+    load_counts: Mapping[tuple[int, int], int]
+    current: Callable[[], bool] = field(default=lambda: True, compare=False)
+
+    @classmethod
+    def of(cls, workers: tuple[WorkerView, ...], running: tuple[RequestView, ...]) -> "SnapshotIndex":
+        """An index owning its tables, from the snapshot's contents."""
+        by_worker: dict[str, list[RequestView]] = {}
+        for view in running:
+            for w in view.workers:
+                by_worker.setdefault(w, []).append(view)
+        counts: dict[tuple[int, int], int] = {}
+        for w in workers:
+            key = (w.max_batch_size, len(w.running))
+            counts[key] = counts.get(key, 0) + 1
+        return cls({w.worker_id: w for w in workers}, {w: tuple(v) for w, v in by_worker.items()},
+                   tuple(w.worker_id for w in workers if w.open and w.running),
+                   tuple(w.worker_id for w in workers if w.open and not w.running), counts)
+
+
+@dataclass(frozen=True, eq=False)
 class ClusterSnapshot:
+    """What a scheduler sees in one round. `workers` (live, rank order) and `running` (worker by
+    worker, admission order; an SP group's request once) are derived from `index` when first
+    read; build a snapshot from plain tuples with `ClusterSnapshot.of`."""
+
     now: float
-    queued: tuple[RequestView, ...]  # arrival (FCFS) order
-    running: tuple[RequestView, ...]  # resident on some worker
-    workers: tuple[WorkerView, ...]
+    queued: tuple[RequestView, ...]  # waiting to run (QUEUED or PAUSED), in arrival order
+    index: SnapshotIndex
+    sp_available: bool = True  # sequence-parallel groups can form (the workers' world is up)
+    # What a step costs beyond its profile, as the router measures it, by request kind:
+    # schedulers that predict step times add it (see policies/genserve/costs.py).
+    step_overhead_s: tuple[tuple[RequestKind, float], ...] = ()
+
+    @classmethod
+    def of(cls, now: float, queued: tuple[RequestView, ...], running: tuple[RequestView, ...],
+           workers: tuple[WorkerView, ...], sp_available: bool = True,
+           step_overhead_s: tuple[tuple[RequestKind, float], ...] = ()) -> "ClusterSnapshot":
+        return cls(now, tuple(queued), SnapshotIndex.of(tuple(workers), tuple(running)), sp_available,
+                   step_overhead_s)
+
+    def _lookups(self) -> SnapshotIndex:
+        if not self.index.current():
+            raise RuntimeError("this snapshot's round is over: the router core has changed since")
+        return self.index
+
+    @cached_property
+    def workers(self) -> tuple[WorkerView, ...]:
+        return tuple(self._lookups().workers_by_id.values())
+
+    @cached_property
+    def running(self) -> tuple[RequestView, ...]:
+        out: dict[str, RequestView] = {}
+        for views in self._lookups().running_by_worker.values():
+            for view in views:
+                out.setdefault(view.request_id, view)
+        return tuple(out.values())
 
     def worker(self, worker_id: str) -> WorkerView:
-        for w in self.workers:
-            if w.worker_id == worker_id:
-                return w
-        raise KeyError(worker_id)
+        try:
+            return self._lookups().workers_by_id[worker_id]
+        except KeyError:
+            raise KeyError(worker_id) from None
 
     def running_on(self, worker_id: str) -> tuple[RequestView, ...]:
-        return tuple(r for r in self.running if r.worker_id == worker_id)
+        return self._lookups().running_by_worker.get(worker_id, ())
+
+    def open_workers(self, idle: bool = True) -> tuple[WorkerView, ...]:
+        """Open workers holding requests, then (with `idle`) open workers holding nothing."""
+        by_id = self._lookups().workers_by_id
+        ids = self.index.open_ids + self.index.open_idle_ids if idle else self.index.open_ids
+        return tuple(by_id[w] for w in ids)
+
+    def least_load_with_room(self, cap: int | None, excluding: str) -> int | None:
+        """The fewest residents on a live worker other than `excluding` that has room under
+        min(cap, its batch size); None when no such worker."""
+        me = self.worker(excluding)
+        mine = (me.max_batch_size, len(me.running))
+        best = None
+        for (size, load), count in self._lookups().load_counts.items():
+            if (size, load) == mine:
+                count -= 1
+            limit = size if cap is None else min(cap, size)
+            if count > 0 and load < limit and (best is None or load < best):
+                best = load
+        return best
+
+    def overhead_s(self, kind: RequestKind) -> float:
+        return dict(self.step_overhead_s).get(kind, 0.0)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ClusterSnapshot):
+            return NotImplemented
+        return (self.now, self.queued, self.running, self.workers, self.sp_available, self.step_overhead_s) == (
+            other.now, other.queued, other.running, other.workers, other.sp_available, other.step_overhead_s)
+
+
+@dataclass(frozen=True)
+class StepGroup:
+    """Requests that share one denoiser forward. With `ranks`, the forward is split over the
+    workers of those world ranks (sequence parallelism): every one of them has the same group
+    in its plan of the same round, and the group holds one request."""
+
+    request_ids: tuple[str, ...]
+    ranks: tuple[int, ...] = ()  # sorted world ranks; () runs on this worker alone
 
 
 @dataclass(frozen=True)
 class WorkerPlan:
-    """One round for one worker: drop, admit, then one forward per group.
+    """One round for one worker. It runs, in order: `drop` (forget), `admit` (start fresh, or
+    resume from host memory), one forward per group (every member advances one step), then
+    `export`, `checkpoint` and `finish`, whose data it returns, and last `release` (forget).
 
-    `drop` is filled by the router (cancellations), never by a policy. Every id in `groups`
-    advances exactly one step; requests in a group share a shape key. A policy that holds work
-    back on purpose (a batching window) sets `wake_at`: the router asks again at that time even
-    if nothing else happens.
+    Schedulers fill `admit`, `groups`, `export` (state to host memory; the request leaves:
+    pause, or the first half of a move) and `release` (the other members of an SP group whose
+    first member exports). The router fills the rest: `drop` (cancelled or failed), `checkpoint`
+    (a copy of the state to host memory, so a worker fault loses little), `finish` (this round
+    ends the request's denoising: an image returns its latents, a video is decoded here and
+    returns its frames; the other members of its SP group `release` it), and `plan_id` (its
+    position in the worker's sequence).
     """
 
     worker_id: str
     admit: tuple[str, ...] = ()
-    groups: tuple[tuple[str, ...], ...] = ()
+    groups: tuple[StepGroup, ...] = ()
+    export: tuple[str, ...] = ()
+    release: tuple[str, ...] = ()
     drop: tuple[str, ...] = ()
-    wake_at: float | None = None
+    checkpoint: tuple[str, ...] = ()
+    finish: tuple[str, ...] = ()
+    plan_id: int = 0
 
     @property
     def stepping(self) -> tuple[str, ...]:
-        return tuple(rid for group in self.groups for rid in group)
+        return tuple(rid for group in self.groups for rid in group.request_ids)
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        """The ids whose data the worker returns after its report, in this order."""
+        return self.export + self.checkpoint + self.finish
 
     @property
     def is_empty(self) -> bool:
-        return not (self.admit or self.groups or self.drop)
+        return not (self.admit or self.groups or self.export or self.release or self.drop or self.checkpoint
+                    or self.finish)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A scheduler's answer: at most one plan per open worker. `wake_at`: a policy that holds
+    work back on purpose (a batching window) asks to be called again then, even if nothing else
+    happens."""
+
+    plans: tuple[WorkerPlan, ...] = ()
+    wake_at: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.wake_at is not None and not math.isfinite(self.wake_at):
+            raise ValueError(f"wake_at must be finite or None, got {self.wake_at!r}")
 
 
 @dataclass(frozen=True)
@@ -160,12 +330,25 @@ class RequestProgress:
 
 
 @dataclass(frozen=True)
+class RequestFailure:
+    """A request the worker could not serve this round. `lost`: its state or an input was lost
+    to a fault elsewhere (a worker or its SP partner died); the router resumes it from its last
+    checkpoint instead of failing it."""
+
+    request_id: str
+    message: str
+    lost: bool = False
+
+
+@dataclass(frozen=True)
 class StepReport:
-    """A worker's answer to a `WorkerPlan`."""
+    """A worker's answer to a `WorkerPlan`. `incarnation` changes when the worker restarts, so a
+    router can tell a fresh worker (which lost every resident request) from the one it knew."""
 
     worker_id: str
-    progress: tuple[RequestProgress, ...]  # every request that stepped (or was admitted)
-    finished: tuple[str, ...]  # all steps done; latents returned alongside the report
-    failed: tuple[tuple[str, str], ...] = ()  # (request_id, message)
+    plan_id: int
+    progress: tuple[RequestProgress, ...] = ()  # every request that stepped or was admitted
+    failed: tuple[RequestFailure, ...] = ()
     duration_s: float = 0.0  # time spent executing the plan
     batch_size: int = 0  # requests that stepped this round
+    incarnation: str = ""

@@ -46,20 +46,20 @@ from typing import Any
 
 import torch
 
-from .policies.cost_model import (
+from stepserve.policies.cost_model import (
     DENOISE,
     HOST_PROBE,
     REQUEST_OVERHEAD,
     ROUND_OVERHEAD,
     TEXT_ENCODE,
     VAE_DECODE,
-    GroupShape,
+    BatchShape,
     ProfiledCostModel,
     ProfileRow,
     format_fit_report,
     write_profile,
 )
-from .runtime import CONFIGS, load_serve_config
+from stepserve.runtime import CONFIGS, load_serve_config
 
 
 @dataclass(frozen=True)
@@ -208,12 +208,12 @@ class TimedFamily:
     def __getattr__(self, name: str):
         return getattr(self._family, name)
 
-    def denoise(self, *args):
+    def denoise(self, *args, **kwargs):
         out = None
 
         def run():
             nonlocal out
-            out = self._family.denoise(*args)
+            out = self._family.denoise(*args, **kwargs)
 
         self.denoise_s += self._watch.time(run)
         return out
@@ -224,7 +224,7 @@ PROBE_ROUNDS = 20  # interleaved rounds of the host probe (each: alone, 1 copy b
 
 def _probe_sibling(source, threads: int, size: int, rows: int, running, stop, ready) -> None:
     """A sibling process: run the probe forward over and over while `running` is set."""
-    from .engine.families import DENOISER, TEXT, load_family
+    from stepserve.engine.families import DENOISER, TEXT, load_family
 
     torch.set_num_threads(threads)
     family = load_family(source, {DENOISER, TEXT}, "cpu")
@@ -294,9 +294,9 @@ def measure_host_probe(ctx: Context, source, threads: int, cores: int) -> list[P
 
 
 def measure_round_bookkeeping(ctx: Context, threads: int) -> list[ProfileRow]:
-    from .engine.sampler import Conditioning
-    from .engine.step_runner import StepRunner
-    from .policies.types import RequestSpec, WorkerPlan
+    from stepserve.engine.sampler import Conditioning
+    from stepserve.engine.step_runner import Admission, StepRunner
+    from stepserve.policies.types import RequestSpec, StepGroup, WorkerPlan
 
     family, grid, watch = ctx.family, ctx.grid, ctx.watch
     log(f"[round_overhead] StepRunner.execute minus its forwards: sizes {list(grid.sizes)}, "
@@ -313,11 +313,11 @@ def measure_round_bookkeeping(ctx: Context, threads: int) -> list[ProfileRow]:
                 admissions = {}
                 for i in range(batch):
                     spec = RequestSpec(f"r{i}", ctx.model, "fox", size, size, steps, 7.5 if cfg else 1.0, i)
-                    admissions[spec.request_id] = (spec, Conditioning(cond, uncond if cfg else None))
+                    admissions[spec.request_id] = Admission(spec, Conditioning(cond, uncond if cfg else None))
                 ids = tuple(admissions)
                 admission.append(watch.time(lambda: runner.execute(WorkerPlan("profile", admit=ids), admissions))
                                  / batch)
-                plan = WorkerPlan("profile", groups=(ids,))
+                plan = WorkerPlan("profile", groups=(StepGroup(ids),))
                 overheads = []
                 for i in range(grid.warmup + grid.repeats):
                     timed.denoise_s = 0.0
@@ -346,7 +346,7 @@ def measure_text_encode(ctx: Context, threads: int) -> list[ProfileRow]:
 
 
 def measure_vae_decode(ctx: Context, threads: int) -> list[ProfileRow]:
-    from .deployments.vae_decoder import encode_png
+    from stepserve.deployments.vae_decoder import encode_png
 
     family, grid = ctx.family, ctx.grid
     log(f"[vae_decode] decode + PNG, sizes {list(grid.sizes)}, {threads} thread(s)")
@@ -368,27 +368,26 @@ class EchoWorker:
     """Answers a plan the way a denoiser worker does, without doing the work."""
 
     def execute(self, plan, admissions):
-        from .policies.types import RequestProgress, StepReport
+        from stepserve.policies.types import RequestProgress, StepReport
 
         progress = tuple(RequestProgress(rid, 1, 20) for rid in plan.stepping)
-        report = StepReport(worker_id=plan.worker_id, progress=progress, finished=(), duration_s=0.0,
-                            batch_size=len(plan.stepping))
-        return report, {}
+        return StepReport(worker_id=plan.worker_id, plan_id=plan.plan_id, progress=progress, duration_s=0.0,
+                          batch_size=len(plan.stepping))
 
 
 def measure_rpc(ctx: Context, batch: int) -> ProfileRow:
     import ray
 
-    from .policies.types import WorkerPlan
+    from stepserve.policies.types import StepGroup, WorkerPlan
 
     grid = ctx.grid
     log(f"[round_overhead] Ray actor round trip, plan of {batch} requests, {grid.rpc_repeats} repeats")
     actor = ray.remote(EchoWorker).options(num_cpus=0, max_concurrency=1).remote()
-    plan = WorkerPlan("w0", groups=(tuple(f"img-{i:032x}" for i in range(batch)),))
+    plan = WorkerPlan("w0", groups=(StepGroup(tuple(f"img-{i:032x}" for i in range(batch))),))
     try:
         for _ in range(max(10, grid.warmup)):
-            ray.get(actor.execute.remote(plan, {}))
-        times = [ctx.watch.time(lambda: ray.get(actor.execute.remote(plan, {}))) for _ in range(grid.rpc_repeats)]
+            ray.get(actor.execute.remote(plan, ()))
+        times = [ctx.watch.time(lambda: ray.get(actor.execute.remote(plan, ()))) for _ in range(grid.rpc_repeats)]
     finally:
         ray.kill(actor)
     value = statistics.median(times)
@@ -443,7 +442,7 @@ def measure_live(ctx: Context, serve_config: dict, size: int) -> LiveResult:
     import httpx
     from ray import serve
 
-    from .runtime import run_app
+    from stepserve.runtime import run_app
 
     grid = ctx.grid
     config = copy.deepcopy(serve_config)
@@ -515,10 +514,10 @@ def choose_grid(args: argparse.Namespace, device: str) -> ProfileGrid:
 def run_profile(args: argparse.Namespace) -> int:
     import ray
 
-    from .actors.denoiser import resolve_device
-    from .deployments.config import AppConfig
-    from .engine.families import ALL_PARTS, load_family
-    from .runtime import start_local_ray
+    from stepserve.actors.denoiser import resolve_device
+    from stepserve.deployments.config import AppConfig
+    from stepserve.engine.families import ALL_PARTS, load_family
+    from stepserve.runtime import start_local_ray
 
     started = time.perf_counter()
     serve_config = load_serve_config(args.config)
@@ -529,7 +528,7 @@ def run_profile(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     if model_config.is_video:  # frames and sequence parallelism: its own grid (profile_video.py)
-        from .profile_video import run_video_profile
+        from stepserve.profile_video import run_video_profile
 
         return run_video_profile(args, app, model_config)
     device = resolve_device(args.device)
@@ -600,13 +599,13 @@ def run_profile(args: argparse.Namespace) -> int:
     print(format_fit_report(model.fit_report()))
     if live_result is not None:
         size, (lo, hi) = live_result.size, live_result.steps
-        group = GroupShape(model_config.name, size, size, 2)
-        predicted, measured = model.round_seconds([group]), live_result.per_step_s
+        batch = BatchShape(model_config.name, size, size, 2)
+        predicted, measured = model.round_seconds([batch]), live_result.per_step_s
         print(f"live check ({size}px, CFG): per step {measured * 1e3:.2f} ms live vs {predicted * 1e3:.2f} ms "
               f"from the profile ({(predicted - measured) / measured:+.1%})")
         if live_result.worker_round_s is not None:
             fixed_s = model.fit_report()[model_config.name]["round_fixed_ms"] / 1e3
-            in_process = model.round_seconds([group]) - fixed_s
+            in_process = model.round_seconds([batch]) - fixed_s
             print(f"  of which the worker's execute: {live_result.worker_round_s * 1e3:.2f} ms live vs "
                   f"{in_process * 1e3:.2f} ms in-process")
         solo, live_solo = model.solo_seconds(model_config.name, size, size, hi, True), live_result.medians_s[1]

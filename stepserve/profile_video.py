@@ -1,4 +1,4 @@
-"""`stepserve profile` for a video model (a family with `video_shape`, i.e. Wan).
+"""`stepserve profile` for a video model (a family whose `kind` is t2v, i.e. Wan).
 
 What is measured, each the median of interleaved repeats after a warm-up (the machinery of
 `stepserve.profile`):
@@ -11,15 +11,15 @@ What is measured, each the median of interleaved repeats after a warm-up (the ma
   members of a video do. Before each timed forward the ranks meet at a barrier; a repeat's
   latency is its slowest rank's time, and the row is the median of those.
 - vae_decode: `family.decode(latents)` of one video per (size, frames), then the uint8
-  conversion `VideoRunner.decode` does. A video decodes on its worker (no PNG; the MP4 is
-  written outside the step loop), so the worker's threads apply.
+  conversion a worker's `StepRunner` does when it finishes a video. A video decodes on its
+  worker (no PNG; the MP4 is written outside the step loop), so the worker's threads apply.
 - text_encode: `family.encode_text` for 1, 2, 4 texts, with the text encoder's threads.
 - round_overhead, fixed: a bare Ray actor round trip carrying a `WorkerPlan` of one request
   and answering a `StepReport` (`stepserve.profile.measure_rpc`), as the image path does
   without the live app.
 
 Not measured for videos: request_overhead (no live app run; the cost model lists it as missing
-and counts 0), the per-group round bookkeeping (`VideoSampler.advance`; counted as 0) and the
+and counts 0), the per-group round bookkeeping (`Sampler.advance`; counted as 0) and the
 host probe (the image profile of the same host has it).
 """
 
@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from .policies.cost_model import (
+from stepserve.policies.cost_model import (
     DENOISE,
     TEXT_ENCODE,
     VAE_DECODE,
@@ -49,7 +49,7 @@ from .policies.cost_model import (
     format_fit_report,
     write_profile,
 )
-from .profile import (
+from stepserve.profile import (
     Context,
     Stopwatch,
     device_description,
@@ -60,7 +60,7 @@ from .profile import (
     measure_rpc,
     set_threads,
 )
-from .runtime import CONFIGS
+from stepserve.runtime import CONFIGS
 
 PROMPT = "a red fox runs through the snow"
 SP_TIMEOUT_S = 600  # a whole SP group's run; a hung collective must not hang the profiler
@@ -122,7 +122,7 @@ def tokens_of(family, point: Point) -> int:
 
 def sp_degrees(family, max_degree: int, available: int) -> list[int]:
     """Degrees 2.. that fit this host and that the model's heads can be split over."""
-    from .engine.parallel.ulysses import UlyssesLayout
+    from stepserve.engine.parallel.ulysses import UlyssesLayout
 
     heads = family.transformer.config.num_attention_heads
     degrees = []
@@ -168,7 +168,7 @@ def label(key: tuple[int, int, int, int]) -> str:
 def sp_rank(rank: int, world: int, port: int, backend: str, source, threads: int, points: list[Point],
             rows: tuple[int, ...], context, timestep, warmup: int, repeats: int, out_path: str) -> None:
     """One rank of an SP group: time every case, all ranks in step, and hand rank 0 the times."""
-    from .engine.families import DENOISER, load_family
+    from stepserve.engine.families import DENOISER, load_family
 
     torch.set_num_threads(threads)
     device = "cpu"
@@ -288,7 +288,7 @@ def measure_video_decode(ctx: Context, threads: int) -> list[ProfileRow]:
     cases = {}
     for point in points:
         latents = torch.randn(*family.latent_shape(*point), generator=generator)
-        # As `VideoRunner.decode`: frames in [0, 1] to uint8.
+        # As a worker finishing a video (`StepRunner`): frames in [0, 1] to uint8.
         cases[point] = (lambda lat=latents: (family.decode(lat)[0] * 255).round().astype("uint8"))
     medians = interleaved_medians(cases, ctx.watch, grid.warmup, grid.repeats, point_label)
     return [ctx.row(VAE_DECODE, v, grid.repeats, h, w, 1, f"family.decode + uint8 (on the worker), {threads} thread(s)",
@@ -312,9 +312,9 @@ def run_video_profile(args: argparse.Namespace, app, model_config) -> int:
     """`stepserve profile` for a video model; `app` is the validated `AppConfig`."""
     import ray
 
-    from .actors.denoiser import resolve_device
-    from .engine.families import ALL_PARTS, load_family
-    from .runtime import start_local_ray
+    from stepserve.actors.denoiser import resolve_device
+    from stepserve.engine.families import ALL_PARTS, load_family
+    from stepserve.runtime import start_local_ray
 
     started = time.perf_counter()
     device = resolve_device(args.device)

@@ -4,6 +4,7 @@ import torch
 
 from stepserve.engine.families import ModelSource
 from stepserve.engine.sampler import Conditioning
+from stepserve.engine.step_runner import Admission
 from stepserve.policies.types import RequestSpec
 
 TINY = ModelSource(name="tiny-sd", family="sd15", preset="tiny", seed=0)
@@ -18,6 +19,11 @@ def make_spec(rid: str, steps: int = 6, seed: int = 0, guidance: float = 7.5, si
 def conditioning_for(family, spec: RequestSpec) -> Conditioning:
     cond, uncond = family.encode_text([spec.prompt, spec.negative_prompt]).split(1)
     return Conditioning(cond, uncond if spec.uses_cfg else None)
+
+
+def admission_for(family, spec: RequestSpec) -> Admission:
+    """A fresh start: the spec and its text conditioning."""
+    return Admission(spec, conditioning=conditioning_for(family, spec))
 
 
 def solo_pipeline_image(family, spec: RequestSpec):

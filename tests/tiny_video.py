@@ -11,17 +11,18 @@ import torch
 import torch.distributed as dist
 
 from stepserve.engine.families import DENOISER, TEXT, ModelSource, load_family
-from stepserve.engine.sampler import Conditioning
-from stepserve.engine.video_sampler import VideoSampler, VideoSpec
+from stepserve.engine.sampler import Conditioning, Sampler
+from stepserve.policies.types import RequestKind, RequestSpec
 
 TINY_WAN = ModelSource(name="tiny-wan", family="wan", preset="tiny", seed=0)
 
 
 def make_video_spec(rid: str = "v", steps: int = 4, seed: int = 0, guidance: float = 5.0, height: int = 64,
                     width: int = 64, frames: int = 5, prompt: str = "a red fox runs through snow",
-                    negative: str = "") -> VideoSpec:
-    return VideoSpec(request_id=rid, model="tiny-wan", prompt=prompt, width=width, height=height, num_frames=frames,
-                     num_inference_steps=steps, guidance_scale=guidance, seed=seed, negative_prompt=negative)
+                    negative: str = "") -> RequestSpec:
+    return RequestSpec(request_id=rid, model="tiny-wan", prompt=prompt, width=width, height=height,
+                       num_inference_steps=steps, guidance_scale=guidance, seed=seed, negative_prompt=negative,
+                       kind=RequestKind.T2V, num_frames=frames)
 
 
 def video_conditioning(family, spec) -> Conditioning:
@@ -29,15 +30,15 @@ def video_conditioning(family, spec) -> Conditioning:
     return Conditioning(cond, uncond if spec.uses_cfg else None)
 
 
-def run_video(family, spec, conditioning, sp_group=None, steps: int | None = None) -> VideoSampler:
+def run_video(family, spec, conditioning, sp_group=None, steps: int | None = None) -> Sampler:
     """A fresh sampler stepped `steps` times (all of them by default)."""
-    sampler = VideoSampler(spec, family, conditioning)
+    sampler = Sampler(spec, family, conditioning)
     for _ in range(sampler.steps_total if steps is None else steps):
         sampler.step(family, sp_group)
     return sampler
 
 
-def finish(sampler: VideoSampler, family, sp_group=None) -> torch.Tensor:
+def finish(sampler: Sampler, family, sp_group=None) -> torch.Tensor:
     while not sampler.done:
         sampler.step(family, sp_group)
     return sampler.latents
@@ -99,10 +100,10 @@ def sp_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
         # Paused after k steps at SP=1 on rank 0, shipped as bytes, resumed at SP=d on all ranks.
         payload = [pickle.dumps(run_video(family, spec, cond, None, RESUME_AFTER).state()) if rank == 0 else None]
         dist.broadcast_object_list(payload, src=0, group=group)
-        out["sp1_then_sp"] = finish(VideoSampler.from_state(pickle.loads(payload[0]), family), family, group)
+        out["sp1_then_sp"] = finish(Sampler.from_state(pickle.loads(payload[0]), family), family, group)
         # And the other way: k steps at SP=d, then each rank alone at SP=1.
         state = run_video(family, spec, cond, group, RESUME_AFTER).state()
-        out["sp_then_sp1"] = finish(VideoSampler.from_state(state, family), family, None)
+        out["sp_then_sp1"] = finish(Sampler.from_state(state, family), family, None)
 
         # A head count the group size does not divide.
         torch.manual_seed(5)

@@ -6,11 +6,19 @@ from typing import Collection
 
 import torch
 
-from .base import ALL_PARTS, DENOISER, TEXT, VAE, DiffusionFamily, ModelSource
-from .sd15 import SD15Family
-from .wan import WanFamily
+from stepserve.engine.families.base import ALL_PARTS, DENOISER, TEXT, VAE, DiffusionFamily, ModelSource
+from stepserve.engine.families.sd15 import SD15Family
+from stepserve.engine.families.wan import WanFamily
 
 FAMILIES: dict[str, type[DiffusionFamily]] = {"sd15": SD15Family, "wan": WanFamily}
+
+
+def family_class(name: str) -> type[DiffusionFamily]:
+    """The family class registered as `name`: its class attributes say what it can serve."""
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise ValueError(f"unknown model family {name!r}; known: {sorted(FAMILIES)}") from None
 
 
 def load_family(source: ModelSource, parts: Collection[str], device: str | torch.device = "cpu") -> DiffusionFamily:
@@ -19,4 +27,7 @@ def load_family(source: ModelSource, parts: Collection[str], device: str | torch
     return FAMILIES[source.family].load(source, parts, device)
 
 
-__all__ = ["ALL_PARTS", "DENOISER", "TEXT", "VAE", "DiffusionFamily", "FAMILIES", "ModelSource", "load_family"]
+__all__ = [
+    "ALL_PARTS", "DENOISER", "TEXT", "VAE", "DiffusionFamily", "FAMILIES", "ModelSource", "family_class",
+    "load_family",
+]

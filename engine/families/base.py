@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Collection, Sequence
+from typing import Any, ClassVar, Collection, Sequence
 
 import numpy as np
 import torch
+
+from stepserve.policies.types import RequestKind, RequestSpec
 
 # Components a process may load; each process loads only what it runs.
 TEXT, DENOISER, VAE = "text", "denoiser", "vae"
@@ -44,8 +47,21 @@ class DiffusionFamily(ABC):
     """One architecture: encode text, run one batched denoiser forward, decode latents.
 
     Sampling state (scheduler, generator, latents) is per request and lives in
-    `engine.sampler.RequestSampler`; a family holds only weights and stateless helpers.
+    `engine.sampler.Sampler`; a family holds only weights and stateless helpers, among them the
+    few places where its diffusers pipeline samples differently from another's (the `Sampler`
+    hooks below; their defaults are what `StableDiffusionPipeline` does).
+
+    The class attributes say what the family generates and how it may be served, so code that
+    has only the class (request validation, config) can read them without loading weights.
     """
+
+    kind: ClassVar[RequestKind]  # what its requests generate
+    size_multiple: ClassVar[int]  # height and width must be multiples of this (its pipeline refuses others)
+    frame_step: ClassVar[int]  # valid frame counts are 1 + k * frame_step
+    sequence_parallel: ClassVar[bool] = False  # `denoise` can split one forward over an SP group
+    # A finished request is decoded by the worker that holds its latents (with a VAE loaded
+    # there), instead of its latents going to a separate VAE deployment.
+    decode_on_worker: ClassVar[bool] = False
 
     source: ModelSource
     device: torch.device
@@ -67,13 +83,36 @@ class DiffusionFamily(ABC):
         """A fresh scheduler instance: diffusers schedulers count steps, so each request owns one."""
 
     @abstractmethod
-    def initial_latents(self, height: int, width: int, scheduler: Any, generator: torch.Generator) -> torch.Tensor:
-        """The starting noise for one image, drawn from `generator` exactly as the pipeline does."""
-
-    @abstractmethod
-    def denoise(self, sample: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
-        """One forward over a batch with a per-sample timestep vector."""
+    def denoise(
+        self, sample: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor, sp_group: Any = None
+    ) -> torch.Tensor:
+        """One forward over a batch with a per-sample timestep vector; with `sp_group` (a
+        torch.distributed group; only where `sequence_parallel`) split over that group's ranks."""
 
     @abstractmethod
     def decode(self, latents: torch.Tensor) -> np.ndarray:
-        """Latents [B, C, h, w] → float images [B, H, W, 3] in [0, 1]."""
+        """Latents [B, C, ...] → float pixels in [0, 1]: images [B, H, W, 3], videos [B, F, H, W, 3]."""
+
+    # ---- how its pipeline samples (the `Sampler` hooks) ---------------------------------
+
+    @abstractmethod
+    def initial_latents(self, spec: RequestSpec, scheduler: Any, generator: torch.Generator) -> torch.Tensor:
+        """The starting noise for one request, drawn from `generator` exactly as the pipeline does."""
+
+    def prepare_scheduler(self, scheduler: Any, num_inference_steps: int) -> None:
+        """Set a fresh scheduler's timesteps as the pipeline does before its loop."""
+        scheduler.set_timesteps(num_inference_steps, device=self.device)
+
+    def scale_model_input(self, scheduler: Any, sample: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return scheduler.scale_model_input(sample, t)
+
+    def step_kwargs(self, scheduler: Any, generator: torch.Generator) -> dict[str, Any]:
+        """Extra `scheduler.step` arguments. As `StableDiffusionPipeline.prepare_extra_step_kwargs`:
+        only schedulers that take them get them."""
+        params = inspect.signature(scheduler.step).parameters
+        kwargs: dict[str, Any] = {}
+        if "eta" in params:
+            kwargs["eta"] = 0.0
+        if "generator" in params:
+            kwargs["generator"] = generator
+        return kwargs

@@ -18,8 +18,9 @@ from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionPipe
 from diffusers.utils.torch_utils import randn_tensor
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
-from .base import ALL_PARTS, DENOISER, TEXT, VAE, DiffusionFamily, ModelSource
-from ..tokenizer import byte_level_clip_tokenizer, byte_level_vocab
+from stepserve.engine.families.base import ALL_PARTS, DENOISER, TEXT, VAE, DiffusionFamily, ModelSource
+from stepserve.engine.tokenizer import byte_level_clip_tokenizer, byte_level_vocab
+from stepserve.policies.types import RequestKind, RequestSpec
 
 # SD1.5's noise schedule; presets step it with Euler (steps == num_inference_steps exactly).
 SD_SCHEDULER = dict(
@@ -117,6 +118,12 @@ def load_folder_components(path: str, parts: Collection[str]) -> dict[str, Any]:
 
 
 class SD15Family(DiffusionFamily):
+    kind = RequestKind.T2I
+    size_multiple = 8  # `StableDiffusionPipeline.check_inputs` refuses other sides
+    frame_step = 1
+    sequence_parallel = False
+    decode_on_worker = False  # images decode in the VAE deployment, off the step loop
+
     def __init__(self, source: ModelSource, components: dict[str, Any], device: torch.device):
         self.source = source
         self.device = device
@@ -165,15 +172,19 @@ class SD15Family(DiffusionFamily):
     def make_scheduler(self) -> Any:
         return type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
 
-    def initial_latents(self, height: int, width: int, scheduler: Any, generator: torch.Generator) -> torch.Tensor:
+    def initial_latents(self, spec: RequestSpec, scheduler: Any, generator: torch.Generator) -> torch.Tensor:
         # `StableDiffusionPipeline.prepare_latents` reads the pipeline's shared scheduler; the
         # per-request scheduler's `init_noise_sigma` depends on its own timesteps, so inline it.
-        shape = (1, self.latent_channels, height // self.vae_scale_factor, width // self.vae_scale_factor)
+        shape = (1, self.latent_channels, spec.height // self.vae_scale_factor, spec.width // self.vae_scale_factor)
         latents = randn_tensor(shape, generator=generator, device=self.device, dtype=self.dtype)
         return latents * scheduler.init_noise_sigma
 
     @torch.inference_mode()
-    def denoise(self, sample: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+    def denoise(
+        self, sample: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor, sp_group: Any = None
+    ) -> torch.Tensor:
+        if sp_group is not None:
+            raise ValueError(f"model {self.source.name!r} (sd15) cannot run sequence-parallel")
         return self.unet(sample, timesteps, encoder_hidden_states=context, return_dict=False)[0]
 
     @torch.inference_mode()

@@ -22,9 +22,10 @@ from diffusers.utils.torch_utils import randn_tensor
 from safetensors.torch import load_file as load_safetensors
 from transformers import AutoTokenizer, UMT5Config, UMT5EncoderModel
 
-from ..parallel.ulysses import UlyssesWanTransformer
-from ..tokenizer import character_t5_tokenizer, t5_character_vocab
-from .base import ALL_PARTS, DENOISER, TEXT, VAE, DiffusionFamily, ModelSource
+from stepserve.engine.families.base import ALL_PARTS, DENOISER, TEXT, VAE, DiffusionFamily, ModelSource
+from stepserve.engine.parallel.ulysses import UlyssesWanTransformer
+from stepserve.engine.tokenizer import character_t5_tokenizer, t5_character_vocab
+from stepserve.policies.types import RequestKind, RequestSpec
 
 # Wan 2.1's published scheduler (UniPC on flow sigmas, shift 3.0 for 480p). UniPC is multistep:
 # it keeps a history of model outputs, which paused videos carry with them.
@@ -182,7 +183,15 @@ def load_folder_components(path: str, parts: Collection[str]) -> dict[str, Any]:
 
 
 class WanFamily(DiffusionFamily):
-    """Weights and stateless helpers; per-video state lives in `engine.video_sampler.VideoSampler`."""
+    """Weights and stateless helpers; per-video state lives in `engine.sampler.Sampler`."""
+
+    kind = RequestKind.T2V
+    # `WanPipeline.check_inputs` refuses sides not divisible by 16 (VAE 8x times patch 2) and
+    # rounds frames to 4k+1 (the VAE's 4x temporal compression); `__init__` checks the weights agree.
+    size_multiple = 16
+    frame_step = 4
+    sequence_parallel = True
+    decode_on_worker = True  # a video's latents are already on its worker, and decode is one call
 
     def __init__(self, source: ModelSource, components: dict[str, Any], device: torch.device):
         self.source = source
@@ -203,6 +212,14 @@ class WanFamily(DiffusionFamily):
         self.transformer = components.get(DENOISER)
         self.vae = components.get(VAE)
         self.vae_scale_factor_temporal, self.vae_scale_factor = components["vae_scale_factors"]
+        if self.vae_scale_factor_temporal != self.frame_step:
+            raise ValueError(f"model {source.name!r}: VAE temporal compression {self.vae_scale_factor_temporal}, "
+                             f"but the wan family serves {self.frame_step}x")
+        if self.transformer is not None:
+            patch = self.transformer.config.patch_size[1]
+            if self.vae_scale_factor * patch != self.size_multiple:
+                raise ValueError(f"model {source.name!r}: VAE {self.vae_scale_factor}x times patch {patch} is not "
+                                 f"the wan family's size multiple {self.size_multiple}")
         self.latent_channels = components["latent_channels"]
         self.max_sequence_length = components["max_sequence_length"]
         # The pipeline object is only a holder for diffusers' own helper methods (and the
@@ -227,20 +244,12 @@ class WanFamily(DiffusionFamily):
 
     # ---- shapes -------------------------------------------------------------------------
 
-    @property
-    def size_multiple(self) -> int:
-        """Height and width must be multiples of this (VAE downscale x transformer patch)."""
-        patch = self.transformer.config.patch_size[1] if self.transformer is not None else 2
-        return self.vae_scale_factor * patch
-
     def video_shape(self, height: int, width: int, num_frames: int) -> tuple[int, int, int]:
         """(height, width, frames) as `WanPipeline.__call__` would actually generate them: it
         rejects sizes not divisible by 16 and rounds frames to 4k+1."""
-        if height % 16 or width % 16:
-            raise ValueError(f"height and width must be divisible by 16, got {height}x{width}")
-        multiple = self.size_multiple
-        height, width = height // multiple * multiple, width // multiple * multiple
-        t = self.vae_scale_factor_temporal
+        if height % self.size_multiple or width % self.size_multiple:
+            raise ValueError(f"height and width must be divisible by {self.size_multiple}, got {height}x{width}")
+        t = self.frame_step
         if num_frames % t != 1:
             num_frames = num_frames // t * t + 1
         return height, width, max(num_frames, 1)
@@ -264,12 +273,22 @@ class WanFamily(DiffusionFamily):
     def make_scheduler(self) -> Any:
         return type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
 
-    def initial_latents(
-        self, height: int, width: int, scheduler: Any, generator: torch.Generator, num_frames: int = 1
-    ) -> torch.Tensor:
-        # As `WanPipeline.prepare_latents`: float32 noise whatever the transformer's dtype.
-        shape = self.latent_shape(height, width, num_frames)
+    def initial_latents(self, spec: RequestSpec, scheduler: Any, generator: torch.Generator) -> torch.Tensor:
+        # As `WanPipeline.prepare_latents`: float32 noise whatever the transformer's dtype, for
+        # the shape the pipeline generates (frames rounded to 4k+1).
+        shape = self.latent_shape(*self.video_shape(spec.height, spec.width, spec.num_frames))
         return randn_tensor(shape, generator=generator, device=self.device, dtype=torch.float32)
+
+    def prepare_scheduler(self, scheduler: Any, num_inference_steps: int) -> None:
+        super().prepare_scheduler(scheduler, num_inference_steps)
+        # As the pipeline: count steps from 0 instead of looking timesteps up.
+        scheduler.set_begin_index(0)
+
+    def scale_model_input(self, scheduler: Any, sample: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return sample  # the pipeline feeds the latents as they are
+
+    def step_kwargs(self, scheduler: Any, generator: torch.Generator) -> dict[str, Any]:
+        return {}  # the pipeline passes none
 
     @torch.inference_mode()
     def denoise(

@@ -1,5 +1,5 @@
 """Model parallelism for the step engine. Process groups are always passed in, never global."""
 
-from .ulysses import UlyssesLayout, UlyssesWanAttnProcessor, UlyssesWanTransformer, even_split
+from stepserve.engine.parallel.ulysses import UlyssesLayout, UlyssesWanAttnProcessor, UlyssesWanTransformer, even_split
 
 __all__ = ["UlyssesLayout", "UlyssesWanAttnProcessor", "UlyssesWanTransformer", "even_split"]

@@ -3,7 +3,7 @@
     python -m stepserve.load_tests.sim --workload local-tiny --profile tiny-sd-cpu --workers 2
 """
 
-from .services import TextEncoderSpec
-from .simulator import RequestTrace, SimConfig, SimResult, Simulation, simulate
+from stepserve.load_tests.sim.services import TextEncoderSpec
+from stepserve.load_tests.sim.simulator import RequestTrace, SimConfig, SimResult, Simulation, simulate
 
 __all__ = ["RequestTrace", "SimConfig", "SimResult", "Simulation", "TextEncoderSpec", "simulate"]

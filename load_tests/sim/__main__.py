@@ -14,8 +14,8 @@ import json
 import sys
 from dataclasses import replace
 
-from ..sweep import (add_sim_args, config_from_args, load_cost, print_table, run_sweep, sweep_report,
-                     workload_from_args, write_outputs)
+from stepserve.load_tests.sweep import (add_sim_args, config_from_args, load_cost, print_table, run_sweep,
+                                        sweep_report, workload_from_args, write_outputs)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

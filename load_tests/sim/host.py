@@ -21,7 +21,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from .events import EventQueue
+from stepserve.load_tests.sim.events import EventQueue
 
 # Jobs within this much work (seconds) of the first to end end with it: floating-point dust
 # from repeated speed changes must not leave a job a few ulps short, forever rescheduled.

@@ -18,7 +18,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .events import EventQueue
+from stepserve.load_tests.sim.events import EventQueue
 
 # (solo seconds of work, callback, *args): call back once the work is done.
 RunWork = Callable[..., None]

@@ -1,53 +1,55 @@
-"""The discrete-event simulator: the real `RouterCore` and policies, with time from a cost model.
+"""The discrete-event simulator: the live `RouterCore` and policies, with time from a cost model.
 
 What it models, in the live system's order (actors/router.py, deployments/):
 
-1. A request arrives at its workload offset; `submit_overhead_share` of the cost model's fixed
-   per-request overhead (HTTP, proxy, ingress hops) passes before `RouterCore.submit`.
+1. A request (image or video) arrives at its workload offset; `submit_overhead_share` of the
+   cost model's fixed per-request overhead (HTTP, proxy, ingress hops) passes before
+   `RouterCore.submit`, with the SLO left of its own (the workload's SLO runs from the send).
 2. Its texts (prompt, plus the negative prompt under CFG) go to the text encoder: a queue per
-   replica, `@serve.batch` batching, an embeddings cache. When they arrive the router calls
-   `mark_ready` and wakes every idle worker loop.
-3. One router loop per worker, as `Router._worker_loop`: keep up to `pipeline_depth` plans in
-   flight, making the next plan as soon as fewer are in flight; apply reports in order; with
-   nothing in flight and an empty plan, wait for a wake (a new ready request) or the plan's
-   `wake_at`.
-4. A worker executes its plans one after another (`SimWorker`, the StepRunner's twin); each takes
-   `cost.round_seconds` of the groups that really ran. Its report goes to `RouterCore.apply`.
-5. A finished request goes to the VAE decoder (a FIFO per replica, `decode_seconds`), then the
-   rest of the request overhead passes and the response is complete.
+   replica, `@serve.batch` batching, an embeddings cache. When they arrive the core is told
+   (`mark_ready`) and a round is decided.
+3. Rounds: whenever something changes (ready requests, a report, a finished decode), one
+   `RouterCore.schedule` at that instant, which sends plans to workers as the live router does
+   (up to `pipeline_depth` queued per worker).
+4. A worker runs its plans in order (`SimWorker`, the StepRunner's twin); each takes the cost
+   model's `round_seconds` of the groups that ran (plus a video's VAE decode when it finishes
+   there). A plan with a sequence-parallel step starts when every member of the group has
+   reached it, as the collective makes the live workers wait; a plan that resumes a request
+   starts when the state it resumes from exists. Reports go to `RouterCore.apply`.
+5. A denoised image goes to the VAE decoder (a FIFO per replica), a denoised video is stored;
+   then the core is told it is complete, and the rest of the request overhead passes before the
+   response.
 
-With `host_cpus` set, every timed piece of work above (request overhead, text encoding, worker
-rounds, decoding) is single-threaded CPU work on one `SharedHost` of that many cores, so they
-slow each other down as they do when a whole app shares a CPU box; without it, each has a
-device of its own and takes exactly its profiled time.
+With `host_cpus` set, every timed piece of work (request overhead, text encoding, worker plans,
+decoding) is single-threaded CPU work on one `SharedHost` of that many cores, so they slow each
+other down as they do when a whole app shares a CPU box; without it, each has a device of its
+own and takes exactly its profiled time.
 
-Plan making, submitting and applying are instantaneous in simulated time: the router's decision
-time (milliseconds) is not charged, nor is the plan/report RPC beyond the cost model's per-round
-overhead. Cancellations, worker failures and GPU contention between the UNet and a VAE decoder
-on the same device (SynerDiff's subject) are not modelled.
+Decisions and state moves are instantaneous in simulated time: the router's decision time is
+measured (wall clock) but not charged, nor is the plan/report RPC beyond the cost model's
+per-round overhead, nor pausing or moving a video (GenServe measures both under 1 ms against
+steps of hundreds, Table 7). Worker faults are not modelled.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from stepserve.actors.router_core import QueueFullError, RouterCore, WorkerSlot
-from stepserve.policies import make_policy
-from stepserve.policies.cost_model import GroupShape
-from stepserve.policies.types import RequestSpec, RequestStatus, StepReport, WorkerPlan
-
-from ..metrics import Summary, summarize
-from ..records import RequestRecord, record_of
-from ..workload import ScheduledRequest
-from .events import EventQueue
-from .host import SharedHost
-from .services import DecoderService, TextEncoderService, TextEncoderSpec
-from .worker import SimWorker
+from stepserve.actors.router_core import Admission, CoreConfig, QueueFullError, RouterCore, WorkerSlot
+from stepserve.load_tests.metrics import Summary, summarize
+from stepserve.load_tests.records import RequestRecord, record_of
+from stepserve.load_tests.sim.events import EventQueue
+from stepserve.load_tests.sim.host import SharedHost
+from stepserve.load_tests.sim.services import DecoderService, TextEncoderService, TextEncoderSpec
+from stepserve.load_tests.sim.worker import SimAdmission, SimState, SimWorker
+from stepserve.load_tests.workload import ScheduledRequest
+from stepserve.policies import make_policy, needs_costs
+from stepserve.policies.cost_model import BatchShape
+from stepserve.policies.types import RequestKind, RequestSpec, RequestStatus, StepReport, WorkerPlan
 
 
 @dataclass(frozen=True)
@@ -57,9 +59,13 @@ class SimConfig:
     policy: str = "continuous"
     policy_options: Mapping[str, Any] = field(default_factory=dict)
     pipeline_depth: int = 2  # RouterConfig.pipeline_depth
-    max_queue_len: int = 256  # RouterConfig.max_queue_len: beyond it a request is rejected (429)
+    pipeline_lead_s: float = 0.05  # RouterConfig.pipeline_lead_s
+    max_queued_images: int = 256  # RouterConfig: beyond it a request is rejected (429)
+    max_queued_videos: int = 64
+    max_image_queue_wait_s: float | None = None  # RouterConfig: also rejected beyond this predicted wait
+    max_video_queue_wait_s: float | None = None
     text_encoder: TextEncoderSpec = TextEncoderSpec()
-    decoders: int = 1  # VAE decoder replicas
+    decoders: int = 1  # image VAE decoder replicas (videos decode on their worker)
     # Share of the per-request overhead spent before the router sees the request (the rest
     # after decoding): half in, half out.
     submit_overhead_share: float = 0.5
@@ -91,26 +97,34 @@ class RequestTrace:
 
     index: int
     request_id: str
+    kind: str  # image | video
     model: str
     width: int
     height: int
+    frames: int
     steps: int
     cfg: bool
     request_class: str
     arrival_s: float  # the workload offset (the client's send time)
     submit_s: float | None  # RouterCore.submit
     ready_s: float | None  # text embeddings arrived
-    admit_s: float | None  # admitted on a worker
-    worker_id: str | None
+    admit_s: float | None  # first admitted on a worker
+    worker_id: str | None  # the worker (first of the SP group) it last ran on
     finish_s: float | None  # last denoising step reported
-    decode_start_s: float | None
     completion_s: float | None  # the response is complete
     deadline_s: float | None  # arrival + slo_s
     status: str  # finished | rejected | failed | unfinished
+    pauses: int = 0
+    degrees: tuple[int, ...] = ()  # the SP degree of every step, in order
 
     @property
     def latency_s(self) -> float | None:
         return None if self.completion_s is None else self.completion_s - self.arrival_s
+
+    @property
+    def met_slo(self) -> bool:
+        return (self.status == "finished" and self.deadline_s is not None
+                and self.completion_s is not None and self.completion_s <= self.deadline_s)
 
     def to_record(self) -> RequestRecord:
         return record_of(self)
@@ -120,54 +134,70 @@ class RequestTrace:
 class SimResult:
     config: SimConfig
     traces: tuple[RequestTrace, ...]
-    busy_s: Mapping[str, float]  # per worker: seconds spent executing rounds
+    busy_s: Mapping[str, float]  # per worker: seconds spent executing plans
     rounds: int  # plans executed by workers
-    plan_calls: int  # RouterCore.next_plan calls
+    decisions: int  # policy calls (RouterCore.schedule passes)
     events: int
     end_s: float  # simulated time of the last event
     wall_s: float  # real time the simulation took
-    plan_wall_s: float  # of which inside RouterCore.next_plan (snapshot + policy)
+    decision_wall_s: tuple[float, ...]  # each RouterCore.schedule call's wall time
     text_encoder_busy_s: float
     decoder_busy_s: float
     host_peak_jobs: int | None = None  # most jobs sharing the CPU host at once (host_cpus set)
 
-    def records(self) -> list[RequestRecord]:
-        return [t.to_record() for t in self.traces]
+    @property
+    def plan_wall_s(self) -> float:
+        return sum(self.decision_wall_s)
 
-    def summary(self, offered_rps: float | None = None) -> Summary:
-        return summarize(self.records(), self.busy_s, offered_rps)
+    def records(self, kind: str | None = None) -> list[RequestRecord]:
+        return [t.to_record() for t in self.traces if kind is None or t.kind == kind]
+
+    def summary(self, offered_rps: float | None = None, kind: str | None = None) -> Summary:
+        return summarize(self.records(kind), self.busy_s, offered_rps)
+
+
+class _Handle:
+    """What `send` hands the core: filled with the output when the plan has run."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value: Any = None
 
 
 class _Pending:
     """Mutable per-request state while the run goes on; frozen into a RequestTrace at the end."""
 
-    __slots__ = ("request", "spec", "texts", "submit_s", "ready_s", "admit_s", "worker_id", "finish_s",
-                 "decode_start_s", "completion_s", "status")
+    __slots__ = ("request", "spec", "texts", "submit_s", "ready_s", "finish_s", "completion_s", "status",
+                 "worker_id", "state")
 
     def __init__(self, request: ScheduledRequest, spec: RequestSpec) -> None:
         self.request = request
         self.spec = spec
         self.texts = (spec.prompt, spec.negative_prompt) if spec.uses_cfg else (spec.prompt,)
-        self.submit_s = self.ready_s = self.admit_s = self.finish_s = None
-        self.decode_start_s = self.completion_s = None
-        self.worker_id = None
+        self.submit_s = self.ready_s = self.finish_s = self.completion_s = None
+        self.worker_id: str | None = None
         self.status = "unfinished"
+        self.state = None  # the core's last word on it, kept when the core forgets it
 
 
-class _Loop:
-    """The router's loop for one worker (Router._worker_loop), plus the worker's plan FIFO."""
+class _Queued:
+    __slots__ = ("plan", "admissions", "handles", "gang")
 
-    __slots__ = ("worker", "in_flight", "idle", "token", "fifo", "executing", "started", "busy_s")
+    def __init__(self, plan: WorkerPlan, admissions: tuple[Admission, ...], handles: list[_Handle], gang: int):
+        self.plan, self.admissions, self.handles, self.gang = plan, admissions, handles, gang
+
+
+class _Lane:
+    """One worker's plan FIFO, as Ray queues one caller's calls to an actor."""
+
+    __slots__ = ("worker", "fifo", "executing", "busy_s")
 
     def __init__(self, worker: SimWorker) -> None:
         self.worker = worker
-        self.in_flight = 0  # plans sent whose reports are not applied yet
-        self.idle = True  # waiting for a wake or wake_at
-        self.token = 0  # invalidates stale wake_at timers
-        self.fifo: deque[WorkerPlan] = deque()  # sent, not started
+        self.fifo: deque[_Queued] = deque()
         self.executing = False
-        self.started = 0.0  # when the executing plan started
-        self.busy_s = 0.0  # time spent executing plans
+        self.busy_s = 0.0
 
 
 class Simulation:
@@ -178,177 +208,202 @@ class Simulation:
         self.host = None if config.host_cpus is None else SharedHost(
             config.host_cpus, self.events, getattr(cost, "host_slowdown", None))
         self._run_work = self._delay if self.host is None else self.host.run
-        policy = make_policy(config.policy, dict(config.policy_options))
+        policy = make_policy(config.policy, dict(config.policy_options), cost if needs_costs(config.policy) else None)
         worker_ids = [f"w{i}" for i in range(config.workers)]
-        self.core = RouterCore(policy, [WorkerSlot(wid, config.max_batch_size) for wid in worker_ids],
-                               config.max_queue_len)
-        self._round_cache: dict[tuple, float] = {}
-        self.loops = {wid: _Loop(SimWorker(wid, self._round_seconds)) for wid in worker_ids}
+        core_config = CoreConfig(
+            pipeline_depth=config.pipeline_depth, pipeline_lead_s=config.pipeline_lead_s, checkpoint_interval_s=None,
+            max_queued={RequestKind.T2I: config.max_queued_images, RequestKind.T2V: config.max_queued_videos},
+            max_wait_s={RequestKind.T2I: config.max_image_queue_wait_s,
+                        RequestKind.T2V: config.max_video_queue_wait_s})
+        self.core = RouterCore(policy, [WorkerSlot(wid, config.max_batch_size, i) for i, wid in enumerate(worker_ids)],
+                               core_config, cost)
+        self._round_cache: dict[tuple[BatchShape, ...], float] = {}
+        self.lanes = {wid: _Lane(SimWorker(wid, self._round_seconds, self._video_decode_seconds))
+                      for wid in worker_ids}
         self.encoder = TextEncoderService(config.text_encoder, self.events, self._run_work,
                                           cost.text_encode_seconds, self._on_ready)
         self.decoder = DecoderService(config.decoders, self.events, self._run_work, self._on_decoded)
         self.pending: dict[str, _Pending] = {}
-        self._order: list[_Pending] = []
-        self._specs: dict[str, RequestSpec] = {}  # live requests, for worker admissions
-        self._overhead: dict[str, float] = {}
-        self.plan_calls = 0
-        self.plan_wall_s = 0.0
-        # The loops start, plan once (nothing to do yet) and wait, as the live ones do.
-        self.events.at(0.0, self._wake_all)
+        self._gangs: dict[tuple[int, str], set[str]] = {}  # (gang, request) -> members arrived
+        self._gang = 0
+        self._decide_pending = False
+        self._wakes: set[float] = set()  # pending wake-up times
+        self._blocked: set[_Lane] = set()  # lanes whose next plan waits for a state or a gang
+        self.decision_wall: list[float] = []
         for request in requests:
             if request.model is None:
                 raise ValueError(f"request {request.index} has no model; the simulator needs one to cost it")
-            spec = RequestSpec(
-                request_id=f"r{request.index}", model=request.model, prompt=request.prompt, width=request.width,
-                height=request.height, num_inference_steps=request.num_inference_steps,
-                guidance_scale=request.guidance_scale, seed=request.seed, negative_prompt=request.negative_prompt,
-            )
-            if spec.request_id in self.pending:
+            rid = f"r{request.index}"
+            if rid in self.pending:
                 raise ValueError(f"duplicate request index {request.index}")
-            entry = _Pending(request, spec)
-            self.pending[spec.request_id] = entry
-            self._order.append(entry)
-            self.events.at(request.offset_s, self._arrive, entry)
+            spec = _spec_of(request, rid, request.slo_s)
+            self.pending[rid] = _Pending(request, spec)
+            self.events.at(request.offset_s, self._arrive, self.pending[rid])
 
     # -- costs -------------------------------------------------------------------------------
 
     def _delay(self, seconds: float, callback, *args) -> None:
         self.events.at(self.events.now + seconds, callback, *args)
 
-    def _round_seconds(self, shapes: tuple[tuple[str, int, int, int], ...]) -> float:
+    def _round_seconds(self, shapes: tuple[BatchShape, ...]) -> float:
         seconds = self._round_cache.get(shapes)
         if seconds is None:
-            seconds = self.cost.round_seconds([GroupShape(m, h, w, rows) for m, h, w, rows in shapes])
-            self._round_cache[shapes] = seconds
+            seconds = self._round_cache[shapes] = self.cost.round_seconds(list(shapes))
         return seconds
 
-    def _request_overhead(self, model: str) -> float:
-        if model not in self._overhead:
-            self._overhead[model] = self.cost.request_overhead_seconds(model)
-        return self._overhead[model]
+    def _video_decode_seconds(self, spec: RequestSpec) -> float:
+        return self.cost.decode_seconds(spec.model, spec.height, spec.width, spec.num_frames)
+
+    def _overhead(self, spec: RequestSpec, share: float) -> float:
+        return share * self.cost.request_overhead_seconds(spec.model)
 
     # -- requests ----------------------------------------------------------------------------
 
     def _arrive(self, entry: _Pending) -> None:
-        delay = self.config.submit_overhead_share * self._request_overhead(entry.spec.model)
-        if delay > 0:
-            self._run_work(delay, self._submit, entry)
-        else:
-            self._submit(entry)
+        self._run_work(self._overhead(entry.spec, self.config.submit_overhead_share), self._submit, entry)
 
     def _submit(self, entry: _Pending) -> None:
         now = self.events.now
+        request, spec = entry.request, entry.spec
+        out_share = 1 - self.config.submit_overhead_share
+        if request.slo_s is not None:
+            # The workload's SLO runs from the client's send; the router's from its submit.
+            spec = entry.spec = _spec_of(request, spec.request_id, request.slo_s - (now - request.offset_s))
+        # What follows the last step (decode, then the rest of the overhead), predicted from the
+        # profile as the live router predicts it: the scheduler plans denoising to end that early.
+        tail = self.cost.decode_seconds(spec.model, spec.height, spec.width, spec.num_frames) + self._overhead(
+            spec, out_share)
         try:
-            self.core.submit(entry.spec, now)
+            self.core.submit(spec, now, tail)
         except QueueFullError:
             # The 429 travels back through the same hops.
-            tail = (1 - self.config.submit_overhead_share) * self._request_overhead(entry.spec.model)
-            self._run_work(tail, self._complete, entry, "rejected")
+            self._run_work(self._overhead(spec, out_share), self._complete, entry, "rejected")
             return
         entry.submit_s = now
-        self._specs[entry.spec.request_id] = entry.spec
-        self.encoder.submit(entry.spec.request_id, entry.spec.model, entry.texts)
+        self.encoder.submit(spec.request_id, spec.model, entry.texts)
 
     def _on_ready(self, request_ids: Sequence[str]) -> None:
         now = self.events.now
         for rid in request_ids:
             self.pending[rid].ready_s = now
-            self.core.mark_ready(rid)
-        self._wake_all()
+            self.core.mark_ready(rid, "embeddings")
+        self._request_decision()
 
     def _on_decoded(self, request_id: str, started: float) -> None:
-        entry = self.pending[request_id]
-        entry.decode_start_s = started
-        tail = (1 - self.config.submit_overhead_share) * self._request_overhead(entry.spec.model)
-        self._run_work(tail, self._complete, entry, "finished")
+        self._stored(self.pending[request_id])
+        self._request_decision()
+
+    def _stored(self, entry: _Pending) -> None:
+        """Its output is decoded (image) or stored (video): the core finishes and forgets it, as
+        the router does once the result is handed over."""
+        rid = entry.spec.request_id
+        self.core.complete(rid, self.events.now)
+        entry.state = self.core.state(rid)
+        self.core.forget(rid)
+        self._run_work(self._overhead(entry.spec, 1 - self.config.submit_overhead_share), self._complete, entry,
+                       "finished")
 
     def _complete(self, entry: _Pending, status: str) -> None:
         entry.completion_s = self.events.now
         entry.status = status
 
-    # -- the router's worker loops -----------------------------------------------------------
+    # -- rounds ------------------------------------------------------------------------------
 
-    def _wake_all(self) -> None:
-        for loop in self.loops.values():
-            if loop.idle:
-                loop.idle = False
-                self._pump(loop)
+    def _request_decision(self) -> None:
+        # Many events land on one instant (a burst of ready requests, a group's members): one
+        # decision after all of them, as the live router's single scheduling task makes.
+        if not self._decide_pending:
+            self._decide_pending = True
+            self.events.at(self.events.now, self._decide)
 
-    def _wake_timer(self, loop: _Loop, token: int) -> None:
-        if loop.idle and loop.token == token:
-            loop.idle = False
-            self._pump(loop)
+    def _decide(self) -> None:
+        self._decide_pending = False
+        started = time.perf_counter()
+        decision = self.core.schedule(self.events.now, self._send)
+        self.decision_wall.append(time.perf_counter() - started)
+        wake = decision.wake_at
+        if wake is not None and wake not in self._wakes:
+            # Asking to be woken now with nothing to do would spin the live router too; here
+            # simulated time would stand still.
+            if wake <= self.events.now and not decision.plans:
+                raise ValueError(f"policy {self.config.policy!r} asked to be woken at {wake!r}, "
+                                 f"now={self.events.now!r}, and sent nothing")
+            self._wakes.add(wake)
+            self.events.at(wake, self._wake, wake)
+        for wid in {p.worker_id for p in decision.plans}:
+            self._try_start(self.lanes[wid])
 
-    def _pump(self, loop: _Loop) -> None:
-        """Router._worker_loop from where it resumes until it would block again."""
-        depth = self.config.pipeline_depth
-        wid = loop.worker.worker_id
-        while True:
-            plan = None
-            if loop.in_flight < depth:
-                plan = self._next_plan(wid)
-                if not plan.is_empty:
-                    self._send(loop, plan)
-                    continue
-            if loop.in_flight:
-                return  # awaiting the oldest report; _report resumes the loop
-            loop.idle = True
-            loop.token += 1
-            if plan.wake_at is not None:
-                # Asking to be woken now with nothing to do would spin the live router too (it
-                # would re-plan at once, forever); here simulated time would stand still.
-                if not math.isfinite(plan.wake_at) or plan.wake_at <= self.events.now:
-                    raise ValueError(f"policy {self.config.policy!r} returned an empty plan with "
-                                     f"wake_at={plan.wake_at!r} at now={self.events.now!r}")
-                self.events.at(plan.wake_at, self._wake_timer, loop, loop.token)
-            return
+    def _wake(self, at: float) -> None:
+        self._wakes.discard(at)
+        self._request_decision()
 
-    def _next_plan(self, worker_id: str) -> WorkerPlan:
-        now = self.events.now
-        start = time.perf_counter()
-        plan = self.core.next_plan(worker_id, now)
-        self.plan_wall_s += time.perf_counter() - start
-        self.plan_calls += 1
+    def _send(self, plan: WorkerPlan, admissions: tuple[Admission, ...]) -> list[_Handle]:
+        handles = [_Handle() for _ in plan.outputs]
+        lane = self.lanes[plan.worker_id]
+        # Every member of an SP step is sent in the same decision pass: that pass names the gang.
+        lane.fifo.append(_Queued(plan, admissions, handles, self.core.decisions))
         for rid in plan.admit:
             entry = self.pending[rid]
-            entry.admit_s = now
-            entry.worker_id = worker_id
-        return plan
+            entry.worker_id = entry.worker_id if any(g.ranks for g in plan.groups) else plan.worker_id
+        return handles
 
-    def _send(self, loop: _Loop, plan: WorkerPlan) -> None:
-        loop.in_flight += 1
-        loop.fifo.append(plan)
-        if not loop.executing:
-            self._start_next(loop)
+    def _try_start(self, lane: _Lane) -> None:
+        self._blocked.discard(lane)
+        if lane.executing or not lane.fifo:
+            return
+        head = lane.fifo[0]
+        # A resume waits for the state it resumes from (Ray resolves the reference first).
+        if any(a.resume and a.source.value is None for a in head.admissions):
+            self._blocked.add(lane)
+            return
+        for group in head.plan.groups:
+            if group.ranks:
+                key = (head.gang, group.request_ids[0])
+                arrived = self._gangs.setdefault(key, set())
+                arrived.add(lane.worker.worker_id)
+                if len(arrived) < len(group.ranks):
+                    self._blocked.add(lane)
+                    return  # the collective waits for every member
+        for group in head.plan.groups:
+            if group.ranks:
+                key = (head.gang, group.request_ids[0])
+                members = self._gangs.pop(key, None)
+                if members is not None:
+                    for wid in members:
+                        if wid != lane.worker.worker_id:
+                            self._start(self.lanes[wid])
+        self._start(lane)
 
-    def _start_next(self, loop: _Loop) -> None:
-        plan = loop.fifo.popleft()
-        loop.executing = True
-        loop.started = self.events.now
-        report = loop.worker.execute(plan, self._specs)
-        self._run_work(report.duration_s, self._report, loop, report)
+    def _start(self, lane: _Lane) -> None:
+        queued = lane.fifo.popleft()
+        lane.executing = True
+        admissions = {a.spec.request_id: SimAdmission(a.spec, a.source.value if a.resume else None)
+                      for a in queued.admissions}
+        report, outputs, seconds = lane.worker.execute(queued.plan, admissions)
+        self._run_work(seconds, self._report, lane, queued, report, outputs, self.events.now)
 
-    def _report(self, loop: _Loop, report: StepReport) -> None:
-        # The worker moves on to its next queued plan at once; the router applies this report.
-        loop.executing = False
-        loop.busy_s += self.events.now - loop.started
-        if loop.fifo:
-            self._start_next(loop)
-        loop.in_flight -= 1
+    def _report(self, lane: _Lane, queued: _Queued, report: StepReport, outputs: list, started: float) -> None:
+        lane.executing = False
         now = self.events.now
-        for rid in self.core.apply(report, now):
+        lane.busy_s += now - started  # on a shared host a plan takes longer than its profiled time
+        for handle, value in zip(queued.handles, outputs):
+            handle.value = value
+        outcome = self.core.apply(report, now)
+        for rid, _ in outcome.denoised:
             entry = self.pending[rid]
-            state = self.core.state(rid)
-            self.core.forget(rid)  # as Router.submit does once the result is handed over
-            self._specs.pop(rid, None)
-            if state.status is RequestStatus.FINISHED:
-                entry.finish_s = now
-                spec = entry.spec
-                self.decoder.submit(rid, self.cost.decode_seconds(spec.model, spec.height, spec.width))
+            entry.finish_s = now
+            spec = entry.spec
+            if spec.is_video:  # decoded on its worker already; stored at once
+                self._stored(entry)
             else:
-                entry.status = "failed"
-                entry.finish_s = now
-        self._pump(loop)
+                self.decoder.submit(rid, self.cost.decode_seconds(spec.model, spec.height, spec.width))
+        for rid in outcome.failed:
+            entry = self.pending[rid]
+            entry.status, entry.finish_s, entry.state = "failed", now, self.core.state(rid)
+        self._try_start(lane)
+        for other in list(self._blocked):  # a state or a gang member it waited for may be there now
+            self._try_start(other)
+        self._request_decision()
 
     # -- running -----------------------------------------------------------------------------
 
@@ -356,28 +411,43 @@ class Simulation:
         started = time.perf_counter()
         self.events.run()
         wall = time.perf_counter() - started
-        traces = tuple(self._trace(entry) for entry in self._order)
+        traces = tuple(self._trace(entry) for entry in self.pending.values())
         return SimResult(
-            config=self.config, traces=traces,
-            busy_s={wid: loop.busy_s for wid, loop in self.loops.items()},
-            rounds=sum(loop.worker.rounds for loop in self.loops.values()),
-            plan_calls=self.plan_calls, events=self.events.processed, end_s=self.events.now, wall_s=wall,
-            plan_wall_s=self.plan_wall_s, text_encoder_busy_s=self.encoder.busy_s, decoder_busy_s=self.decoder.busy_s,
-            host_peak_jobs=None if self.host is None else self.host.peak_jobs,
+            config=self.config, traces=traces, busy_s={wid: lane.busy_s for wid, lane in self.lanes.items()},
+            rounds=sum(lane.worker.rounds for lane in self.lanes.values()), decisions=self.core.decisions,
+            events=self.events.processed, end_s=self.events.now, wall_s=wall,
+            decision_wall_s=tuple(self.decision_wall), text_encoder_busy_s=self.encoder.busy_s,
+            decoder_busy_s=self.decoder.busy_s, host_peak_jobs=None if self.host is None else self.host.peak_jobs,
         )
 
-    @staticmethod
-    def _trace(entry: _Pending) -> RequestTrace:
+    def _trace(self, entry: _Pending) -> RequestTrace:
         request, spec = entry.request, entry.spec
+        state = entry.state
+        if state is None and entry.submit_s is not None:  # still live at the end of the run
+            state = self.core.state(spec.request_id)
+        if entry.status == "finished" and state.status is not RequestStatus.FINISHED:
+            raise AssertionError(f"{spec.request_id} completed but the core says {state.status}")
+        admit = None if state is None else state.admit_time
+        pauses, degrees = (0, ()) if state is None else (state.pauses, state.degrees)
         return RequestTrace(
-            index=request.index, request_id=spec.request_id, model=spec.model, width=spec.width, height=spec.height,
+            index=request.index, request_id=spec.request_id, kind="video" if spec.is_video else "image",
+            model=spec.model, width=spec.width, height=spec.height, frames=spec.num_frames,
             steps=spec.num_inference_steps, cfg=spec.uses_cfg, request_class=request.request_class,
-            arrival_s=request.offset_s, submit_s=entry.submit_s, ready_s=entry.ready_s, admit_s=entry.admit_s,
-            worker_id=entry.worker_id, finish_s=entry.finish_s, decode_start_s=entry.decode_start_s,
-            completion_s=entry.completion_s,
-            deadline_s=None if request.slo_s is None else request.offset_s + request.slo_s,
-            status=entry.status,
+            arrival_s=request.offset_s, submit_s=entry.submit_s, ready_s=entry.ready_s, admit_s=admit,
+            worker_id=entry.worker_id, finish_s=entry.finish_s, completion_s=entry.completion_s,
+            deadline_s=None if request.slo_s is None else request.offset_s + request.slo_s, status=entry.status,
+            pauses=pauses, degrees=degrees,
         )
+
+
+def _spec_of(request: ScheduledRequest, rid: str, slo_s: float | None) -> RequestSpec:
+    video = request.is_video
+    return RequestSpec(
+        request_id=rid, model=request.model, prompt=request.prompt, width=request.width, height=request.height,
+        num_inference_steps=request.num_inference_steps, guidance_scale=request.guidance_scale, seed=request.seed,
+        negative_prompt=request.negative_prompt, kind=RequestKind.T2V if video else RequestKind.T2I,
+        num_frames=request.num_frames if video else 1, fps=request.fps,
+        slo_s=None if slo_s is None else max(slo_s, 1e-9))
 
 
 def simulate(requests: Sequence[ScheduledRequest], cost: Any, config: SimConfig = SimConfig()) -> SimResult:

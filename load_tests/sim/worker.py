@@ -1,73 +1,114 @@
 """A simulated denoiser worker: `engine/step_runner.StepRunner` with the tensors taken out.
 
-It executes `WorkerPlan`s exactly as the real runner does (drop, admit, then one forward per
-group, skipping requests no longer resident, e.g. ones that finished in an earlier pipelined
-plan), tracks each resident request's steps, and answers with a real `StepReport`. Time comes
-from the cost model: a plan takes `cost.round_seconds` of the groups that actually ran.
+It executes `WorkerPlan`s in the real runner's order (drop, admit, one forward per group,
+export / checkpoint / finish, release), tracks each resident request's steps, and answers with
+a real `StepReport` plus one token per `plan.outputs` entry (a `SimState` for exported and
+checkpointed state, the request id for a finished output). It fails a request exactly where the
+real runner does (not resident, resuming from a state that is not ready), so the core's fault
+handling can be driven by it too. Time comes from the cost model: a plan takes the cost of the
+groups that really ran (`cost.round_seconds`), plus a video's decode when it finishes here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
-from stepserve.policies.types import RequestProgress, RequestSpec, StepReport, WorkerPlan
+from stepserve.policies.cost_model import BatchShape
+from stepserve.policies.types import RequestFailure, RequestProgress, RequestSpec, StepReport, WorkerPlan
 
-# (model, height, width, rows) of each group that ran -> seconds
-RoundCost = Callable[[tuple[tuple[str, int, int, int], ...]], float]
+
+@dataclass(frozen=True)
+class SimState:
+    """A request's exported state: which request, and how many steps it holds."""
+
+    request_id: str
+    steps_done: int
+
+
+@dataclass(frozen=True)
+class SimAdmission:
+    spec: RequestSpec
+    state: SimState | None  # None: a fresh start
 
 
 class _Resident:
-    __slots__ = ("done", "total", "model", "height", "width", "rows")
+    __slots__ = ("spec", "done")
 
-    def __init__(self, spec: RequestSpec) -> None:
-        self.done = 0
-        self.total = spec.num_inference_steps
-        self.model, self.height, self.width = spec.model, spec.height, spec.width
-        self.rows = 2 if spec.uses_cfg else 1
+    def __init__(self, spec: RequestSpec, done: int) -> None:
+        self.spec = spec
+        self.done = done
+
+
+# (batches that ran) -> seconds of the round
+RoundCost = Callable[[tuple[BatchShape, ...]], float]
+DecodeCost = Callable[[RequestSpec], float]
 
 
 class SimWorker:
-    def __init__(self, worker_id: str, round_cost: RoundCost) -> None:
+    def __init__(self, worker_id: str, round_cost: RoundCost, decode_cost: DecodeCost,
+                 incarnation: str = "sim") -> None:
         self.worker_id = worker_id
         self.round_cost = round_cost
+        self.decode_cost = decode_cost
+        self.incarnation = incarnation
         self.resident: dict[str, _Resident] = {}
         self.rounds = 0
 
-    def execute(self, plan: WorkerPlan, specs: Mapping[str, RequestSpec]) -> StepReport:
+    def execute(self, plan: WorkerPlan, admissions: Mapping[str, SimAdmission]) -> tuple[StepReport, list, float]:
+        """Run a plan; returns (report, output tokens aligned with plan.outputs, seconds)."""
+        failed: dict[str, RequestFailure] = {}
+        touched: list[str] = []
         for rid in plan.drop:
             self.resident.pop(rid, None)
-        touched: list[str] = []
-        failed: list[tuple[str, str]] = []
         for rid in plan.admit:
-            if rid in self.resident:
-                failed.append((rid, "admission failed: already resident"))
+            admission = admissions.get(rid)
+            if admission is None or rid in self.resident:
+                failed[rid] = RequestFailure(rid, "admission failed")
                 continue
-            self.resident[rid] = _Resident(specs[rid])
+            self.resident[rid] = _Resident(admission.spec, 0 if admission.state is None else admission.state.steps_done)
             touched.append(rid)
-        shapes: list[tuple[str, int, int, int]] = []
+        shapes: list[BatchShape] = []
         for group in plan.groups:
-            present = [rid for rid in group if rid in self.resident]
-            if not present:
+            members = []
+            for rid in group.request_ids:
+                if rid in self.resident:
+                    members.append(self.resident[rid])
+                    touched.append(rid)
+                elif rid not in failed:
+                    failed[rid] = RequestFailure(rid, f"request {rid} is not resident on {self.worker_id}", lost=True)
+            if not members:
                 continue
-            members = [self.resident[rid] for rid in present]
-            head = members[0]
-            shapes.append((head.model, head.height, head.width, sum(m.rows for m in members)))
+            head = members[0].spec
+            shapes.append(BatchShape(head.model, head.height, head.width, sum(m.spec.rows for m in members),
+                                     head.num_frames, max(1, len(group.ranks))))
             for member in members:
                 member.done += 1
-            touched.extend(present)
-        progress: list[RequestProgress] = []
-        finished: list[str] = []
-        for rid in dict.fromkeys(touched):
-            state = self.resident.get(rid)
-            if state is None:
-                continue
-            progress.append(RequestProgress(rid, state.done, state.total))
-            if state.done >= state.total:
-                finished.append(rid)
-                del self.resident[rid]
-        duration = self.round_cost(tuple(shapes)) if shapes else 0.0
+        seconds = self.round_cost(tuple(shapes)) if shapes else 0.0
+        outputs: list = []
+        for rid in plan.outputs:
+            resident = self.resident.get(rid)
+            if resident is None or rid in failed:
+                failed.setdefault(rid, RequestFailure(rid, f"request {rid} is not resident on {self.worker_id}",
+                                                      lost=True))
+                outputs.append(None)
+            elif rid in plan.finish:
+                if resident.done < resident.spec.num_inference_steps:
+                    failed[rid] = RequestFailure(rid, "finish before the last step")
+                    outputs.append(None)
+                else:
+                    if resident.spec.is_video:
+                        seconds += self.decode_cost(resident.spec)
+                    outputs.append(rid)
+            else:
+                outputs.append(SimState(rid, resident.done))
+        progress = tuple(RequestProgress(rid, self.resident[rid].done, self.resident[rid].spec.num_inference_steps)
+                         for rid in dict.fromkeys(touched) if rid in self.resident and rid not in failed)
+        for rid in plan.export + plan.finish + plan.release:
+            self.resident.pop(rid, None)
+        for rid in failed:
+            self.resident.pop(rid, None)
         self.rounds += 1
-        return StepReport(
-            worker_id=self.worker_id, progress=tuple(progress), finished=tuple(finished), failed=tuple(failed),
-            duration_s=duration, batch_size=len(plan.stepping),
-        )
+        report = StepReport(self.worker_id, plan.plan_id, progress, tuple(failed.values()), seconds,
+                            len(plan.stepping), self.incarnation)
+        return report, outputs, seconds

@@ -1,16 +1,17 @@
 """GenServe's per-round scheduler for image + video co-serving (genserve-slides.txt).
 
 A standalone, pure algorithm: one call per step round, from a frozen `RoundInput` to a frozen
-`RoundDecision`. It is not a per-worker `SchedulingPolicy`: it decides for the whole cluster at
-once (which videos run at which SP degree on which workers, which are paused, which image
-batches run where), so the router and the simulator call `decide_round` directly.
+`RoundDecision`. It decides for the whole cluster at once (which videos run at which SP degree
+on which workers, which are paused, which image batches run where); policy.py turns that into
+the per-worker plans of the one scheduler interface.
 
     decision = decide_round(RoundInput(now, workers, images, videos), GenServeConfig(), costs)
 
-`costs` is anything with `image_step_seconds` and `video_step_seconds` (`StepCosts`).
+`costs` is anything with `step_seconds(BatchShape)` (`StepCosts`): a `ProfiledCostModel`
+(policies/cost_model.py), optionally inside `ObservedOverheadCosts` and `MemoizedCosts`.
 """
 
-from stepserve.policies.genserve.costs import MemoizedCosts, ObservedOverheadCosts, ProfiledStepCosts, StepCosts
+from stepserve.policies.genserve.costs import MemoizedCosts, ObservedOverheadCosts, StepCosts
 from stepserve.policies.genserve.evaluate import check_decision, score_plan
 from stepserve.policies.genserve.scheduler import decide_round
 from stepserve.policies.genserve.types import (
@@ -33,7 +34,6 @@ __all__ = [
     "MemoizedCosts",
     "ObservedOverheadCosts",
     "PlanScore",
-    "ProfiledStepCosts",
     "RoundDecision",
     "RoundInput",
     "StepCosts",

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from stepserve.policies.genserve.costs import MemoizedCosts, StepCosts
+from stepserve.policies.genserve.costs import StepCosts, memoized
 from stepserve.policies.genserve.scoring import Value, run_value, slack_weight, wait_value
 from stepserve.policies.genserve.types import GenServeConfig, VideoJob
 
@@ -73,10 +73,7 @@ def step_times(job: VideoJob, config: GenServeConfig, costs: StepCosts,
                n_workers: int) -> tuple[dict[int, float], float]:
     """T_step at every degree the job may run at this round, and at the degree it would resume at."""
     degrees = permitted_degrees(job, config, n_workers)
-    if isinstance(costs, MemoizedCosts):
-        times = costs.video_step_table(job.model, job.height, job.width, job.frames, degrees)
-    else:
-        times = tuple(costs.video_step_seconds(job.model, job.height, job.width, job.frames, d) for d in degrees)
+    times = memoized(costs).video_step_table(job.model, job.height, job.width, job.rows, job.frames, degrees)
     step_s: dict[int, float] = {}
     for d, t in zip(degrees, times):
         if not (t >= 0 and math.isfinite(t)):

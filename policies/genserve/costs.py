@@ -1,29 +1,33 @@
 """The latencies the GenServe solver asks for: T_img(b, w, h) and T_step(w, h, F, p) (Table 4).
 
-The paper reads them from an offline profile (per-step cost is stable to < 0.05% CV, Table 1),
-which is what makes a per-round plan predictable. The solver only needs these two calls; tests
-answer them with a small analytic fake and the profiled cost model answers them in production.
+Both are one question: what one step of one batch costs, `step_seconds(BatchShape)` (an image
+batch is one frame at SP degree 1, a video one request at its degree). The paper reads the
+answers from an offline profile (per-step cost is stable to < 0.05% CV, Table 1), which is what
+makes a per-round plan predictable; `ProfiledCostModel` answers it in production and tests
+answer it with a small analytic fake.
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Mapping
 from typing import Protocol, runtime_checkable
 
-from stepserve.policies.cost_model import GroupShape, ProfiledCostModel
+from stepserve.policies.cost_model import BatchShape
+from stepserve.policies.types import RequestKind
+
+# A BatchShape's fields as a plain tuple, in field order: (model, height, width, rows, frames,
+# sp_degree). The solver's hot paths key memos on these (a frozen dataclass hashes in Python).
+StepKey = tuple[str, int, int, int, int, int]
 
 
 @runtime_checkable
 class StepCosts(Protocol):
     """Seconds for one denoising step on the current device kind."""
 
-    def image_step_seconds(self, model: str, height: int, width: int, rows: int) -> float:
-        """One forward of an image batch with `rows` batch rows, on one worker."""
+    def step_seconds(self, batch: BatchShape) -> float:
+        """One round that runs just `batch` (on each worker of its SP group).
 
-    def video_step_seconds(self, model: str, height: int, width: int, frames: int, degree: int) -> float:
-        """One DiT step of one video split over `degree` workers (sequence parallelism).
-
-        A degree the model cannot run at may return +inf; the solver then never proposes it.
+        An SP degree the model cannot run at may return +inf; the solver then never proposes it.
         """
 
 
@@ -37,33 +41,28 @@ class MemoizedCosts:
 
     def __init__(self, costs: StepCosts) -> None:
         self._costs = costs
-        self._image: dict[tuple[str, int, int, int], float] = {}
-        self._video: dict[tuple[str, int, int, int, int], float] = {}
-        self._tables: dict[tuple[str, int, int, int, tuple[int, ...]], tuple[float, ...]] = {}
+        self._steps: dict[StepKey, float] = {}
+        self._tables: dict[tuple[str, int, int, int, int, tuple[int, ...]], tuple[float, ...]] = {}
 
-    def image_step_seconds(self, model: str, height: int, width: int, rows: int) -> float:
-        key = (model, height, width, rows)
-        value = self._image.get(key)
+    def step_seconds(self, batch: BatchShape) -> float:
+        return self.step_seconds_of((batch.model, batch.height, batch.width, batch.rows, batch.frames,
+                                     batch.sp_degree))
+
+    def step_seconds_of(self, key: StepKey) -> float:
+        """`step_seconds` of the BatchShape with these fields; builds it only on a miss."""
+        value = self._steps.get(key)
         if value is None:
-            value = self._image[key] = float(self._costs.image_step_seconds(model, height, width, rows))
+            value = self._steps[key] = float(self._costs.step_seconds(BatchShape(*key)))
         return value
 
-    def video_step_seconds(self, model: str, height: int, width: int, frames: int, degree: int) -> float:
-        key = (model, height, width, frames, degree)
-        value = self._video.get(key)
-        if value is None:
-            value = self._video[key] = float(self._costs.video_step_seconds(model, height, width, frames, degree))
-        return value
-
-
-    def video_step_table(self, model: str, height: int, width: int, frames: int,
+    def video_step_table(self, model: str, height: int, width: int, rows: int, frames: int,
                          degrees: tuple[int, ...]) -> tuple[float, ...]:
-        """`video_step_seconds` at each of `degrees`, as one lookup: every video asks for its
-        whole degree list every round."""
-        key = (model, height, width, frames, degrees)
+        """`step_seconds` at each of `degrees`, as one lookup: every video asks for its whole
+        degree list every round."""
+        key = (model, height, width, rows, frames, degrees)
         table = self._tables.get(key)
         if table is None:
-            table = self._tables[key] = tuple(self.video_step_seconds(model, height, width, frames, d)
+            table = self._tables[key] = tuple(self.step_seconds_of((model, height, width, rows, frames, d))
                                               for d in degrees)
         return table
 
@@ -73,46 +72,26 @@ def memoized(costs: StepCosts) -> MemoizedCosts:
     return costs if isinstance(costs, MemoizedCosts) else MemoizedCosts(costs)
 
 
-class ProfiledStepCosts:
-    """`StepCosts` answered by a profiled cost model (policies/cost_model.py).
-
-    An image batch's step is one worker round of one group; a video's step is a round at its
-    SP degree. Videos are costed with classifier-free guidance (2 rows per forward), which is
-    what Wan and CogVideoX run by default; a degree the profile lacks costs +inf, so the solver
-    never proposes it.
-    """
-
-    def __init__(self, cost_model: ProfiledCostModel) -> None:
-        self._cost = cost_model
-
-    def image_step_seconds(self, model: str, height: int, width: int, rows: int) -> float:
-        return self._cost.round_seconds([GroupShape(model, height, width, rows)])
-
-    def video_step_seconds(self, model: str, height: int, width: int, frames: int, degree: int) -> float:
-        if degree not in self._cost.sp_degrees(model):
-            return math.inf
-        return self._cost.video_step_seconds(model, height, width, frames, degree)
-
-
 class ObservedOverheadCosts:
-    """`StepCosts` plus a per-step overhead the live router observes on top of the profile.
+    """`StepCosts` plus a per-step overhead the live router observes on top of the profile, by
+    request kind (a batch of more than one frame is a video's step, else an image batch's).
 
     A profile times the model on the worker; the co-serving router also pays, every step, the
     round trip from its decision to the worker's report (one step per call, no pipelining), which
     on a busy CPU host can exceed the forward itself. The router measures the difference and
     hands it in here, so the scheduler's predictions (and with them its pause and wait choices)
-    match what a step really costs. Zero overheads give back the profile exactly.
+    match what a step really costs. A kind left out, or zero, gives back the profile exactly.
     """
 
-    def __init__(self, base: StepCosts, image_extra_s: float = 0.0, video_extra_s: float = 0.0) -> None:
-        if not (image_extra_s >= 0 and video_extra_s >= 0):
-            raise ValueError(f"overheads must be >= 0, got {image_extra_s!r}, {video_extra_s!r}")
+    def __init__(self, base: StepCosts, extra_s: Mapping[RequestKind, float]) -> None:
+        for kind, seconds in extra_s.items():
+            if not isinstance(kind, RequestKind):
+                raise ValueError(f"overheads are keyed by RequestKind, got {kind!r}")
+            if not seconds >= 0:
+                raise ValueError(f"overhead of {kind.value} steps must be >= 0, got {seconds!r}")
         self.base = base
-        self.image_extra_s = image_extra_s
-        self.video_extra_s = video_extra_s
+        self.extra_s = dict(extra_s)
 
-    def image_step_seconds(self, model: str, height: int, width: int, rows: int) -> float:
-        return self.base.image_step_seconds(model, height, width, rows) + self.image_extra_s
-
-    def video_step_seconds(self, model: str, height: int, width: int, frames: int, degree: int) -> float:
-        return self.base.video_step_seconds(model, height, width, frames, degree) + self.video_extra_s
+    def step_seconds(self, batch: BatchShape) -> float:
+        kind = RequestKind.T2V if batch.frames > 1 else RequestKind.T2I
+        return self.base.step_seconds(batch) + self.extra_s.get(kind, 0.0)

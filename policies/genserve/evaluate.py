@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+from stepserve.policies.cost_model import BatchShape
 from stepserve.policies.genserve.candidates import permitted_degrees, step_times
 from stepserve.policies.genserve.costs import StepCosts, memoized
 from stepserve.policies.genserve.scoring import ZERO, add, run_value, wait_value
@@ -31,7 +32,7 @@ def score_plan(inp: RoundInput, config: GenServeConfig, costs: StepCosts, decisi
         best_s = job.steps_left * step_times(job, config, costs, n)[1]
         chosen = decision.video(job.job_id)
         if chosen.action in (VideoAction.KEEP, VideoAction.RUN):
-            step = costs.video_step_seconds(job.model, job.height, job.width, job.frames, chosen.degree)
+            step = costs.step_seconds(BatchShape(job.model, job.height, job.width, job.rows, job.frames, chosen.degree))
             total = add(total, run_value(job.deadline, now, job.steps_left * step, best_s, round_s))
         else:
             total = add(total, wait_value(job.deadline, now, best_s, round_s))
@@ -41,12 +42,12 @@ def score_plan(inp: RoundInput, config: GenServeConfig, costs: StepCosts, decisi
     for batch in decision.image_batches:
         key = batch.shape_key
         rows = sum(by_id[rid].rows for rid in batch.request_ids)
-        step = costs.image_step_seconds(key.model, key.height, key.width, rows)
+        step = costs.step_seconds(BatchShape(key.model, key.height, key.width, rows, key.frames))
         for rid in batch.request_ids:
             stepping[rid] = step
     for image in inp.images:
         key = image.shape_key
-        solo = costs.image_step_seconds(key.model, key.height, key.width, image.rows)
+        solo = costs.step_seconds(BatchShape(key.model, key.height, key.width, image.rows, key.frames))
         best_s = image.steps_left * solo if solo >= 0 and math.isfinite(solo) else math.inf
         if image.request_id in stepping:
             run_s = image.steps_left * stepping[image.request_id]

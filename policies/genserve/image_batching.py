@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from stepserve.policies.genserve.costs import StepCosts
+from stepserve.policies.genserve.costs import StepCosts, memoized
 from stepserve.policies.genserve.scoring import Value, add, micros, slack_weight, wait_value
 from stepserve.policies.genserve.types import GenServeConfig, ImageRequest
 from stepserve.policies.types import ShapeKey
@@ -56,23 +56,18 @@ class ImagePlan:
 
 def edf_batches(images: Iterable[ImageRequest], now: float, config: GenServeConfig, costs: StepCosts,
                 n_workers: int) -> ImagePlan:
-    # Hot path (every round, every image): shape keys become plain tuples (a frozen dataclass
-    # hashes in Python), and step costs are memoized locally by (model, h, w, rows).
-    step_memo: dict[tuple[str, int, int, int], float] = {}
-    step_cost = costs.image_step_seconds
+    # Hot path (every round, every image): shape keys become plain tuples and step costs are
+    # looked up by StepKey, so no frozen dataclass is built or hashed per image.
+    step_cost = memoized(costs).step_seconds_of
 
-    def step_of(kt: tuple[str, int, int], rows: int) -> float:
-        ck = (kt[0], kt[1], kt[2], rows)
-        t = step_memo.get(ck)
-        if t is None:
-            t = step_memo[ck] = step_cost(kt[0], kt[1], kt[2], rows)
-        return t
+    def step_of(kt: tuple[str, int, int, int], rows: int) -> float:
+        return step_cost((kt[0], kt[1], kt[2], rows, kt[3], 1))
 
     entries = []
     unbatchable: list[ImageRequest] = []
     for image in images:
         k = image.shape_key
-        kt = (k.model, k.height, k.width)
+        kt = (k.model, k.height, k.width, k.frames)
         solo = step_of(kt, image.rows)
         if not (solo >= 0 and math.isfinite(solo)):
             unbatchable.append(image)
@@ -85,7 +80,7 @@ def edf_batches(images: Iterable[ImageRequest], now: float, config: GenServeConf
 
     # An open batch: [kt, members, rows, step_s, allowance]. `allowance` is the largest step
     # time that keeps every on-time member on time, so a join is checked in O(1).
-    open_by_key: dict[tuple[str, int, int], list[list]] = {}
+    open_by_key: dict[tuple[str, int, int, int], list[list]] = {}
     created: list[list] = []
     max_batch = config.image_max_batch
     for hopeless, deadline, _, _, image, kt, solo in entries:

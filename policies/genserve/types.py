@@ -32,7 +32,7 @@ class ImageRequest:
     """One queued or resident text-to-image request (r in R_I)."""
 
     request_id: str
-    shape_key: ShapeKey  # requests batch only with equal keys (same model and resolution)
+    shape_key: ShapeKey  # requests batch only with equal keys (same model and resolution, one frame)
     rows: int  # batch rows this request adds: 2 with classifier-free guidance, 1 without
     steps_left: int
     deadline: float  # D_r, absolute; +inf means no SLO
@@ -40,6 +40,9 @@ class ImageRequest:
     worker_id: str | None = None  # where its latents live when resident, else None
 
     def __post_init__(self) -> None:
+        if self.shape_key.frames != 1:
+            # More frames make a video, planned as a VideoJob; costs tell the two apart by frames.
+            raise ValueError(f"image {self.request_id!r}: an image has one frame, got {self.shape_key.frames}")
         _positive_int("ImageRequest", "rows", self.rows)
         _positive_int("ImageRequest", "steps_left", self.steps_left)
         _real("ImageRequest", "deadline", self.deadline, allow_inf=True)
@@ -66,9 +69,10 @@ class VideoJob:
     arrival_time: float
     status: VideoStatus
     workers: tuple[str, ...] = ()  # X_v(t): its SP group while running, else empty
+    rows: int = 2  # batch rows of its forward: 2 with classifier-free guidance (Wan's default), 1 without
 
     def __post_init__(self) -> None:
-        for name in ("height", "width", "frames", "steps_left"):
+        for name in ("height", "width", "frames", "steps_left", "rows"):
             _positive_int("VideoJob", name, getattr(self, name))
         _real("VideoJob", "deadline", self.deadline, allow_inf=True)
         _real("VideoJob", "arrival_time", self.arrival_time, allow_inf=False)

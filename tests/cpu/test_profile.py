@@ -8,7 +8,7 @@ from stepserve.policies.cost_model import (
     ROUND_OVERHEAD,
     TEXT_ENCODE,
     VAE_DECODE,
-    GroupShape,
+    BatchShape,
     ProfiledCostModel,
     read_profile,
 )
@@ -37,9 +37,9 @@ def test_quick_profile_writes_a_loadable_csv(tmp_path):
     assert len(by(ROUND_OVERHEAD)) > 1  # plus per-group bookkeeping
 
     model = ProfiledCostModel.from_csv(out)
-    group = GroupShape("tiny-sd", 64, 64, 2)
-    assert model.round_seconds([group]) > model.denoise_seconds(group) > 0
-    assert model.solo_seconds("tiny-sd", 64, 64, 10, True) > 10 * model.denoise_seconds(group)
+    batch = BatchShape("tiny-sd", 64, 64, 2)
+    assert model.round_seconds([batch]) > model.denoise_seconds(batch) > 0
+    assert model.solo_seconds("tiny-sd", 64, 64, 10, True) > 10 * model.denoise_seconds(batch)
     report = model.fit_report()["tiny-sd"]
     assert report["missing"] == ["request_overhead"]  # --quick skips the live app
     assert "denoise" in proc.stdout  # the fit report is printed

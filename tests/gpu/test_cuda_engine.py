@@ -6,9 +6,9 @@ import torch
 
 from stepserve.engine.families import ALL_PARTS, DENOISER, ModelSource, load_family
 from stepserve.engine.step_runner import StepRunner
-from stepserve.policies.types import WorkerPlan
+from stepserve.policies.types import StepGroup, WorkerPlan
 
-from ..tiny import conditioning_for, make_spec, solo_pipeline_image
+from ..tiny import admission_for, make_spec, solo_pipeline_image
 
 pytestmark = pytest.mark.gpu
 
@@ -22,14 +22,20 @@ def cuda_family():
 def test_mixed_batch_matches_solo_pipeline_on_cuda(cuda_family):
     runner = StepRunner("gpu0", {"tiny-sd": cuda_family})
     specs = [make_spec("a", steps=6, seed=1), make_spec("b", steps=9, seed=2, guidance=1.0)]
-    admissions = {s.request_id: (s, conditioning_for(cuda_family, s)) for s in specs}
-    plan = WorkerPlan("gpu0", admit=tuple(admissions), groups=(tuple(admissions),))
-    report, done = runner.execute(plan, admissions)
-    while runner.resident:
-        report, finished = runner.execute(WorkerPlan("gpu0", groups=(runner.resident,)), {})
-        done.update(finished)
+    admissions = {s.request_id: admission_for(cuda_family, s) for s in specs}
+    left = {s.request_id: s.num_inference_steps for s in specs}
+    done = {}
+    while left:
+        finish = tuple(rid for rid, n in left.items() if n == 1)
+        plan = WorkerPlan("gpu0", admit=tuple(admissions), groups=(StepGroup(tuple(left)),), finish=finish)
+        report, latents = runner.execute(plan, admissions)
+        assert not report.failed and report.duration_s > 0, report
+        admissions = {}
+        left = {rid: n - 1 for rid, n in left.items() if rid not in finish}
+        done.update(zip(finish, latents))
+    assert runner.resident == ()
     for spec in specs:
-        image = cuda_family.decode(done[spec.request_id])[0]
+        image = cuda_family.decode(torch.from_numpy(done[spec.request_id]))[0]
         np.testing.assert_allclose(image, solo_pipeline_image(cuda_family, spec), atol=1e-3)
 
 

@@ -7,7 +7,7 @@ import time
 import httpx
 import numpy as np
 
-from ..coserve_live.test_coserve_live import VIDEO, poll, reference_frames, router_status, unzip_frames, wait_until
+from ..coserve_live.test_coserve_live import VIDEO, job_record, poll, reference_frames, unzip_frames, wait_until
 
 ELASTIC = dict(VIDEO, num_inference_steps=150, seed=7)
 
@@ -26,7 +26,7 @@ def test_a_video_shrinks_for_an_urgent_image_and_grows_back(elastic_app):
         assert poll(client, url, video_id)["status"] == "in_progress", "the image should finish first"
         wait_until(client, url, video_id, lambda v: v["status"] == "completed", deadline)
 
-        degrees = router_status(video_id)["degrees"]
+        degrees = job_record(video_id).sp_degrees
         assert len(degrees) == ELASTIC["num_inference_steps"]
         assert degrees[0] == 2 and degrees[-1] == 2, degrees
         assert 1 in degrees or poll(client, url, video_id)["pauses"] >= 1, degrees  # it gave a worker up

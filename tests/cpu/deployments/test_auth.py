@@ -1,4 +1,6 @@
-"""API-key auth: off without keys; with keys, only `Authorization: Bearer <key>` passes."""
+"""API-key auth: off without keys; with keys every route but /health needs `Authorization: Bearer
+<key>`; `metrics_api_keys` replace them for /metrics only; keys that could never be checked (empty,
+blank, from an unset variable) stop the config from loading."""
 
 from types import SimpleNamespace
 
@@ -8,6 +10,12 @@ from starlette.requests import Request
 from stepserve.deployments.config import AppConfig
 from stepserve.deployments.errors import APIError
 from stepserve.deployments.ingress import Ingress
+from tests.cpu.deployments.fakes import INGRESS, StoreHandle, assert_error, build, http_client
+
+ENV = "STEPSERVE_TEST_KEYS"
+MODELS = [{"name": "m", "preset": "tiny"}]
+FOX = {"prompt": "a fox", "num_frames": 5, "size": "32x32"}
+KEY = {"Authorization": "Bearer k2"}
 
 
 def request(headers: dict[str, str]) -> Request:
@@ -24,7 +32,8 @@ def test_no_keys_means_open():
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "k1"},
-                                     {"Authorization": "Basic k1"}])
+                                     {"Authorization": "Basic k1"}, {"Authorization": "Bearer "},
+                                     {"Authorization": "Bearer k"}, {"Authorization": "Bearer été"}])
 def test_missing_or_wrong_key_is_401(headers):
     with pytest.raises(APIError) as info:
         authorize(("k1", "k2"), headers)
@@ -34,10 +43,114 @@ def test_missing_or_wrong_key_is_401(headers):
 def test_any_configured_key_passes():
     authorize(("k1", "k2"), {"Authorization": "Bearer k2"})
     authorize(("k1",), {"authorization": "bearer k1"})
+    authorize(("clé",), {"authorization": "Bearer clé"})  # non-ASCII keys compare as bytes
+
+
+# Every route of the app and what an authorized call gets (the job routes act on a live job).
+ROUTES = [
+    ("POST", "/v1/images/generations", {"json": {"prompt": "a cat"}}, 200),
+    ("POST", "/v1/videos", {"json": FOX}, 200),
+    ("GET", "/v1/videos", {}, 200),
+    ("GET", "/v1/videos/{vid}", {}, 200),
+    ("GET", "/v1/videos/{vid}/content", {}, 409),
+    ("POST", "/v1/videos/{vid}/cancel", {}, 200),
+    ("DELETE", "/v1/videos/{vid}", {}, 200),
+    ("GET", "/v1/models", {}, 200),
+    ("GET", "/ready", {}, 200),
+    ("GET", "/metrics", {}, 200),
+]
+
+
+@pytest.mark.parametrize("method,path,kwargs,status", ROUTES, ids=[f"{m} {p}" for m, p, _, _ in ROUTES])
+def test_with_keys_every_route_but_health_needs_one(monkeypatch, method, path, kwargs, status):
+    app = build(api_keys=["k1", "k2"])
+    with http_client(app.ingress, monkeypatch) as http:
+        vid = http.post("/v1/videos", json=FOX, headers=KEY).json()["id"]
+        submitted = list(app.router.submitted)
+        url = path.format(vid=vid)
+        for headers in ({}, {"Authorization": "Bearer k3"}, {"Authorization": "k2"}):
+            response = http.request(method, url, headers=headers, **kwargs)
+            assert_error(response, 401, "invalid_api_key")
+        # Refused before any work: nothing reached the router or the text encoder.
+        assert app.router.submitted == submitted and app.router.cancelled == []
+        assert not app.router.readiness.calls and not app.text_encoder.ready.calls
+        assert http.get(f"/v1/videos/{vid}", headers=KEY).json()["status"] == "queued"
+        assert http.request(method, url, headers=KEY, **kwargs).status_code == status
+        assert http.get("/health").json() == {"status": "ok"}
+
+
+def test_without_keys_every_route_is_open(monkeypatch):
+    app = build()
+    with http_client(app.ingress, monkeypatch) as http:
+        vid = http.post("/v1/videos", json=FOX).json()["id"]
+        for method, path, kwargs, status in ROUTES:
+            assert http.request(method, path.format(vid=vid), **kwargs).status_code == status, path
+
+
+def test_metrics_keys_replace_the_main_keys_for_metrics_only(monkeypatch):
+    app = build(api_keys=["k1"], metrics_api_keys=["scraper"])
+    scraper, user = {"Authorization": "Bearer scraper"}, {"Authorization": "Bearer k1"}
+    with http_client(app.ingress, monkeypatch) as http:
+        metrics = http.get("/metrics", headers=scraper)
+        assert metrics.status_code == 200 and b"stepserve_router_rounds 7" in metrics.content
+        assert_error(http.get("/metrics", headers=user), 401, "invalid_api_key")
+        assert_error(http.get("/metrics"), 401, "invalid_api_key")
+        for path in ("/v1/models", "/ready", "/v1/videos"):
+            assert_error(http.get(path, headers=scraper), 401, "invalid_api_key")
+            assert http.get(path, headers=user).status_code == 200
+        assert_error(http.post("/v1/images/generations", json={"prompt": "a cat"}, headers=scraper), 401,
+                     "invalid_api_key")
 
 
 def test_keys_from_environment(monkeypatch):
-    monkeypatch.setenv("STEPSERVE_TEST_KEYS", "a, b,,")
-    config = AppConfig.model_validate({"models": [{"name": "m", "preset": "tiny"}], "api_keys": ["c"],
-                                       "api_keys_env": "STEPSERVE_TEST_KEYS"})
+    monkeypatch.setenv(ENV, "a, b,,")
+    config = AppConfig.model_validate({"models": MODELS, "api_keys": ["c"], "api_keys_env": ENV})
     assert config.resolved_api_keys() == ("c", "a", "b")
+    app = build(api_keys_env=ENV)
+    with http_client(app.ingress, monkeypatch) as http:
+        assert http.get("/v1/models", headers={"Authorization": "Bearer b"}).status_code == 200
+        assert_error(http.get("/v1/models", headers={"Authorization": "Bearer c"}), 401, "invalid_api_key")
+
+
+@pytest.mark.parametrize("field,keys", [
+    ("api_keys", [""]), ("api_keys", ["   "]), ("api_keys", ["k1", "\t"]),
+    ("metrics_api_keys", [""]), ("metrics_api_keys", [" "]),
+])
+def test_empty_or_blank_keys_are_refused_at_config_load(field, keys):
+    # An empty token would let every request with "Authorization: Bearer " through.
+    with pytest.raises(ValueError, match="must not be empty or blank"):
+        AppConfig.model_validate({"models": MODELS, "api_keys": ["k1"], field: keys})
+
+
+@pytest.mark.parametrize("value", [None, "", " , ,"])
+def test_api_keys_env_without_keys_is_refused_at_config_load(monkeypatch, value):
+    if value is None:
+        monkeypatch.delenv(ENV, raising=False)
+    else:
+        monkeypatch.setenv(ENV, value)
+    with pytest.raises(ValueError, match=f"{ENV}.*unset or holds no keys"):
+        AppConfig.model_validate({"models": MODELS, "api_keys_env": ENV})
+    # Keys listed in the config do not excuse a variable that holds none: it was meant to hold some.
+    with pytest.raises(ValueError, match="unset or holds no keys"):
+        AppConfig.model_validate({"models": MODELS, "api_keys": ["k1"], "api_keys_env": ENV})
+
+
+def test_metrics_keys_without_api_keys_are_refused():
+    with pytest.raises(ValueError, match="metrics_api_keys without api_keys"):
+        AppConfig.model_validate({"models": MODELS, "metrics_api_keys": ["scraper"]})
+
+
+def test_metrics_keys_with_keys_from_the_environment_load(monkeypatch):
+    monkeypatch.setenv(ENV, "a")
+    config = AppConfig.model_validate({"models": MODELS, "api_keys_env": ENV, "metrics_api_keys": ["scraper"]})
+    assert (config.resolved_api_keys(), config.metrics_api_keys) == (("a",), ["scraper"])
+
+
+def test_a_replica_whose_environment_lacks_the_keys_refuses_to_start(monkeypatch):
+    # The config was checked where it loaded; the replica may run where the variable is unset.
+    monkeypatch.setenv(ENV, "a")
+    config = AppConfig.model_validate({"models": MODELS, "api_keys_env": ENV})
+    monkeypatch.delenv(ENV)
+    app = build()
+    with pytest.raises(RuntimeError, match=f"{ENV} holds no API keys"):
+        INGRESS(config, app.router, StoreHandle(app.store), app.text_encoder)

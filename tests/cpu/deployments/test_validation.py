@@ -1,5 +1,6 @@
 """Every bad input becomes a 4xx naming the field; good input becomes exact specs."""
 
+import json
 import math
 import pickle
 
@@ -75,6 +76,35 @@ def test_prompts():
     rejects("prompt", prompt="   ")
     rejects("prompt", prompt="x" * 101)
     rejects("negative_prompt", negative_prompt="y" * 101)
+
+
+@pytest.mark.parametrize("field", ["prompt", "negative_prompt"])
+@pytest.mark.parametrize("raw", [r'"\ud800"', r'"a fox \udfff"', r'"\udc00\ud83e"', r'"ok \ud83e\ud83e\udd8a"'])
+def test_unpaired_surrogates_are_refused(field, raw):
+    # JSON may escape a lone surrogate; json.loads turns it into a str no UTF-8 tokenizer takes.
+    err = rejects(field, **{field: json.loads(raw)})
+    assert err.code == "invalid_value" and err.message.startswith(f"{field} contains an unpaired surrogate")
+
+
+@pytest.mark.parametrize("field", ["prompt", "negative_prompt"])
+@pytest.mark.parametrize("char", ["\x00", "\x01", "\x08", "\x0b", "\x0c", "\x1b", "\x1f"])
+def test_control_characters_are_refused(field, char):
+    err = rejects(field, **{field: f"a{char}b"})
+    assert f"U+{ord(char):04X}" in err.message
+
+
+def test_real_text_passes():
+    # An escaped surrogate *pair* is one real character: JSON's way of writing the fox emoji.
+    body = json.loads(r'{"prompt": "café 東京 🦊\tline\r\nnext", "negative_prompt": "\ud83e\udd8a e\u0301"}')
+    (spec,) = specs(**body)
+    assert spec.prompt == "café 東京 🦊\tline\r\nnext" and spec.negative_prompt == "🦊 e\u0301"
+
+
+def test_slo_comes_from_the_model():
+    config = AppConfig.model_validate({"models": [{"name": "fast", "preset": "tiny", "slo_s": 2.5},
+                                                  {"name": "slow", "preset": "tiny"}]})
+    assert [s.slo_s for s in to_specs({"prompt": "x", "model": "fast", "n": 2}, config, "r")] == [2.5, 2.5]
+    assert to_specs({"prompt": "x", "model": "slow"}, config, "r")[0].slo_s is None
 
 
 def test_unknown_model_is_404():

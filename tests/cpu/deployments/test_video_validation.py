@@ -1,4 +1,5 @@
-"""POST /v1/videos bodies: every bad input becomes a 4xx naming the field; good input an exact VideoSpec."""
+"""POST /v1/videos bodies: every bad input becomes a 4xx naming the field; good input an exact
+`RequestSpec(kind=T2V)` on the frame and size grid its family declares."""
 
 import math
 
@@ -8,22 +9,23 @@ from stepserve.deployments.config import AppConfig
 from stepserve.deployments.errors import APIError
 from stepserve.deployments.validation import to_specs
 from stepserve.deployments.video_validation import (
-    VIDEO_GRIDS,
     VIDEO_ID,
     VideoCreateRequest,
     VideoGrid,
     to_video_spec,
+    video_grid,
 )
-from stepserve.engine.families import DENOISER, FAMILIES, ModelSource, load_family
+from stepserve.engine.families import DENOISER, FAMILIES, ModelSource, family_class, load_family
+from stepserve.policies.types import RequestKind
 
 IMAGE_MODEL = {"name": "tiny-sd", "preset": "tiny", "default_size": "128x128", "max_size": 512}
 VIDEO_MODEL = {"name": "tiny-wan", "family": "wan", "preset": "tiny", "default_size": "64x48", "min_size": 16,
                "max_size": 256, "max_pixels": 256 * 128, "default_steps": 4, "max_steps": 50,
                "default_guidance_scale": 5.0, "default_num_frames": 9, "max_num_frames": 17, "default_fps": 8,
                "max_fps": 30}
-# Video models are served by the co-serving router, which needs a latency profile.
-COSERVE = {"policy": "genserve", "profiles": ["tiny-sd-cpu"]}
-CONFIG = AppConfig.model_validate({"models": [IMAGE_MODEL, VIDEO_MODEL], "router": COSERVE,
+# The SLO-aware co-serving policy, which needs a latency profile; video models run under any policy.
+GENSERVE = {"policy": "genserve", "profiles": ["tiny-sd-cpu"]}
+CONFIG = AppConfig.model_validate({"models": [IMAGE_MODEL, VIDEO_MODEL],
                                    "limits": {"max_prompt_chars": 100, "max_guidance_scale": 20}})
 
 
@@ -46,7 +48,8 @@ def test_defaults_come_from_the_first_video_model():
     assert out.model == "tiny-wan" and VIDEO_ID.match(out.request_id)
     assert (out.width, out.height, out.num_frames, out.fps) == (64, 48, 9, 8)
     assert (out.num_inference_steps, out.guidance_scale, out.negative_prompt) == (4, 5.0, "")
-    assert 0 <= out.seed < 2**31 and out.kind == "t2v"
+    assert 0 <= out.seed < 2**31 and out.kind is RequestKind.T2V and out.is_video
+    assert out.slo_s is None  # the model sets no SLO: best effort
     assert spec().request_id != out.request_id
 
 
@@ -116,7 +119,7 @@ def test_image_model_is_refused_for_video_and_video_model_for_images():
 
 
 def test_each_api_defaults_to_its_own_kind_of_model():
-    video_first = AppConfig.model_validate({"models": [VIDEO_MODEL, IMAGE_MODEL], "router": COSERVE})
+    video_first = AppConfig.model_validate({"models": [VIDEO_MODEL, IMAGE_MODEL]})
     (image,) = to_specs({"prompt": "a cat"}, video_first, "r")
     assert image.model == "tiny-sd"
     assert to_video_spec({"prompt": "a fox"}, video_first).model == "tiny-wan"
@@ -144,16 +147,15 @@ def test_form_strings_are_accepted():
 
 
 def test_default_frames_off_the_grid_are_rounded_within_the_limit():
-    config = AppConfig.model_validate({"models": [{**VIDEO_MODEL, "default_num_frames": 16, "max_num_frames": 16}],
-                                       "router": COSERVE})
+    config = AppConfig.model_validate({"models": [{**VIDEO_MODEL, "default_num_frames": 16, "max_num_frames": 16}]})
     assert to_video_spec({"prompt": "a fox"}, config).num_frames == 13
 
 
 def test_config_rejects_defaults_above_limits():
     with pytest.raises(ValueError, match="default_num_frames"):
-        AppConfig.model_validate({"models": [{**VIDEO_MODEL, "default_num_frames": 33}], "router": COSERVE})
+        AppConfig.model_validate({"models": [{**VIDEO_MODEL, "default_num_frames": 33}]})
     with pytest.raises(ValueError, match="default_fps"):
-        AppConfig.model_validate({"models": [{**VIDEO_MODEL, "default_fps": 31}], "router": COSERVE})
+        AppConfig.model_validate({"models": [{**VIDEO_MODEL, "default_fps": 31}]})
 
 
 def test_grid_rounding():
@@ -162,27 +164,62 @@ def test_grid_rounding():
     assert grid.accepts(81) and not grid.accepts(80)
 
 
+def test_the_grid_comes_from_the_family_class():
+    assert video_grid("wan") == VideoGrid(size_multiple=16, frame_step=4)
+    with pytest.raises(ValueError, match="unknown model family"):
+        video_grid("sora")
+
+
 def test_every_video_family_has_a_grid_and_it_matches_the_model():
-    video_families = {name for name, cls in FAMILIES.items() if hasattr(cls, "video_shape")}
-    assert video_families and video_families <= set(VIDEO_GRIDS)
+    video_families = {name for name, cls in FAMILIES.items() if cls.kind is RequestKind.T2V}
+    assert "wan" in video_families
+    for name in video_families:
+        cls = family_class(name)
+        assert video_grid(name) == VideoGrid(cls.size_multiple, cls.frame_step)
     wan = load_family(ModelSource(name="tiny-wan", family="wan", preset="tiny"), {DENOISER})
-    grid = VIDEO_GRIDS["wan"]
-    assert (wan.size_multiple, wan.vae_scale_factor_temporal) == (grid.size_multiple, grid.frame_step)
+    grid = video_grid("wan")
+    assert (wan.vae_scale_factor * wan.transformer.config.patch_size[1], wan.vae_scale_factor_temporal) == (
+        grid.size_multiple, grid.frame_step)
     # What validation accepts, the family generates unchanged.
     out = spec(size="32x96", num_frames=13)
     assert wan.video_shape(out.height, out.width, out.num_frames) == (96, 32, 13)
 
 
-def test_config_needs_the_coserving_router_for_video_models_and_checks_its_options():
-    with pytest.raises(ValueError, match="need router.policy 'genserve'"):
-        AppConfig.model_validate({"models": [IMAGE_MODEL, VIDEO_MODEL]})
+def test_sizes_follow_the_family_grid():
+    assert (spec(size="16x16").width, spec(size="128x32").height) == (16, 32)
+    err = rejects("size", size="24x24")  # a multiple of 8 (SD's grid) but not of Wan's 16
+    assert "multiples of 16" in err.message
+
+
+def test_slo_comes_from_the_model_config():
+    config = AppConfig.model_validate({"models": [{**VIDEO_MODEL, "slo_s": 45.0},
+                                                  {**VIDEO_MODEL, "name": "wan-best-effort"}]})
+    assert to_video_spec({"prompt": "a fox"}, config).slo_s == 45.0
+    assert to_video_spec({"prompt": "a fox", "model": "wan-best-effort"}, config).slo_s is None
+    with pytest.raises(ValueError, match="slo_s"):
+        AppConfig.model_validate({"models": [{**VIDEO_MODEL, "slo_s": 0}]})
+
+
+def test_default_seed_is_used_only_when_the_body_has_none():
+    # An idempotent retry of a seedless body passes the key's seed: both attempts draw the same.
+    assert to_video_spec({"prompt": "a fox"}, CONFIG, default_seed=77).seed == 77
+    assert to_video_spec({"prompt": "a fox", "seed": 5}, CONFIG, default_seed=77).seed == 5
+    assert to_video_spec({"prompt": "a fox", "seed": 0}, CONFIG, default_seed=77).seed == 0  # 0 is a seed
+    drawn = {to_video_spec({"prompt": "a fox"}, CONFIG).seed for _ in range(8)}
+    assert len(drawn) > 1 and all(0 <= s < 2**31 for s in drawn)  # without either: random
+
+
+def test_video_models_run_under_any_policy_and_policy_options_are_checked():
+    for router in ({}, {"policy": "continuous"}, {"policy": "static_fcfs"}, GENSERVE):
+        config = AppConfig.model_validate({"models": [IMAGE_MODEL, VIDEO_MODEL], "router": router})
+        assert [m.is_video for m in config.models] == [False, True]
     with pytest.raises(ValueError, match="router.profiles"):
         AppConfig.model_validate({"models": [VIDEO_MODEL], "router": {"policy": "genserve"}})
     with pytest.raises(ValueError, match="sp_degrees"):
-        AppConfig.model_validate({"models": [VIDEO_MODEL], "router": {**COSERVE,
+        AppConfig.model_validate({"models": [VIDEO_MODEL], "router": {**GENSERVE,
                                                                       "policy_options": {"sp_degrees": [2, 1]}}})
-    with pytest.raises(ValueError, match="unexpected keyword"):
-        AppConfig.model_validate({"models": [VIDEO_MODEL], "router": {**COSERVE, "policy_options": {"bogus": 1}}})
+    with pytest.raises(ValueError, match="bogus"):
+        AppConfig.model_validate({"models": [VIDEO_MODEL], "router": {**GENSERVE, "policy_options": {"bogus": 1}}})
     config = AppConfig.model_validate({"models": [VIDEO_MODEL], "workers": {"max_batch_size": 3},
-                                       "router": {**COSERVE, "policy_options": {"sp_degrees": [1, 2]}}})
-    assert config.genserve_config().sp_degrees == (1, 2) and config.genserve_config().image_max_batch == 3
+                                       "router": {**GENSERVE, "policy_options": {"sp_degrees": [1, 2]}}})
+    assert config.policy_options() == {"sp_degrees": (1, 2), "image_max_batch": 3}

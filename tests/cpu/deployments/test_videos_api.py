@@ -1,126 +1,67 @@
-"""The /v1/videos job API of the ingress, over HTTP (httpx, the openai client) and as handle methods.
+"""The /v1/videos job API of the ingress, over HTTP (TestClient, the openai client) and as handle methods.
 
-The router here is a test double: an in-process fake of the three router methods the ingress
-calls (`submit_video`, `video_status`, `video_frames`), whose jobs move only when a test says so.
-The real router is exercised by the integration tests.
+The router is a test double whose jobs move only when a test says (the real router runs in the
+live integration tests); the job store is the real `JobStore`, on a clock the test moves.
 """
 
 import asyncio
 import io
-import time
 import warnings
-from types import SimpleNamespace
+import zipfile
 
 import av
 import numpy as np
 import pytest
-import ray.serve
-from fastapi.testclient import TestClient
+import ray.exceptions
+from PIL import Image
 
 from stepserve.actors.router_core import DuplicateRequestError, QueueFullError
-from stepserve.deployments import ingress as ingress_module
-from stepserve.deployments.config import AppConfig
 from stepserve.deployments.errors import APIError
 from stepserve.deployments.video_validation import VideoCreateRequest
+from stepserve.policies.admission import ClassLoad
+from stepserve.policies.types import RequestKind
+from tests.cpu.deployments.fakes import (
+    ManualClock,
+    assert_error,
+    build,
+    http_client,
+    settle,
+    video_frames,
+    wait_until,
+)
 
-CONFIG = {
-    "models": [
-        {"name": "tiny-sd", "preset": "tiny", "default_size": "128x128", "max_size": 512},
-        {"name": "tiny-wan", "family": "wan", "preset": "tiny", "default_size": "64x64", "min_size": 16,
-         "max_size": 128, "max_pixels": 128 * 128, "default_steps": 4, "max_steps": 20, "default_guidance_scale": 5.0,
-         "default_num_frames": 9, "max_num_frames": 17, "default_fps": 8, "max_fps": 30},
-    ],
-    "router": {"policy": "genserve", "profiles": ["tiny-sd-cpu"]},
-    "limits": {"max_body_bytes": 4096},
-}
-
-
-class _Method:
-    """`router.method.remote(...)` as a DeploymentHandle call: an awaitable result."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def remote(self, *args):
-        async def call():
-            return self.fn(*args)
-
-        return call()
-
-
-class FakeVideoRouter:
-    """Test double of the router's video methods; the test scripts each job's lifecycle."""
-
-    def __init__(self):
-        self.specs, self.jobs, self.frames = {}, {}, {}
-        self.refuse: Exception | None = None
-        self.frame_calls = 0
-        self.submit_video = _Method(self._submit)
-        self.video_status = _Method(lambda vid: dict(self.jobs[vid]) if vid in self.jobs else None)
-        self.video_frames = _Method(self._frames)
-
-    def _submit(self, spec):
-        if self.refuse is not None:
-            raise self.refuse
-        if spec.request_id in self.jobs:
-            raise DuplicateRequestError(spec.request_id)
-        self.specs[spec.request_id] = spec
-        self.jobs[spec.request_id] = {
-            "status": "queued", "steps_done": 0, "steps_total": spec.num_inference_steps, "error": None,
-            "created_at": time.time(), "completed_at": None, "paused": False, "sp_degree": 1,
-        }
-
-    def _frames(self, vid):
-        self.frame_calls += 1
-        return self.frames.get(vid)
-
-    def step(self, vid, steps=1):
-        job = self.jobs[vid]
-        job.update(status="in_progress", steps_done=min(job["steps_total"], job["steps_done"] + steps))
-
-    def complete(self, vid):
-        spec = self.specs[vid]
-        shape = (spec.num_frames, spec.height, spec.width, 3)
-        self.frames[vid] = np.random.default_rng(0).integers(0, 256, shape, dtype=np.uint8)
-        self.jobs[vid].update(status="completed", steps_done=spec.num_inference_steps, completed_at=time.time())
-
-    def fail(self, vid, message):
-        self.jobs[vid].update(status="failed", error=message, completed_at=time.time())
-
-
-# The class as written, under Serve's ASGI wrapper (whose async __init__/__del__ need a replica).
-INGRESS = next(c for c in ingress_module.Ingress.__mro__ if "http_generate" in vars(c))
-
-
-def make_ingress(router, **overrides):
-    return INGRESS(AppConfig.model_validate({**CONFIG, **overrides}), router, None)
+UNKNOWN = "video_" + "0" * 32
+FOX = {"prompt": "a fox", "num_frames": 5, "size": "32x32"}
 
 
 @pytest.fixture
-def router():
-    return FakeVideoRouter()
+def app():
+    return build()
 
 
 @pytest.fixture
-def http(router, monkeypatch):
-    """HTTP against the real FastAPI app; Serve's class-based routes find their `self` through
-    `serve.get_replica_context().servable_object`, which is pointed at an ingress built here."""
-    instance = make_ingress(router)
-    monkeypatch.setattr(ray.serve, "get_replica_context", lambda: SimpleNamespace(servable_object=instance))
-    with TestClient(ingress_module.api, raise_server_exceptions=False) as client:
+def router(app):
+    return app.router
+
+
+@pytest.fixture
+def http(app, monkeypatch):
+    with http_client(app.ingress, monkeypatch) as client:
         yield client
 
 
-def assert_error(response, status, code, param=None):
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["code"] == code, error
-    if param is not None:
-        assert error["param"] == param, error
-    return error
+def create(http, body=FOX, **kwargs):
+    response = http.post("/v1/videos", json=body, **kwargs)
+    assert response.status_code == 200, response.text
+    return response.json()
 
 
-def test_job_lifecycle_over_http(http, router):
+def decode_mp4(data):
+    with av.open(io.BytesIO(data)) as container:
+        return [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+
+
+def test_job_lifecycle_over_http(app, http, router):
     created = http.post("/v1/videos", json={"prompt": "a fox in snow", "model": "tiny-wan", "size": "64x48",
                                             "seconds": "1", "num_inference_steps": 4, "seed": 7})
     assert created.status_code == 200, created.text
@@ -132,57 +73,75 @@ def test_job_lifecycle_over_http(http, router):
     assert (video["progress"], video["steps_done"], video["steps_total"], video["error"]) == (0, 0, 4, None)
     assert isinstance(video["created_at"], int) and video["completed_at"] is None and video["seed"] == 7
     spec = router.specs[vid]
-    assert (spec.width, spec.height, spec.num_frames, spec.fps, spec.seed) == (64, 48, 9, 8, 7)
+    assert (spec.kind, spec.width, spec.height, spec.num_frames, spec.fps, spec.seed) == (
+        RequestKind.T2V, 64, 48, 9, 8, 7)
 
     assert http.get(f"/v1/videos/{vid}").json()["status"] == "queued"
     assert_error(http.get(f"/v1/videos/{vid}/content"), 409, "video_not_ready", "video_id")
 
-    router.step(vid, 2)
+    router.step(vid, 2, sp_degree=2)
     polled = http.get(f"/v1/videos/{vid}").json()
-    assert (polled["status"], polled["progress"], polled["steps_done"]) == ("in_progress", 50, 2)
-    router.step(vid, 2)  # every step done, still decoding: not yet 100
-    assert http.get(f"/v1/videos/{vid}").json()["progress"] == 99
+    assert (polled["status"], polled["progress"], polled["steps_done"], polled["sp_degree"]) == (
+        "in_progress", 50, 2, 2)
+    router.step(vid, 2, status="decoding")  # every step done, still decoding: not yet 100
+    polled = http.get(f"/v1/videos/{vid}").json()
+    assert (polled["status"], polled["progress"]) == ("in_progress", 99)
     error = assert_error(http.get(f"/v1/videos/{vid}/content"), 409, "video_not_ready")
     assert "in_progress" in error["message"]
 
-    router.complete(vid)
+    assert router.finish(vid)
     done = http.get(f"/v1/videos/{vid}").json()
-    assert (done["status"], done["progress"], done["steps_done"]) == ("completed", 100, 4)
+    assert (done["status"], done["progress"], done["steps_done"], done["sp_degree"]) == ("completed", 100, 4, 0)
     assert isinstance(done["completed_at"], int)
 
     content = http.get(f"/v1/videos/{vid}/content")
     assert content.status_code == 200
     assert content.headers["content-type"] == "video/mp4" and content.headers["x-stepserve-video-format"] == "mp4"
-    with av.open(io.BytesIO(content.content)) as container:
-        frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    frames = decode_mp4(content.content)
     assert len(frames) == 9 and frames[0].shape == (48, 64, 3)
-    # A second download is served from the ingress's cache, not re-fetched and re-encoded.
-    assert http.get(f"/v1/videos/{vid}/content").content == content.content and router.frame_calls == 1
+    # A second download is served from the ingress's cache, not fetched and encoded again.
+    assert http.get(f"/v1/videos/{vid}/content").content == content.content
+    assert len(app.ingress.videos.store.content.calls) == 1
 
 
-def test_failed_job(http, router):
-    vid = http.post("/v1/videos", json={"prompt": "a fox"}).json()["id"]
-    router.step(vid)
-    router.fail(vid, "worker died")
+def test_a_paused_video_polls_as_in_progress(http, router):
+    vid = create(http)["id"]
+    router.step(vid, 1, status="paused", pauses=1)
     video = http.get(f"/v1/videos/{vid}").json()
-    assert video["status"] == "failed"
-    assert video["error"] == {"code": "generation_failed", "message": "worker died"}
-    error = assert_error(http.get(f"/v1/videos/{vid}/content"), 409, "video_failed")
-    assert "worker died" in error["message"]
+    assert (video["status"], video["pauses"], video["steps_done"]) == ("in_progress", 1, 1)
 
 
-def test_unknown_videos_are_404(http, router):
-    for vid in ("video_" + "0" * 32, "nope", "video_../../etc"):
-        assert_error(http.get(f"/v1/videos/{vid}"), 404, "video_not_found", "video_id")
-        assert_error(http.get(f"/v1/videos/{vid}/content"), 404, "video_not_found")
-
-
-def test_only_the_video_variant_is_served(http, router):
-    vid = http.post("/v1/videos", json={"prompt": "a fox"}).json()["id"]
-    router.complete(vid)
+def test_frames_variant_is_a_zip_of_the_exact_frames(http, app):
+    vid = create(http)["id"]
+    app.router.finish(vid)
+    response = http.get(f"/v1/videos/{vid}/content", params={"variant": "frames"})
+    assert response.status_code == 200 and response.headers["content-type"] == "application/zip"
+    assert response.headers["x-stepserve-video-format"] == "png-zip"
+    with zipfile.ZipFile(io.BytesIO(response.content)) as archive:
+        names = sorted(archive.namelist())
+        got = np.stack([np.asarray(Image.open(io.BytesIO(archive.read(n))).convert("RGB")) for n in names])
+    np.testing.assert_array_equal(got, video_frames(app.router.specs[vid]))  # lossless, in order
     assert_error(http.get(f"/v1/videos/{vid}/content", params={"variant": "thumbnail"}), 400,
                  "unsupported_value", "variant")
-    assert http.get(f"/v1/videos/{vid}/content", params={"variant": "video"}).status_code == 200
+
+
+def test_failed_job_is_409_with_its_error(http, router):
+    vid = create(http)["id"]
+    router.step(vid)
+    router.fail(vid)
+    video = http.get(f"/v1/videos/{vid}").json()
+    assert video["status"] == "failed"
+    assert video["error"] == {"code": "generation_failed", "message": "video generation failed"}
+    error = assert_error(http.get(f"/v1/videos/{vid}/content"), 409, "video_failed", "video_id")
+    assert "video generation failed" in error["message"]
+
+
+def test_unknown_videos_are_404(http):
+    for vid in (UNKNOWN, "nope", "video_../../etc"):
+        assert_error(http.get(f"/v1/videos/{vid}"), 404, "video_not_found", "video_id")
+        assert_error(http.get(f"/v1/videos/{vid}/content"), 404, "video_not_found")
+        assert_error(http.delete(f"/v1/videos/{vid}"), 404, "video_not_found")
+        assert_error(http.post(f"/v1/videos/{vid}/cancel"), 404, "video_not_found")
 
 
 def test_form_bodies_as_openai_clients_send_them(http, router):
@@ -193,6 +152,10 @@ def test_form_bodies_as_openai_clients_send_them(http, router):
     assert http.post("/v1/videos", data={"prompt": "a fox", "num_frames": "5"}).json()["num_frames"] == 5
     upload = http.post("/v1/videos", data={"prompt": "a fox"}, files={"input_reference": ("a.png", b"x", "image/png")})
     assert_error(upload, 400, "unsupported_value", "input_reference")
+    twice = http.post("/v1/videos", content=b"prompt=a&prompt=b",
+                      headers={"content-type": "application/x-www-form-urlencoded"})
+    assert_error(twice, 400, "invalid_value", "prompt")
+    assert len(router.submitted) == 2
 
 
 def test_openai_client(http, router):
@@ -204,11 +167,17 @@ def test_openai_client(http, router):
         video = client.videos.create(model="tiny-wan", prompt="a fox", size="64x64", seconds="1",
                                      extra_body={"num_inference_steps": 2})
         assert (video.status, video.size, video.progress) == ("queued", "64x64", 0)
-        router.complete(video.id)
+        router.step(video.id, 1)
+        assert (client.videos.retrieve(video.id).status, client.videos.retrieve(video.id).progress) == (
+            "in_progress", 50)
+        router.finish(video.id)
         assert client.videos.retrieve(video.id).status == "completed"
         data = client.videos.download_content(video.id).read()
-    with av.open(io.BytesIO(data)) as container:
-        assert sum(1 for _ in container.decode(video=0)) == 9
+        listed = client.videos.list(limit=5)
+        assert [v.id for v in listed.data] == [video.id]
+        deleted = client.videos.delete(video.id)
+        assert (deleted.id, deleted.deleted) == (video.id, True)
+    assert len(decode_mp4(data)) == 9
 
 
 @pytest.mark.parametrize("body,status,code,param", [
@@ -224,26 +193,262 @@ def test_openai_client(http, router):
 ])
 def test_bad_requests_get_openai_errors(http, router, body, status, code, param):
     assert_error(http.post("/v1/videos", json=body), status, code, param)
-    assert not router.jobs  # nothing reached the router
+    assert not router.submitted  # nothing reached the router
+    assert http.get("/v1/videos").json()["data"] == []  # nor the job store
 
 
 def test_malformed_and_oversized_bodies(http, router):
     headers = {"content-type": "application/json"}
     assert_error(http.post("/v1/videos", content=b"{not json", headers=headers), 400, "invalid_json")
     assert_error(http.post("/v1/videos", content=b"[1]", headers=headers), 400, "invalid_json")
-    huge = {"prompt": "x" * 5000}
-    assert_error(http.post("/v1/videos", json=huge), 413, "request_too_large")
+    assert_error(http.post("/v1/videos", json={"prompt": "x" * 5000}), 413, "request_too_large")
     assert_error(http.post("/v1/videos", data={"prompt": "x" * 5000}), 413, "request_too_large")
-    assert not router.jobs
+    assert not router.submitted
 
 
-def test_router_refusals_map_to_api_errors(http, router):
-    router.refuse = QueueFullError("full")
-    error = assert_error(http.post("/v1/videos", json={"prompt": "a fox"}), 429, "queue_full")
-    assert http.post("/v1/videos", json={"prompt": "a fox"}).json()["error"]["type"] == "rate_limit_error"
-    router.refuse = DuplicateRequestError("dup")
-    assert_error(http.post("/v1/videos", json={"prompt": "a fox"}), 409, "duplicate_request_id")
-    assert error["message"]
+@pytest.mark.parametrize("refusal,status,code,kind,retry_after", [
+    (QueueFullError("the t2v queue is full", 429, 2.2), 429, "overloaded", "rate_limit_error", "3"),
+    (QueueFullError("full", 429, None), 429, "overloaded", "rate_limit_error", "1"),
+    (QueueFullError("no worker", 503, 5.0), 503, "unavailable", "server_error", "5"),
+    (DuplicateRequestError("dup"), 409, "duplicate_request_id", "invalid_request_error", None),
+])
+def test_router_refusals_map_to_api_errors(http, router, refusal, status, code, kind, retry_after):
+    router.refuse = refusal
+    response = http.post("/v1/videos", json={"prompt": "a fox"})
+    assert assert_error(response, status, code)["type"] == kind
+    assert response.headers.get("retry-after") == retry_after
+    assert response.headers["x-request-id"].startswith("video_")
+    # A refused job leaves no trace: it is neither listed nor found.
+    assert http.get("/v1/videos").json()["data"] == []
+    assert_error(http.get(f"/v1/videos/{response.headers['x-request-id']}"), 404, "video_not_found")
+
+
+def test_the_edge_sheds_a_full_video_queue_before_the_router(app, http, router):
+    create(http)  # the first request starts the gate's watch on the router's load
+    full = ClassLoad(queued=2, running=1, decoding=0, max_queued=2, drain_per_s=0.5)
+    report = router.publish(classes={RequestKind.T2V: full})
+    wait_until(lambda: app.ingress.videos.gate.report == report)
+    response = http.post("/v1/videos", json=FOX)
+    assert_error(response, 429, "overloaded")
+    assert response.headers["retry-after"] == "2"  # one video ahead over the bound at 0.5 per second
+    assert len(router.submitted) == 1
+    # Images have their own class: a full video queue does not turn them away.
+    assert http.post("/v1/images/generations", json={"prompt": "a cat"}).status_code == 200
+    router.publish(live_workers=0)
+    wait_until(lambda: app.ingress.videos.gate.report.live_workers == 0)
+    response = http.post("/v1/videos", json=FOX)
+    assert_error(response, 503, "unavailable")
+    assert response.headers["retry-after"] == "5"
+
+
+def test_job_table_full_is_429(monkeypatch):
+    small = build(jobs={"max_jobs": 2})
+    with http_client(small.ingress, monkeypatch) as http:
+        create(http)
+        create(http)
+        response = http.post("/v1/videos", json=FOX)
+        assert_error(response, 429, "overloaded")
+        assert response.headers["retry-after"] == "5"
+        assert len(small.router.submitted) == 2
+
+
+def test_list_pages_newest_first_by_default(http):
+    ids = [create(http)["id"] for _ in range(5)]
+    everything = http.get("/v1/videos").json()
+    assert everything["object"] == "list" and [v["id"] for v in everything["data"]] == ids[::-1]
+    assert (everything["first_id"], everything["last_id"], everything["has_more"]) == (ids[4], ids[0], False)
+    assert all(v["object"] == "video" and v["status"] == "queued" for v in everything["data"])
+
+    page = http.get("/v1/videos", params={"limit": 2}).json()
+    assert [v["id"] for v in page["data"]] == [ids[4], ids[3]] and page["has_more"]
+    page = http.get("/v1/videos", params={"limit": 2, "after": page["last_id"]}).json()
+    assert [v["id"] for v in page["data"]] == [ids[2], ids[1]] and page["has_more"]
+    page = http.get("/v1/videos", params={"limit": 2, "after": page["last_id"]}).json()
+    assert [v["id"] for v in page["data"]] == [ids[0]] and not page["has_more"]
+    assert (page["first_id"], page["last_id"]) == (ids[0], ids[0])
+
+    asc = http.get("/v1/videos", params={"order": "asc", "limit": 3}).json()
+    assert [v["id"] for v in asc["data"]] == ids[:3] and asc["has_more"]
+    rest = http.get("/v1/videos", params={"order": "asc", "after": asc["last_id"]}).json()
+    assert [v["id"] for v in rest["data"]] == ids[3:] and not rest["has_more"]
+    empty = http.get("/v1/videos", params={"after": ids[0]}).json()
+    assert (empty["data"], empty["first_id"], empty["last_id"], empty["has_more"]) == ([], None, None, False)
+
+
+def test_list_shows_live_progress(http, router):
+    vid = create(http)["id"]
+    router.step(vid, 1)
+    (video,) = http.get("/v1/videos").json()["data"]
+    assert (video["status"], video["steps_done"]) == ("in_progress", 1)
+
+
+@pytest.mark.parametrize("params,param", [
+    ({"limit": 0}, "limit"), ({"limit": 101}, "limit"), ({"limit": -1}, "limit"),
+    ({"order": "newest"}, "order"), ({"order": "ASC"}, "order"),
+    ({"after": UNKNOWN}, "after"), ({"after": "nope"}, "after"),
+    ({"limit": "abc"}, "limit"),  # a wrong type, which FastAPI itself refuses: still the OpenAI shape
+])
+def test_bad_list_parameters_are_400(http, params, param):
+    create(http)
+    assert_error(http.get("/v1/videos", params=params), 400, "invalid_value", param)
+
+
+def test_delete_cancels_a_live_job_and_forgets_it(http, router):
+    vid = create(http)["id"]
+    router.step(vid, 1)
+    response = http.delete(f"/v1/videos/{vid}")
+    assert response.status_code == 200
+    assert response.json() == {"id": vid, "object": "video.deleted", "deleted": True}
+    assert router.cancelled == [vid] and vid not in router.live
+    assert_error(http.get(f"/v1/videos/{vid}"), 404, "video_not_found")
+    assert_error(http.delete(f"/v1/videos/{vid}"), 404, "video_not_found")
+    assert http.get("/v1/videos").json()["data"] == []
+
+
+def test_delete_of_a_finished_job_removes_its_content(http, router):
+    vid = create(http)["id"]
+    router.finish(vid)
+    assert http.get(f"/v1/videos/{vid}/content").status_code == 200  # now in the ingress's file cache
+    assert http.delete(f"/v1/videos/{vid}").json()["deleted"] is True
+    assert router.cancelled == []  # nothing to stop
+    assert_error(http.get(f"/v1/videos/{vid}/content"), 404, "video_not_found")
+
+
+def test_cancel_a_queued_or_running_job(http, router):
+    queued, running = create(http)["id"], create(http)["id"]
+    router.step(running, 2)
+    for vid in (queued, running):
+        response = http.post(f"/v1/videos/{vid}/cancel")
+        assert response.status_code == 200, response.text
+        video = response.json()
+        assert (video["id"], video["status"], video["object"]) == (vid, "cancelled", "video")
+        assert isinstance(video["completed_at"], int)
+        assert http.get(f"/v1/videos/{vid}").json()["status"] == "cancelled"
+        error = assert_error(http.get(f"/v1/videos/{vid}/content"), 409, "video_failed")
+        assert "cancelled" in error["message"]
+    assert router.cancelled == [queued, running]
+    # An ended job cannot be cancelled again.
+    assert_error(http.post(f"/v1/videos/{queued}/cancel"), 409, "video_not_cancellable", "video_id")
+
+
+def test_cancel_a_job_the_router_already_let_go_of(http, router):
+    vid = create(http)["id"]
+    router.live.pop(vid)  # e.g. its worker failed it a moment ago and the store has not heard yet
+    assert http.post(f"/v1/videos/{vid}/cancel").json()["status"] == "cancelled"
+    assert router.cancelled == []
+
+
+@pytest.mark.parametrize("end", ["finish", "fail"])
+def test_cancel_a_finished_job_is_409(http, router, end):
+    vid = create(http)["id"]
+    getattr(router, end)(vid)
+    error = assert_error(http.post(f"/v1/videos/{vid}/cancel"), 409, "video_not_cancellable", "video_id")
+    assert ("completed" if end == "finish" else "failed") in error["message"]
+    assert router.cancelled == []
+    assert http.get(f"/v1/videos/{vid}").json()["status"] == ("completed" if end == "finish" else "failed")
+
+
+def test_idempotency_key_returns_the_same_job(http, router):
+    key = {"Idempotency-Key": "create-fox-1"}
+    first = create(http, {"prompt": "a fox"}, headers=key)
+    again = create(http, {"prompt": "a fox"}, headers=key)
+    assert again["id"] == first["id"] and again["seed"] == first["seed"]
+    assert router.submitted == [first["id"]]  # the retry never reached the router
+    other = http.post("/v1/videos", json={"prompt": "a hare"}, headers=key)
+    error = assert_error(other, 409, "idempotency_key_reused", "Idempotency-Key")
+    assert "different request body" in error["message"]
+    # Another key is another job; so is no key at all.
+    assert create(http, {"prompt": "a fox"}, headers={"Idempotency-Key": "create-fox-2"})["id"] != first["id"]
+    assert create(http, {"prompt": "a fox"})["id"] != first["id"]
+    assert len(router.submitted) == 3
+    # A finished job still answers its key.
+    router.finish(first["id"])
+    again = create(http, {"prompt": "a fox"}, headers=key)
+    assert (again["id"], again["status"]) == (first["id"], "completed") and len(router.submitted) == 3
+
+
+def test_a_refused_create_frees_its_idempotency_key(http, router):
+    key = {"Idempotency-Key": "retry-me"}
+    router.refuse = QueueFullError("full", 429, 1.0)
+    assert_error(http.post("/v1/videos", json={"prompt": "a fox"}, headers=key), 429, "overloaded")
+    router.refuse = None
+    video = create(http, {"prompt": "a fox"}, headers=key)
+    assert router.submitted == [video["id"]]
+    # The body has no seed, yet the retry drew the refused attempt's: the key decides it.
+    (refused,), (accepted,) = router.submit_video.calls
+    assert refused.seed == accepted.seed == video["seed"]
+    other = create(http, {"prompt": "a fox"}, headers={"Idempotency-Key": "another"})
+    assert other["seed"] != video["seed"]
+
+
+def test_bad_idempotency_keys_are_400(http, router):
+    for key in (" ", "k" * 257):
+        assert_error(http.post("/v1/videos", json=FOX, headers={"Idempotency-Key": key}), 400, "invalid_value",
+                     "Idempotency-Key")
+    assert not router.submitted
+
+
+def test_failed_and_cancelled_jobs_are_kept_then_expire(monkeypatch):
+    clock = ManualClock(1_000.0)
+    app = build(clock, jobs={"ttl_s": 60})
+    with http_client(app.ingress, monkeypatch) as http:
+        failed, cancelled, live = create(http)["id"], create(http)["id"], create(http)["id"]
+        app.router.fail(failed)
+        clock.now += 10
+        assert http.post(f"/v1/videos/{cancelled}/cancel").json()["status"] == "cancelled"
+        clock.now += 49  # 59 s after the failure
+        assert http.get(f"/v1/videos/{failed}").json()["status"] == "failed"
+        assert [v["id"] for v in http.get("/v1/videos").json()["data"]] == [live, cancelled, failed]
+        clock.now += 1  # the failed job's TTL is up
+        assert_error(http.get(f"/v1/videos/{failed}"), 404, "video_not_found")
+        assert http.get(f"/v1/videos/{cancelled}").json()["status"] == "cancelled"
+        clock.now += 10
+        assert_error(http.get(f"/v1/videos/{cancelled}"), 404, "video_not_found")
+        clock.now += 10_000  # a live job never expires
+        assert http.get(f"/v1/videos/{live}").json()["status"] == "queued"
+        assert [v["id"] for v in http.get("/v1/videos").json()["data"]] == [live]
+
+
+def test_completed_jobs_are_evicted_by_the_byte_budget_oldest_first(monkeypatch):
+    one = 5 * 32 * 32 * 3  # bytes of FOX's frames
+    app = build(jobs={"max_bytes": 2 * one + 100})
+    with http_client(app.ingress, monkeypatch) as http:
+        ids = [create(http)["id"] for _ in range(4)]
+        for vid in ids[:3]:
+            assert app.router.finish(vid)
+        assert_error(http.get(f"/v1/videos/{ids[0]}"), 404, "video_not_found")
+        assert_error(http.get(f"/v1/videos/{ids[0]}/content"), 404, "video_not_found")
+        for vid in ids[1:3]:
+            assert len(decode_mp4(http.get(f"/v1/videos/{vid}/content").content)) == 5
+        assert http.get(f"/v1/videos/{ids[3]}").json()["status"] == "queued"  # live jobs are never evicted
+        assert settle(app.store.stats())["bytes_stored"] == 2 * one
+
+
+def test_jobs_interrupted_by_a_router_restart_read_as_failed(http, router):
+    done, running, queued = create(http)["id"], create(http)["id"], create(http)["id"]
+    router.finish(done)
+    router.step(running, 2)
+    assert sorted(router.restart()) == sorted([running, queued])
+    for vid in (running, queued):
+        video = http.get(f"/v1/videos/{vid}").json()
+        assert (video["status"], video["error"]["code"]) == ("failed", "interrupted")
+        assert "create it again" in video["error"]["message"]
+        assert_error(http.get(f"/v1/videos/{vid}/content"), 409, "video_failed")
+        assert_error(http.post(f"/v1/videos/{vid}/cancel"), 409, "video_not_cancellable")
+    # What finished before the restart is safe in the store.
+    assert http.get(f"/v1/videos/{done}").json()["status"] == "completed"
+    assert len(decode_mp4(http.get(f"/v1/videos/{done}/content").content)) == 5
+
+
+def test_a_router_that_cannot_answer_progress_leaves_the_stored_status(http, router):
+    vid = create(http)["id"]
+
+    def restarting(rid):
+        raise ray.exceptions.RayActorError()
+
+    router.progress.fn = restarting
+    video = http.get(f"/v1/videos/{vid}").json()
+    assert (video["status"], video["steps_done"]) == ("queued", 0)
 
 
 def test_video_model_on_the_image_route_is_400(http):
@@ -252,60 +457,61 @@ def test_video_model_on_the_image_route_is_400(http):
 
 
 def test_models_lists_image_and_video_models(http):
-    assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["tiny-sd", "tiny-wan"]
+    models = http.get("/v1/models").json()["data"]
+    assert [(m["id"], m["kind"]) for m in models] == [("tiny-sd", "t2i"), ("tiny-wan", "t2v")]
 
 
-def test_auth_covers_the_video_routes(router, monkeypatch):
-    instance = make_ingress(router, api_keys=["k1"])
-    monkeypatch.setattr(ray.serve, "get_replica_context", lambda: SimpleNamespace(servable_object=instance))
-    with TestClient(ingress_module.api) as client:
-        assert_error(client.post("/v1/videos", json={"prompt": "a fox"}), 401, "invalid_api_key")
-        assert_error(client.get("/v1/videos/video_" + "0" * 32), 401, "invalid_api_key")
-        assert_error(client.get("/v1/videos/video_" + "0" * 32 + "/content"), 401, "invalid_api_key")
-        ok = client.post("/v1/videos", json={"prompt": "a fox"}, headers={"Authorization": "Bearer k1"})
-        assert ok.status_code == 200
-
-
-def test_handle_methods_share_the_http_code(router):
-    ingress = make_ingress(router)
+def test_handle_methods_share_the_http_code(app):
+    ingress, router = app.ingress, app.router
 
     async def scenario():
-        video = await ingress.create_video({"prompt": "a fox", "num_frames": 5, "size": "32x32"})
+        video = await ingress.create_video(FOX)
         typed = await ingress.create_video(VideoCreateRequest(prompt="a hare", seconds=1, fps=8))
         assert (video["status"], video["num_frames"], typed["num_frames"]) == ("queued", 5, 9)
+        again = await ingress.create_video(FOX, idempotency_key="k")
+        assert (await ingress.create_video(FOX, idempotency_key="k"))["id"] == again["id"]
         with pytest.raises(APIError) as info:
             await ingress.video_content(video["id"])
         assert (info.value.status, info.value.code) == (409, "video_not_ready")
-        router.complete(video["id"])
+        router.finish(video["id"])
         assert (await ingress.get_video(video["id"]))["status"] == "completed"
-        data = await ingress.video_content(video["id"])
-        with av.open(io.BytesIO(data)) as container:
-            frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+        frames = decode_mp4(await ingress.video_content(video["id"]))
         assert len(frames) == 5 and frames[0].shape == (32, 32, 3)
-        with pytest.raises(APIError) as info:
-            await ingress.get_video("video_" + "f" * 32)
-        assert info.value.status == 404
-        with pytest.raises(APIError) as info:
-            await ingress.create_video({"prompt": "a fox", "size": "33x33"})
-        assert (info.value.status, info.value.param) == (400, "size")
-        router.refuse = QueueFullError("full")
+        assert len(await ingress.video_content(video["id"], "frames")) > 0
+        listed = await ingress.list_videos(limit=2)
+        assert [v["id"] for v in listed["data"]] == [again["id"], typed["id"]] and listed["has_more"]
+        assert (await ingress.cancel_video(typed["id"]))["status"] == "cancelled"
+        assert (await ingress.delete_video(again["id"]))["deleted"] is True
+        for call, status in ((ingress.get_video("video_" + "f" * 32), 404),
+                             (ingress.create_video({"prompt": "a fox", "size": "33x33"}), 400),
+                             (ingress.list_videos(limit=0), 400)):
+            with pytest.raises(APIError) as info:
+                await call
+            assert info.value.status == status
+        router.refuse = QueueFullError("full", 429, 1.0)
         with pytest.raises(APIError) as info:
             await ingress.create_video({"prompt": "a fox"})
-        assert info.value.status == 429
+        assert (info.value.status, info.value.retry_after_s) == (429, 1.0)
 
     asyncio.run(scenario())
 
 
-def test_jobs_created_elsewhere_are_still_served(router):
-    # Another ingress replica created the job: the status and the file are served, the request
-    # fields this replica never saw are null.
-    creator, other = make_ingress(router), make_ingress(router)
+def test_jobs_created_by_another_replica_are_served_in_full():
+    # Ingress replicas share the job store and the router: any replica serves any job.
+    app = build()
+    other = type(app.ingress)(app.config, app.router, app.ingress.videos.store, app.text_encoder)
 
     async def scenario():
-        vid = (await creator.create_video({"prompt": "a fox", "num_frames": 5}))["id"]
-        router.complete(vid)
-        video = await other.get_video(vid)
-        assert (video["status"], video["progress"], video["model"], video["size"]) == ("completed", 100, None, None)
+        vid = (await app.ingress.create_video(FOX))["id"]
+        app.router.step(vid, 1)
+        seen = await other.get_video(vid)
+        assert (seen["status"], seen["model"], seen["size"], seen["steps_done"]) == ("in_progress", "tiny-wan",
+                                                                                     "32x32", 1)
+        app.router.finish(vid)
         assert (await other.video_content(vid))[4:8] == b"ftyp"
+        assert (await other.delete_video(vid))["deleted"] is True
+        with pytest.raises(APIError) as info:
+            await app.ingress.get_video(vid)
+        assert info.value.status == 404
 
     asyncio.run(scenario())

@@ -1,34 +1,55 @@
 """A request served inside a mixed continuous batch equals the solo diffusers pipeline."""
 
+import pickle
+
+import diffusers
 import numpy as np
 import pytest
+import torch
 
-from stepserve.engine.step_runner import StepRunner
-from stepserve.policies.types import WorkerPlan
+from stepserve.engine.step_runner import Admission, StepRunner
+from stepserve.policies.types import StepGroup, WorkerPlan
 
-from ...tiny import conditioning_for, make_spec, solo_pipeline_image
+from ...tiny import admission_for, make_spec, solo_pipeline_image
 
 ATOL = 2e-5  # fp32 CPU; batching changes GEMM blocking only
 
 
-def _run(family, arrivals: dict[int, list], rounds: int = 100):
+def _run(family, arrivals: dict[int, list], rounds: int = 100) -> dict[str, np.ndarray]:
     """Drive a StepRunner like continuous batching does: everyone resident steps each round,
-    newcomers join at step boundaries, finished requests leave."""
+    newcomers join at step boundaries, and a request finishes in the plan of its last step."""
     runner = StepRunner("w0", {"tiny-sd": family})
+    left: dict[str, int] = {}
     done = {}
     for rnd in range(rounds):
         new = arrivals.get(rnd, [])
-        admissions = {s.request_id: (s, conditioning_for(family, s)) for s in new}
-        stepping = runner.resident + tuple(admissions)
-        if not stepping:
+        admissions = {s.request_id: admission_for(family, s) for s in new}
+        left.update({s.request_id: s.num_inference_steps for s in new})
+        if not left:
             if rnd > max(arrivals):
                 break
             continue
-        plan = WorkerPlan("w0", admit=tuple(admissions), groups=(stepping,))
-        report, finished = runner.execute(plan, admissions)
+        stepping = tuple(left)
+        finish = tuple(rid for rid in stepping if left[rid] == 1)
+        plan = WorkerPlan("w0", admit=tuple(admissions), groups=(StepGroup(stepping),), finish=finish, plan_id=rnd)
+        report, payloads = runner.execute(plan, admissions)
         assert not report.failed, report.failed
-        done.update(finished)
+        assert (report.plan_id, report.batch_size) == (rnd, len(stepping))
+        for rid in stepping:
+            left[rid] -= 1
+        assert {p.request_id: p.steps_total - p.steps_done for p in report.progress} == {
+            rid: left[rid] for rid in stepping
+        }
+        for rid, latents in zip(finish, payloads):
+            assert latents.dtype == np.float32 and latents.shape[:2] == (1, 4)
+            done[rid] = latents
+            del left[rid]
+        assert runner.resident == tuple(left)
     return done
+
+
+def _image(family, latents: np.ndarray) -> np.ndarray:
+    return family.decode(torch.from_numpy(latents))[0]
 
 
 def test_mixed_batch_matches_solo_pipeline(tiny_family):
@@ -41,7 +62,7 @@ def test_mixed_batch_matches_solo_pipeline(tiny_family):
     latents = _run(tiny_family, others)
     assert set(latents) == {"a", "b", "c", "target"}
     for spec in [target, others[0][0], others[2][1], others[4][0]]:
-        image = tiny_family.decode(latents[spec.request_id])[0]
+        image = _image(tiny_family, latents[spec.request_id])
         expected = solo_pipeline_image(tiny_family, spec)
         np.testing.assert_allclose(image, expected, atol=ATOL, err_msg=spec.request_id)
 
@@ -49,7 +70,7 @@ def test_mixed_batch_matches_solo_pipeline(tiny_family):
 def test_batched_forward_differs_by_request(tiny_family):
     """Guard against a test that cannot fail: different seeds must give different images."""
     latents = _run(tiny_family, {0: [make_spec("x", seed=1), make_spec("y", seed=2)]})
-    assert not np.allclose(latents["x"].numpy(), latents["y"].numpy())
+    assert not np.allclose(latents["x"], latents["y"])
 
 
 @pytest.mark.parametrize("size", [(64, 128), (128, 64)])
@@ -57,20 +78,15 @@ def test_non_square_sizes(tiny_family, size):
     h, w = size
     spec = make_spec("r", steps=3, seed=7)
     spec = type(spec)(**{**spec.__dict__, "height": h, "width": w})
-    image = tiny_family.decode(_run(tiny_family, {0: [spec]})["r"])[0]
+    image = _image(tiny_family, _run(tiny_family, {0: [spec]})["r"])
     assert image.shape == (h, w, 3)
     np.testing.assert_allclose(image, solo_pipeline_image(tiny_family, spec), atol=ATOL)
 
 
 @pytest.mark.parametrize("scheduler", [None, "DPMSolverMultistepScheduler", "EulerAncestralDiscreteScheduler"])
 def test_an_image_moved_between_workers_mid_way_equals_the_solo_pipeline(tiny_family, scheduler):
-    """The co-serving router moves a resident image to the worker its batch runs on: the state
-    (latents, scheduler history, generator position) crosses through host memory, pickled as
-    Ray would, and the result is the solo pipeline's."""
-    import pickle
-
-    import diffusers
-
+    """An image exported by one worker (latents, scheduler history, generator position, pickled
+    as Ray would) and admitted from that state by another ends as the solo pipeline's."""
     family = tiny_family
     original = family.pipe.scheduler
     if scheduler is not None:  # multistep history and stochastic steps must survive the move too
@@ -78,15 +94,17 @@ def test_an_image_moved_between_workers_mid_way_equals_the_solo_pipeline(tiny_fa
     try:
         spec = make_spec("moved", steps=6, seed=7, guidance=7.5, negative="blurry")
         first, second = StepRunner("w0", {"tiny-sd": family}), StepRunner("w1", {"tiny-sd": family})
-        admissions = {"moved": (spec, conditioning_for(family, spec))}
-        for k in range(3):
-            first.execute(WorkerPlan("w0", admit=("moved",) if k == 0 else (), groups=(("moved",),)), admissions)
-        second.import_state(pickle.loads(pickle.dumps(first.export("moved"))))
-        assert first.resident == () and second.resident == ("moved",)
-        finished = {}
-        while not finished:
-            _, finished = second.execute(WorkerPlan("w1", groups=(("moved",),)), {})
-        image = family.decode(finished["moved"])[0]
-        np.testing.assert_allclose(image, solo_pipeline_image(family, spec), atol=ATOL)
+        step = (StepGroup(("moved",)),)
+        first.execute(WorkerPlan("w0", admit=("moved",), groups=step), {"moved": admission_for(family, spec)})
+        first.execute(WorkerPlan("w0", groups=step), {})
+        _, (state,) = first.execute(WorkerPlan("w0", groups=step, export=("moved",)), {})
+        assert first.resident == () and state["step_index"] == 3
+        resume = {"moved": Admission(spec, state=pickle.loads(pickle.dumps(state)))}
+        report, _ = second.execute(WorkerPlan("w1", admit=("moved",), groups=step), resume)
+        assert [(p.steps_done, p.steps_total) for p in report.progress] == [(4, 6)]
+        second.execute(WorkerPlan("w1", groups=step), {})
+        _, (latents,) = second.execute(WorkerPlan("w1", groups=step, finish=("moved",)), {})
+        assert second.resident == ()
+        np.testing.assert_allclose(_image(family, latents), solo_pipeline_image(family, spec), atol=ATOL)
     finally:
         family.pipe.scheduler = original

@@ -12,8 +12,8 @@ from diffusers import WanTransformer3DModel
 
 from stepserve.engine.families import ALL_PARTS, DENOISER, FAMILIES, VAE, ModelSource, load_family
 from stepserve.engine.families.wan import FULL, WanFamily
+from stepserve.engine.sampler import Sampler
 from stepserve.engine.tokenizer import character_t5_tokenizer
-from stepserve.engine.video_sampler import VideoSampler
 
 from ...tiny_video import TINY_WAN, make_video_spec, run_video, solo_pipeline_video, video_conditioning
 
@@ -29,7 +29,7 @@ def wan():
 def test_registered_and_shapes(wan):
     assert FAMILIES["wan"] is WanFamily
     spec = make_video_spec(frames=9)
-    sampler = VideoSampler(spec, wan, video_conditioning(wan, spec))
+    sampler = Sampler(spec, wan, video_conditioning(wan, spec))
     assert sampler.latents.shape == (1, 16, 3, 8, 8) and sampler.latents.dtype == torch.float32
     assert wan.encode_text(["a", "b c"]).shape == (2, wan.max_sequence_length, 32)
     video = wan.decode(run_video(wan, spec, video_conditioning(wan, spec), steps=None).latents)
@@ -45,7 +45,7 @@ def test_pipeline_rounding_rules(wan):
 
 def test_tiny_step_is_fast(wan):
     spec = make_video_spec(frames=9, guidance=5.0)
-    sampler = VideoSampler(spec, wan, video_conditioning(wan, spec))
+    sampler = Sampler(spec, wan, video_conditioning(wan, spec))
     sampler.step(wan)  # warm-up
     start = time.perf_counter()
     sampler.step(wan)
@@ -87,7 +87,7 @@ def test_pause_export_resume_equals_uninterrupted(wan):
     # Another worker: a fresh family object holding only the transformer.
     other = load_family(TINY_WAN, {DENOISER}, "cpu")
     for _ in range(2):  # the same state resumes the same way every time
-        resumed = VideoSampler.from_state(pickle.loads(blob), other)
+        resumed = Sampler.from_state(pickle.loads(blob), other)
         assert resumed.step_index == 3 and resumed.steps_total == 6
         while not resumed.done:
             resumed.step(other)

@@ -1,3 +1,4 @@
+import contextlib
 import copy
 import socket
 import time
@@ -14,17 +15,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serving(config: dict):
-    """Serve `config` (a Serve YAML as a dict) on a lean local Ray at a free port until the
-    generator is closed; yields (url, ingress handle)."""
+@contextlib.contextmanager
+def local_ray_for_tests():
+    """A lean local Ray for one test package; Serve and Ray end with it."""
     import ray
     from ray import serve
 
+    start_local_ray(num_cpus=2)
+    try:
+        yield
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def serving(config: dict):
+    """Serve `config` (a Serve YAML as a dict) on a lean local Ray at a free port until the
+    generator is closed; yields (url, ingress handle)."""
     config = copy.deepcopy(config)
     port = free_port()
     config["http_options"] = {"host": "127.0.0.1", "port": port}
-    start_local_ray(num_cpus=2)
-    try:
+    with local_ray_for_tests():
         handle = run_app(config, http=True)
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 180
@@ -32,9 +43,6 @@ def serving(config: dict):
             assert time.monotonic() < deadline, "app never became ready"
             time.sleep(0.5)
         yield url, handle
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 @pytest.fixture(scope="package")

@@ -1,6 +1,7 @@
-"""Video jobs on real Ray denoiser workers: two workers join a gloo world, run a video
-sequence-parallel, pause it to host memory, and resume it alone on the other worker; the result
-equals an uninterrupted run on one worker."""
+"""Plans on real Ray denoiser workers: two workers join a gloo world; a video starts on one,
+pauses to host memory, resumes sequence-parallel over both, pauses again and ends alone on the
+other, and equals an uninterrupted run on one worker. Inputs that cannot be had fail only their
+own requests, saying whether the state was lost."""
 
 import dataclasses
 
@@ -9,12 +10,13 @@ import pytest
 import ray
 import torch
 
+from stepserve.actors.denoiser import AdmissionRef
 from stepserve.actors.pool import WorkerPoolSpec, start_workers
 from stepserve.engine.families import TEXT, load_family
-from stepserve.engine.video_runner import PAUSED
+from stepserve.policies.types import RequestProgress, StepGroup, StepReport, WorkerPlan
 from stepserve.runtime import start_local_ray
 
-from ...tiny_video import RESUME_AFTER, TINY_WAN, UNEVEN, make_video_spec, video_embeds
+from ...tiny_video import TINY_WAN, UNEVEN, make_video_spec, video_embeds
 
 ATOL = 2e-5  # as test_ulysses: a split sequence changes GEMM shapes (and so rounding) only
 
@@ -26,7 +28,7 @@ def workers():
     # One torch thread each: the two workers share the machine's cores. No CPU reservation, so
     # they can be placed even in a Ray whose CPUs another fixture's app already holds.
     pool = WorkerPoolSpec(num_workers=2, num_cpus=0, device="cpu", torch_threads=1)
-    handles = list(start_workers(pool, [TINY_WAN], "video-test").values())
+    handles = list(start_workers(pool, [TINY_WAN], "video-test")[0].values())
     try:
         ray.get([w.ready.remote() for w in handles])
         addr, port = ray.get(handles[0].sp_rendezvous_address.remote())
@@ -41,44 +43,90 @@ def workers():
             ray.shutdown()
 
 
-def _finish(worker, job: str, rank: int) -> tuple[torch.Tensor, np.ndarray]:
-    """Steps `job` alone to the end, then (final latents, decoded frames)."""
-    while not ray.get(worker.video_step.remote(job, (rank,))).done:
-        pass
-    state = worker.video_export.remote(job)
-    latents = ray.get(state)["latents"]
-    ray.get(worker.video_import.remote(state))
-    return latents, ray.get(worker.video_decode.remote(job))
+@pytest.fixture(scope="module")
+def embeds(workers):
+    spec = make_video_spec(**UNEVEN)
+    return ray.put(video_embeds(load_family(TINY_WAN, {TEXT}, "cpu"), spec))
 
 
-def test_sp2_then_paused_and_resumed_alone_elsewhere_equals_uninterrupted(workers):
+def send(worker, plan: WorkerPlan, admissions=()) -> list:
+    """The plan's refs, as the router gets them: the report's, then one per output."""
+    refs = worker.execute.options(num_returns=1 + len(plan.outputs)).remote(plan, tuple(admissions))
+    return refs if plan.outputs else [refs]
+
+
+def test_a_video_moves_between_degrees_and_workers_and_equals_uninterrupted(workers, embeds):
     w0, w1 = workers
     spec = make_video_spec(**UNEVEN)  # 27 tokens (uneven shards), CFG, 4 steps
-    embeds = ray.put(video_embeds(load_family(TINY_WAN, {TEXT}, "cpu"), spec))
+    rid = spec.request_id
+    alone, both = (StepGroup((rid,), ranks=(0,)),), (StepGroup((rid,), ranks=(0, 1)),)
+    incarnations = ray.get([w.ready.remote() for w in workers])
+    assert len(set(incarnations)) == 2
 
+    # The reference: all four steps on w0 alone; the last plan checkpoints, then finishes.
     reference = dataclasses.replace(spec, request_id="reference")
-    ray.get(w0.video_start.remote(reference, embeds))
-    ref_latents, ref_frames = _finish(w0, "reference", 0)
+    ref_step = (StepGroup(("reference",), ranks=(0,)),)
+    ray.get(send(w0, WorkerPlan("w0", admit=("reference",), groups=ref_step), [AdmissionRef(reference, embeds)]))
+    for _ in range(2):
+        ray.get(send(w0, WorkerPlan("w0", groups=ref_step)))
+    plan = WorkerPlan("w0", groups=ref_step, checkpoint=("reference",), finish=("reference",), plan_id=3)
+    report, ref_state, ref_frames = ray.get(send(w0, plan))
+    assert (report.plan_id, report.incarnation, report.failed) == (3, incarnations[0], ())
+    assert ref_frames.shape == (9, 48, 48, 3) and ref_frames.dtype == np.uint8
 
-    # Both members start their own copy and step together over ranks (0, 1).
-    ray.get([w.video_start.remote(spec, embeds) for w in workers])
-    for _ in range(RESUME_AFTER):
-        progress = ray.get([w.video_step.remote(spec.request_id, (1, 0)) for w in workers])
-    assert {(p.steps_done, p.steps_total) for p in progress} == {(RESUME_AFTER, 4)}
+    # Step 1 on w0 alone (SP 1), then pause: the state goes to host memory on w0.
+    report_ref, state = send(w0, WorkerPlan("w0", admit=(rid,), groups=alone, export=(rid,)),
+                             [AdmissionRef(spec, embeds)])
+    # Steps 2-3 over both workers (SP 2): each resumes its own copy from the same state, which
+    # goes worker to worker as an object ref, never through this driver.
+    resume = [AdmissionRef(spec, state, resume=True)]
+    first = [send(w, WorkerPlan(w_id, admit=(rid,), groups=both), resume) for w, w_id in zip(workers, ("w0", "w1"))]
+    second = [send(w0, WorkerPlan("w0", groups=both, export=(rid,))), send(w1, WorkerPlan("w1", groups=both,
+                                                                                           release=(rid,)))]
+    reports = ray.get([refs[0] for refs in (*first, *second)])
+    assert all(r.failed == () for r in reports)
+    assert [r.progress for r in reports] == [(RequestProgress(rid, 2, 4),)] * 2 + [(RequestProgress(rid, 3, 4),)] * 2
+    paused = second[0][1]
+    # Step 4 on w1 alone (SP 1 again), where it finishes.
+    ray.get(send(w1, WorkerPlan("w1", admit=(rid,)), [AdmissionRef(spec, paused, resume=True)]))
+    report, final, frames = ray.get(send(w1, WorkerPlan("w1", groups=(StepGroup((rid,), ranks=(1,)),),
+                                                        checkpoint=(rid,), finish=(rid,))))
+    assert report.failed == () and report.incarnation == incarnations[1]
+    assert ray.get(report_ref).progress == (RequestProgress(rid, 1, 4),)
 
-    # Pause: w0 exports (the state goes to w1 as an object ref, never through the driver), w1
-    # drops its own copy; then resume at SP=1 on w1.
-    state = w0.video_export.remote(spec.request_id)
-    ray.get(w1.video_drop.remote(spec.request_id))
-    resumed = ray.get(w1.video_import.remote(state))
-    assert (resumed.job_id, resumed.steps_done) == (spec.request_id, RESUME_AFTER)
-    paused = ray.get(state)[PAUSED]
-    print(f"\npause (export to host) {paused.duration_s * 1e3:.2f} ms, resume (import) {resumed.duration_s * 1e3:.2f} ms")
-    assert paused.steps_done == RESUME_AFTER and paused.duration_s < 1 and resumed.duration_s < 1
-
-    latents, frames = _finish(w1, spec.request_id, 1)
-    torch.testing.assert_close(latents, ref_latents, atol=ATOL, rtol=0)
+    torch.testing.assert_close(final["latents"], ref_state["latents"], atol=ATOL, rtol=0)
     assert frames.shape == (9, 48, 48, 3) and frames.dtype == np.uint8
     assert np.abs(frames.astype(int) - ref_frames.astype(int)).max() <= 1
-    with pytest.raises(ray.exceptions.RayTaskError, match="not resident"):  # w0 let it go at export
-        ray.get(w0.video_step.remote(spec.request_id, (0,)))
+    # w0 let it go at its export: stepping it there now finds its state lost.
+    (report,) = ray.get(send(w0, WorkerPlan("w0", groups=alone)))
+    assert isinstance(report, StepReport) and [(f.request_id, f.lost) for f in report.failed] == [(rid, True)]
+    assert "not resident on worker video-test-w0" in report.failed[0].message
+
+
+@ray.remote(num_cpus=0)
+def refused_prompt():
+    raise ValueError("the prompt was refused")
+
+
+@ray.remote(num_cpus=0)
+class Owner:
+    def put(self, value):
+        return [ray.put(value)]  # in a list, so the ref (owned by this actor) comes back unresolved
+
+
+def test_inputs_that_cannot_be_had_fail_only_their_request(workers, embeds):
+    w0, _ = workers
+    owner = Owner.remote()
+    [orphan] = ray.get(owner.put.remote(ray.get(embeds)))
+    ray.kill(owner)  # the owner of the object died: it is lost
+    ok, refused, lost, stale = (make_video_spec(rid, steps=2) for rid in ("ok", "refused", "lost", "stale"))
+    admissions = [AdmissionRef(ok, embeds), AdmissionRef(refused, refused_prompt.remote()),
+                  AdmissionRef(lost, orphan), AdmissionRef(stale, orphan, resume=True)]
+    plan = WorkerPlan("w0", admit=("ok", "refused", "lost", "stale"), groups=(StepGroup(("ok", "refused")),),
+                      release=("ok",))
+    (report,) = ray.get(send(w0, plan, admissions))
+    assert report.progress == (RequestProgress("ok", 1, 2),)
+    assert {f.request_id: f.lost for f in report.failed} == {"refused": False, "lost": True, "stale": True}
+    messages = {f.request_id: f.message for f in report.failed}
+    assert messages["refused"] == "text encoding failed: ValueError: the prompt was refused"
+    assert messages["lost"].startswith("text encoding failed:") and messages["stale"].startswith("state unavailable:")

@@ -99,7 +99,7 @@ def test_simulated_and_live_records_share_one_summary():
     from stepserve.load_tests.sim import SimConfig, TextEncoderSpec, simulate
     from stepserve.load_tests.workload import ScheduledRequest
 
-    from .costs import ConstantCost
+    from tests.cpu.load_tests.costs import ConstantCost
 
     requests = [ScheduledRequest(index=i, offset_s=3.0 * i, num_inference_steps=2, seed=i, width=64, height=64,
                                  guidance_scale=7.5, prompt="p", model="sd", slo_s=3.5) for i in range(3)]

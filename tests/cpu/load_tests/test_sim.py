@@ -3,6 +3,7 @@ name, and how fast it runs."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -13,8 +14,8 @@ from stepserve.load_tests.sim import SimConfig, TextEncoderSpec, simulate
 from stepserve.load_tests.workload import (
     PoissonArrivals, RequestClass, ScheduledRequest, SizeChoice, StepsChoice, WorkloadSpec, generate,
 )
-
-from .costs import BatchingCost, ConstantCost
+from stepserve.policies import Decision
+from tests.cpu.load_tests.costs import BatchingCost, ConstantCost
 
 MODEL = "sd"
 # No batching wait and no cache in the text encoder, so every encode costs exactly encode_s.
@@ -27,45 +28,93 @@ def request(index: int, offset: float, steps: int, size: int = 64, guidance: flo
                             height=size, guidance_scale=guidance, prompt=f"p{index}", model=MODEL, slo_s=slo)
 
 
-def one_worker(depth: int, **kw) -> SimConfig:
-    return SimConfig(workers=1, max_batch_size=8, policy="continuous", pipeline_depth=depth,
+def one_worker(depth: int, lead: float = 0.05, **kw) -> SimConfig:
+    return SimConfig(workers=1, max_batch_size=8, policy="continuous", pipeline_depth=depth, pipeline_lead_s=lead,
                      text_encoder=PLAIN_ENCODER, decoders=1, **kw)
 
 
 def timeline(result):
-    return {t.index: (t.submit_s, t.ready_s, t.admit_s, t.finish_s, t.decode_start_s, t.completion_s)
-            for t in result.traces}
+    return {t.index: (t.submit_s, t.ready_s, t.admit_s, t.finish_s, t.completion_s) for t in result.traces}
 
 
 # -- exact timelines ---------------------------------------------------------------------------
 #
 # One worker, continuous batching, every round 1 s whatever it holds, encode 0.1 s, decode 0.5 s
-# on one decoder. A (3 steps) arrives at 0, B (2 steps) at 0.25.
+# on one decoder. A (3 steps) arrives at 0, B (2 steps) at 0.25. A round is decided whenever
+# something happens (a request ready, a report, a decode done, a timer the core asked for); a
+# busy worker with room in its pipeline takes its next plan only `pipeline_lead_s` before its
+# current work is predicted to end (the profile's 1 s per plan, as the cost model says).
+
+TWO = [request(0, 0.0, 3), request(1, 0.25, 2)]
+# A steps alone once, then with B twice; both end at 3.1. The decoder takes A (first in the
+# report) in [3.1, 3.6], then B in [3.6, 4.1].
+A_DONE = (0.0, 0.1, 0.1, 3.1, 3.6)
+
 
 def test_hand_timeline_pipeline_depth_1():
-    # A is ready at 0.1 and steps alone in [0.1, 1.1]. B, ready at 0.35, joins at the next plan
-    # (made at 1.1): A and B step together in [1.1, 2.1] and [2.1, 3.1]; both finish at 3.1.
-    # The decoder takes A (first in the report) in [3.1, 3.6], then B in [3.6, 4.1].
-    result = simulate([request(0, 0.0, 3), request(1, 0.25, 2)], ConstantCost(), one_worker(1))
+    # At 0.1 P1 (admit A, step A) runs [0.1, 1.1]. B, ready at 0.35, finds the one pipeline slot
+    # taken. P1's report at 1.1 decides P2 (admit B; A and B step) [1.1, 2.1], whose report
+    # decides P3 (A's 3rd step and B's 2nd: both finish) [2.1, 3.1].
+    result = simulate(TWO, ConstantCost(), one_worker(1))
     got = timeline(result)
-    assert got[0] == pytest.approx((0.0, 0.1, 0.1, 3.1, 3.1, 3.6))
-    assert got[1] == pytest.approx((0.25, 0.35, 1.1, 3.1, 3.6, 4.1))
+    assert got[0] == pytest.approx(A_DONE)
+    assert got[1] == pytest.approx((0.25, 0.35, 1.1, 3.1, 4.1))
     assert result.busy_s == {"w0": pytest.approx(3.0)}
     assert result.rounds == 3
 
 
-def test_hand_timeline_pipeline_depth_2():
-    # At 0.1 the router sends P1 (admit A, step A) and at once P2 (step A). At 1.1, when P1's
-    # report comes, it makes P3 (admit B; A and B step) while the worker runs P2 [1.1, 2.1]:
-    # B joins one step later than at depth 1 (P3 runs [2.1, 3.1]). A finishes there; P4, made
-    # at 2.1, still lists A, which the worker skips: B alone [3.1, 4.1]. P5 (made at 3.1, lists
-    # B) finds nothing left to run and takes no time. Decodes: A [3.1, 3.6], B [4.1, 4.6].
-    result = simulate([request(0, 0.0, 3), request(1, 0.25, 2)], ConstantCost(), one_worker(2))
+def test_hand_timeline_lead_0_decides_at_the_boundary():
+    # Depth 2, but a busy worker opens only when its plan is predicted to end: P1, sent at 0.1,
+    # ends at 1.1, so B's readiness at 0.35 finds the worker closed. At 1.1 the core's timer and
+    # P1's report coincide, and the one decision after both sends P2 (admit B; A and B step); at
+    # 2.1 likewise P3 (both finish). The simulator charges no round trip, so deciding at the
+    # boundary loses nothing: this is depth 1's timeline.
+    result = simulate(TWO, ConstantCost(), one_worker(2, lead=0.0))
     got = timeline(result)
-    assert got[0] == pytest.approx((0.0, 0.1, 0.1, 3.1, 3.1, 3.6))
-    assert got[1] == pytest.approx((0.25, 0.35, 1.1, 4.1, 4.1, 4.6))
+    assert got[0] == pytest.approx(A_DONE)
+    assert got[1] == pytest.approx((0.25, 0.35, 1.1, 3.1, 4.1))
+    assert result.busy_s == {"w0": pytest.approx(3.0)}
+    assert result.rounds == 3
+
+
+def test_hand_timeline_default_lead_decides_just_before_the_boundary():
+    # Lead 0.05: the worker opens 0.05 s before P1's predicted end (1.1), so the core's timer at
+    # 1.05 sends P2 (admit B; A and B step) and B is admitted there; P2 starts at 1.1, when P1
+    # ends. P1's report (1.0 s observed, as predicted) puts P2's end at 2.1: timer at 2.05, P3
+    # (both finish) runs [2.1, 3.1]. Decisions: ready 0.1 and 0.35, timer 1.05, report 1.1,
+    # timer 2.05, report 2.1, timer 3.05 (P3 alone in flight; nothing left to plan), report 3.1,
+    # decoded 3.6 and 4.1.
+    result = simulate(TWO, ConstantCost(), one_worker(2))
+    got = timeline(result)
+    assert got[0] == pytest.approx(A_DONE)
+    assert got[1] == pytest.approx((0.25, 0.35, 1.05, 3.1, 4.1))
+    assert result.busy_s == {"w0": pytest.approx(3.0)}
+    assert result.rounds == 3
+    assert result.decisions == 10
+
+
+def test_hand_timeline_infinite_lead_pipelines_as_soon_as_there_is_room():
+    # Lead inf: a worker with a free pipeline slot is always open, and a decision that sends it a
+    # plan asks again at once. At 0.1 P1 (admit A, step A) and P2 (A's 2nd step) fill both slots,
+    # so B, ready at 0.35, finds the worker full: it joins in P3 (A's 3rd step: A finishes; B's
+    # 1st), sent at P1's report (1.1) and run [2.1, 3.1], and finishes alone in P4 [3.1, 4.1].
+    # The price of pipelining a whole step ahead: a newcomer joins a step later than at lead 0.
+    result = simulate(TWO, ConstantCost(), one_worker(2, lead=math.inf))
+    got = timeline(result)
+    assert got[0] == pytest.approx(A_DONE)
+    assert got[1] == pytest.approx((0.25, 0.35, 1.1, 4.1, 4.6))
     assert result.busy_s == {"w0": pytest.approx(4.0)}
-    assert result.rounds == 5  # P1..P5, the last one empty
+    assert result.rounds == 4
+
+
+def test_an_open_worker_is_asked_again_at_once():
+    # A lone request under lead inf: P1 (sent at 0.1) leaves a free slot, so the same decision
+    # asks again and sends P2 at 0.1 too; P3 follows P1's report at 1.1. Decisions (policy passes):
+    # two at 0.1, reports 1.1 / 2.1 / 3.1, decoded 3.6.
+    result = simulate([request(0, 0.0, 3)], ConstantCost(), one_worker(2, lead=math.inf))
+    assert timeline(result)[0] == pytest.approx(A_DONE)
+    assert result.rounds == 3
+    assert result.decisions == 6
 
 
 def test_request_overhead_is_split_around_the_router():
@@ -104,7 +153,7 @@ def test_text_encoder_batches_and_caches():
 
 def test_queue_full_rejects_like_the_router():
     requests = [request(i, 0.0, 5) for i in range(4)]
-    result = simulate(requests, ConstantCost(encode_s=1.0), replace(one_worker(1), max_queue_len=2))
+    result = simulate(requests, ConstantCost(encode_s=1.0), replace(one_worker(1), max_queued_images=2))
     assert Counter(t.status for t in result.traces) == {"finished": 2, "rejected": 2}
     records = result.records()
     assert sorted(r.status for r in records) == [200, 200, 429, 429]
@@ -132,16 +181,18 @@ def test_same_seed_same_records_other_seed_other_records():
 
 
 @pytest.mark.parametrize("policy", ["continuous", "static_fcfs", "dynamic_batching"])
-@pytest.mark.parametrize("depth", [1, 2])
-def test_every_request_completes_exactly_once(policy, depth):
+@pytest.mark.parametrize(("depth", "lead"), [(1, 0.05), (2, 0.05), (2, math.inf)])
+def test_every_request_completes_exactly_once(policy, depth, lead):
     cost = BatchingCost()
     requests = generate(mixed_workload(8, 300, sizes=(64, 128)), cost)
-    config = SimConfig(workers=4, max_batch_size=4, policy=policy, pipeline_depth=depth, max_queue_len=10_000)
+    config = SimConfig(workers=4, max_batch_size=4, policy=policy, pipeline_depth=depth, pipeline_lead_s=lead,
+                       max_queued_images=10_000)
     result = simulate(requests, cost, config)
     assert [t.index for t in result.traces] == list(range(300))
     assert all(t.status == "finished" for t in result.traces)
     for t in result.traces:
-        assert t.arrival_s <= t.submit_s <= t.ready_s <= t.admit_s < t.finish_s <= t.decode_start_s < t.completion_s
+        assert t.arrival_s <= t.submit_s <= t.ready_s <= t.admit_s < t.finish_s < t.completion_s
+        assert t.degrees == (1,) * t.steps  # every step planned once, on one worker
     # Work is conserved: busy time covers at least each request's steps at batch size 1 / cap.
     assert sum(result.busy_s.values()) > 0
     summary = result.summary()
@@ -165,7 +216,7 @@ def test_policies_plug_in_by_name_with_options():
 def test_continuous_beats_static_on_mean_latency_with_mixed_steps():
     cost = BatchingCost()
     requests = generate(mixed_workload(3, 400), cost)
-    config = SimConfig(workers=2, max_batch_size=8, max_queue_len=10_000)
+    config = SimConfig(workers=2, max_batch_size=8, max_queued_images=10_000)
     continuous = simulate(requests, cost, replace(config, policy="continuous")).summary()
     static = simulate(requests, cost, replace(config, policy="static_fcfs")).summary()
     assert continuous.latency_mean_s < 0.8 * static.latency_mean_s
@@ -194,11 +245,11 @@ def test_64_workers_10000_requests_under_a_minute():
     cpu = time.process_time() - started
     assert all(t.status == "finished" for t in result.traces)
     assert cpu < 60, (f"64 workers x 10,000 requests took {cpu:.1f} s of CPU "
-                      f"(inside RouterCore.next_plan: {result.plan_wall_s:.1f} s wall)")
+                      f"(inside RouterCore.schedule: {result.plan_wall_s:.1f} s wall)")
 
 
 def test_a_policy_that_asks_to_wake_now_with_nothing_to_do_is_an_error():
-    from stepserve.policies import WorkerPlan, register_policy
+    from stepserve.policies import register_policy
 
     @dataclass(frozen=True)
     class SpinConfig:
@@ -210,7 +261,7 @@ def test_a_policy_that_asks_to_wake_now_with_nothing_to_do_is_an_error():
             self.config = config
 
         def plan(self, snapshot, worker_id):
-            return WorkerPlan(worker_id=worker_id, wake_at=snapshot.now)
+            return Decision(wake_at=snapshot.now)
 
-    with pytest.raises(ValueError, match="wake_at"):
+    with pytest.raises(ValueError, match="asked to be woken"):
         simulate([request(0, 0.0, 1)], ConstantCost(), replace(one_worker(1), policy="test_spin_now"))

@@ -8,8 +8,8 @@ from stepserve.load_tests.sim import SimConfig, TextEncoderSpec, simulate
 from stepserve.load_tests.sim.events import EventQueue
 from stepserve.load_tests.sim.host import SharedHost
 
-from .costs import ConstantCost
-from .test_sim import request
+from tests.cpu.load_tests.costs import ConstantCost
+from tests.cpu.load_tests.test_sim import request
 
 
 def run_jobs(cpus: float, jobs: list[tuple[float, float]]) -> dict[int, float]:
@@ -62,20 +62,25 @@ def test_a_host_with_cores_to_spare_changes_nothing():
     assert [t.completion_s for t in roomy.traces] == pytest.approx([t.completion_s for t in alone.traces])
 
 
-def test_two_workers_on_one_core_take_twice_as_long():
+def _two_workers(host_cpus: float | None):
     # Rounds cost 1 s. Two requests at 0 are encoded in one batch and land on two workers; on
     # one core their rounds always run together, each at half speed.
     requests = [request(0, 0.0, 2, guidance=1.0), request(1, 0.0, 2, guidance=1.0)]
-    cost = ConstantCost(decode_s=0.0)
-    own = simulate(requests, cost, config(2, None))
-    shared = simulate(requests, cost, config(2, 1))
-    own_denoise = [t.finish_s - t.admit_s for t in own.traces]
-    shared_denoise = [t.finish_s - t.admit_s for t in shared.traces]
-    assert own_denoise == pytest.approx([2.0, 2.0])
-    assert shared_denoise == pytest.approx([4.0, 4.0])
-    # Busy time is wall time on the worker, so the shared host shows it busy twice as long.
-    assert sum(shared.busy_s.values()) == pytest.approx(2 * sum(own.busy_s.values()))
+    return simulate(requests, ConstantCost(decode_s=0.0), config(2, host_cpus))
+
+
+def test_two_workers_on_one_core_take_twice_as_long():
+    own, shared = _two_workers(None), _two_workers(1)
+    assert [t.finish_s - t.admit_s for t in own.traces] == pytest.approx([2.0, 2.0])
+    assert [t.finish_s - t.admit_s for t in shared.traces] == pytest.approx([4.0, 4.0])
     assert shared.host_peak_jobs == 2
+
+
+def test_a_worker_on_a_shared_host_is_busy_for_as_long_as_its_rounds_take():
+    # Busy time is wall time on the worker (as the live router's round times are), so the
+    # shared host shows it busy twice as long.
+    own, shared = _two_workers(None), _two_workers(1)
+    assert sum(shared.busy_s.values()) == pytest.approx(2 * sum(own.busy_s.values()))
 
 
 def test_request_overhead_competes_for_the_host():

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
+
+import yaml
 
 from stepserve.load_tests import compare_policies
 from stepserve.load_tests.sim import __main__ as sim_main
+from stepserve.load_tests.sweep import add_sim_args, config_from_args, sim_config_from_serve
+from stepserve.runtime import default_config_path, load_serve_config
 
 
 def test_compare_policies_writes_the_report(tmp_path, capsys):
@@ -35,3 +41,24 @@ def test_sim_one_policy_with_traces_and_errors(tmp_path, capsys):
     assert (tmp_path / "sim_latency_cdf.png").exists() and not (tmp_path / "sim_vs_load.png").exists()
     assert sim_main.main(["--workload", "no-such", "--profile", "tiny-sd-cpu", "--out", str(tmp_path)]) == 2
     assert "no workload" in capsys.readouterr().err
+
+
+def test_the_cluster_comes_from_a_serve_config_and_explicit_flags_win(tmp_path):
+    serve = load_serve_config(default_config_path())
+    app_args = serve["applications"][0]["args"]
+    app_args["router"] = {**app_args["router"], "pipeline_depth": 3, "pipeline_lead_s": 0.02,
+                          "max_queued_images": 7, "max_queued_videos": 3}
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(serve))
+    fields = sim_config_from_serve(path)
+    assert (fields["workers"], fields["policy"], fields["pipeline_depth"], fields["pipeline_lead_s"]) == (
+        app_args["workers"]["num_workers"], "continuous", 3, 0.02)
+    assert (fields["max_queued_images"], fields["max_queued_videos"]) == (7, 3)
+
+    parser = argparse.ArgumentParser()
+    add_sim_args(parser)
+    args = parser.parse_args(["--workload", "local-tiny", "--profile", "tiny-sd-cpu", "--out", str(tmp_path),
+                              "--serve-config", str(path), "--pipeline-lead", "inf", "--max-queued-images", "9"])
+    config = config_from_args(args)
+    assert config.pipeline_lead_s == math.inf and config.pipeline_depth == 3
+    assert (config.max_queued_images, config.max_queued_videos) == (9, 3)

@@ -15,8 +15,8 @@ from stepserve.policies.cost_model import (
     ROUND_OVERHEAD,
     TEXT_ENCODE,
     VAE_DECODE,
+    BatchShape,
     CostModel,
-    GroupShape,
     ProfiledCostModel,
     ProfileError,
     ProfileRow,
@@ -66,15 +66,15 @@ def test_is_a_cost_model(linear_model):
 def test_recovers_a_linear_law_exactly_on_and_off_the_grid(linear_model):
     for size in (32, 64, 100, 200, 256, 384, 512):
         for rows in (1, 5, 7, 16, 24, 40):
-            got = linear_model.denoise_seconds(GroupShape(M, size, size, rows)) * 1e3
+            got = linear_model.denoise_seconds(BatchShape(M, size, size, rows)) * 1e3
             assert got == pytest.approx(denoise_law(size * size, rows), rel=1e-9)
     for texts in (1, 3, 16, 32):
         assert linear_model.text_encode_seconds(M, texts) * 1e3 == pytest.approx(1.0 + 0.3 * texts, rel=1e-9)
     for size in (64, 96, 512):
         assert linear_model.decode_seconds(M, size, size) * 1e3 == pytest.approx(2.0 + 1e-4 * size * size, rel=1e-9)
-    group = GroupShape(M, 96, 96, 5)
+    batch = BatchShape(M, 96, 96, 5)
     bookkeeping = 0.2 + 0.05 * 5 + 1e-6 * 5 * 96 * 96
-    assert linear_model.round_overhead_seconds([group]) * 1e3 == pytest.approx(1.5 + bookkeeping, rel=1e-9)
+    assert linear_model.round_overhead_seconds([batch]) * 1e3 == pytest.approx(1.5 + bookkeeping, rel=1e-9)
     report = linear_model.fit_report()[M]["components"]
     for component in (DENOISE, TEXT_ENCODE, VAE_DECODE, ROUND_OVERHEAD):
         assert report[component]["loo_max_rel_err"] < 1e-9, component
@@ -82,8 +82,8 @@ def test_recovers_a_linear_law_exactly_on_and_off_the_grid(linear_model):
 
 
 def test_aspect_ratio_costs_by_pixel_count(linear_model):
-    assert linear_model.denoise_seconds(GroupShape(M, 64, 256, 3)) == pytest.approx(
-        linear_model.denoise_seconds(GroupShape(M, 128, 128, 3)))
+    assert linear_model.denoise_seconds(BatchShape(M, 64, 256, 3)) == pytest.approx(
+        linear_model.denoise_seconds(BatchShape(M, 128, 128, 3)))
 
 
 def noisy_profile(seed=0):
@@ -125,27 +125,40 @@ def test_every_denoise_method_is_monotone_even_on_noisy_data(name):
 
 def test_fitted_model_is_monotone_and_positive():
     model = ProfiledCostModel(noisy_profile())
-    assert_monotone(lambda s, r: model.denoise_seconds(GroupShape(M, s, s, r)), QUERY_SIZES, QUERY_ROWS)
+    assert_monotone(lambda s, r: model.denoise_seconds(BatchShape(M, s, s, r)), QUERY_SIZES, QUERY_ROWS)
     texts = [model.text_encode_seconds(M, n) for n in range(1, 40)]
     assert texts == sorted(texts) and texts[0] > 0
     decodes = [model.decode_seconds(M, s, s) for s in QUERY_SIZES]
     assert decodes == sorted(decodes) and decodes[0] > 0
 
 
-def test_round_is_its_groups_plus_the_overhead(linear_model):
-    groups = [GroupShape(M, 64, 64, 4), GroupShape(M, 128, 128, 2), GroupShape(M, 256, 256, 1)]
-    forwards = sum(linear_model.denoise_seconds(g) for g in groups)
-    bookkeeping = sum((0.2 + 0.05 * g.rows + 1e-6 * g.rows * g.pixels) / 1e3 for g in groups)
-    assert linear_model.round_overhead_seconds(groups) == pytest.approx(1.5e-3 + bookkeeping)
-    assert linear_model.round_seconds(groups) == pytest.approx(forwards + linear_model.round_overhead_seconds(groups))
+def test_round_is_its_batches_plus_the_overhead(linear_model):
+    batches = [BatchShape(M, 64, 64, 4), BatchShape(M, 128, 128, 2), BatchShape(M, 256, 256, 1)]
+    forwards = sum(linear_model.denoise_seconds(b) for b in batches)
+    bookkeeping = sum((0.2 + 0.05 * b.rows + 1e-6 * b.rows * b.pixels) / 1e3 for b in batches)
+    assert linear_model.round_overhead_seconds(batches) == pytest.approx(1.5e-3 + bookkeeping)
+    assert linear_model.round_seconds(batches) == pytest.approx(forwards + linear_model.round_overhead_seconds(batches))
     assert linear_model.round_seconds([]) == 0.0
+
+
+def test_a_step_is_a_round_of_just_its_batch(linear_model):
+    for batch in (BatchShape(M, 64, 64, 1), BatchShape(M, 96, 128, 5)):
+        assert linear_model.step_seconds(batch) == linear_model.round_seconds([batch])
+    # A profile with denoise rows at degree 1 only: any other degree is never, not an error.
+    assert linear_model.step_seconds(BatchShape(M, 64, 64, 2, sp_degree=2)) == math.inf
+    with pytest.raises(UnknownModelError, match="nope"):
+        linear_model.step_seconds(BatchShape("nope", 64, 64, 1))
+    # Without any denoise rows the profile is broken: that stays an error.
+    no_denoise = ProfiledCostModel([r for r in linear_profile() if r.component != DENOISE])
+    with pytest.raises(UnknownModelError, match="denoise"):
+        no_denoise.step_seconds(BatchShape(M, 64, 64, 1))
 
 
 def test_one_fixed_round_cost_even_with_two_models():
     rows = linear_profile() + [r for r in linear_profile(model="n") if r.component != ROUND_OVERHEAD]
     rows.append(row(ROUND_OVERHEAD, 4.0, model="n"))
     model = ProfiledCostModel(rows)
-    a, b = GroupShape(M, 64, 64, 1), GroupShape("n", 64, 64, 1)
+    a, b = BatchShape(M, 64, 64, 1), BatchShape("n", 64, 64, 1)
     bookkeeping_a = (0.2 + 0.05 + 1e-6 * 64 * 64) / 1e3  # only "m" measured per-group bookkeeping
     expected = model.denoise_seconds(a) + model.denoise_seconds(b) + 4e-3 + bookkeeping_a  # max fixed cost, once
     assert model.round_seconds([a, b]) == pytest.approx(expected)
@@ -156,7 +169,7 @@ def test_solo_is_encode_steps_rounds_decode_and_overhead(linear_model, cfg):
     rows = 2 if cfg else 1
     expected = (
         linear_model.text_encode_seconds(M, rows)
-        + 30 * linear_model.round_seconds([GroupShape(M, 128, 96, rows)])
+        + 30 * linear_model.round_seconds([BatchShape(M, 128, 96, rows)])
         + linear_model.decode_seconds(M, 128, 96)
         + linear_model.request_overhead_seconds(M)
     )
@@ -167,7 +180,7 @@ def test_solo_is_encode_steps_rounds_decode_and_overhead(linear_model, cfg):
 
 def test_unknown_model_and_missing_components_are_errors(linear_model):
     with pytest.raises(UnknownModelError, match="nope"):
-        linear_model.denoise_seconds(GroupShape("nope", 64, 64, 1))
+        linear_model.denoise_seconds(BatchShape("nope", 64, 64, 1))
     with pytest.raises(UnknownModelError):
         linear_model.solo_seconds("nope", 64, 64, 10, True)
     only_denoise = ProfiledCostModel([r for r in linear_profile() if r.component == DENOISE])
@@ -176,15 +189,16 @@ def test_unknown_model_and_missing_components_are_errors(linear_model):
     with pytest.raises(UnknownModelError, match="vae_decode"):
         only_denoise.decode_seconds(M, 64, 64)
     # Overheads that were not measured cost nothing, and the report says they are missing.
-    assert only_denoise.round_overhead_seconds([GroupShape(M, 64, 64, 1)]) == 0.0
+    assert only_denoise.round_overhead_seconds([BatchShape(M, 64, 64, 1)]) == 0.0
     assert only_denoise.request_overhead_seconds(M) == 0.0
     assert set(only_denoise.fit_report()[M]["missing"]) == {ROUND_OVERHEAD, TEXT_ENCODE, VAE_DECODE, REQUEST_OVERHEAD}
 
 
 def test_bad_queries_are_rejected(linear_model):
-    for bad in (dict(rows=0), dict(height=0), dict(rows=True), dict(width=64.0)):
+    for bad in (dict(rows=0), dict(height=0), dict(rows=True), dict(width=64.0), dict(sp_degree=0),
+                dict(frames=0)):
         with pytest.raises(ValueError):
-            GroupShape(**{**dict(model=M, height=64, width=64, rows=1), **bad})
+            BatchShape(**{**dict(model=M, height=64, width=64, rows=1), **bad})
     with pytest.raises(ValueError):
         linear_model.text_encode_seconds(M, 0)
     with pytest.raises(ValueError):
@@ -208,7 +222,7 @@ def test_csv_round_trip_and_loading(tmp_path):
     assert sorted(back, key=repr) == sorted(
         [ProfileRow(**{**r.__dict__, "latency_ms": round(r.latency_ms, 4)}) for r in rows], key=repr)
     a, b = ProfiledCostModel.from_csv(path), load_profile(path)
-    shape = GroupShape(M, 100, 100, 3)
+    shape = BatchShape(M, 100, 100, 3)
     assert a.denoise_seconds(shape) == b.denoise_seconds(shape) == pytest.approx(denoise_law(1e4, 3) / 1e3, rel=1e-4)
 
 
@@ -253,7 +267,7 @@ def test_shipped_profiles_are_monotone(name):
     (model_name,) = model.models
     sizes = sorted({r.height for r in read_profile(cm.profile_path(name)) if r.component == DENOISE})
     query_sizes = tuple(range(sizes[0] // 2, 2 * sizes[-1] + 1, 8))
-    assert_monotone(lambda s, r: model.denoise_seconds(GroupShape(model_name, s, s, r)), query_sizes, QUERY_ROWS)
+    assert_monotone(lambda s, r: model.denoise_seconds(BatchShape(model_name, s, s, r)), query_sizes, QUERY_ROWS)
     # SLO basis: more steps, more pixels and CFG all cost more.
     small, large = sizes[0], sizes[-1]
     base = model.solo_seconds(model_name, small, small, 20, True)
@@ -271,7 +285,7 @@ def test_host_slowdown_from_the_probe_rows(linear_model):
     assert model.fit_report()[M]["host_slowdown"] == {"2": 1.5, "4": 2.5}
     # The probe is not a component a model needs, and its rows do not touch the denoise fit.
     assert "host_probe" not in model.fit_report()[M]["missing"]
-    shape = GroupShape(M, 64, 64, 2)
+    shape = BatchShape(M, 64, 64, 2)
     assert model.round_seconds([shape]) == pytest.approx(linear_model.round_seconds([shape]))
     with pytest.raises(ProfileError, match="alone"):
         ProfiledCostModel(linear_profile() + probes[1:])

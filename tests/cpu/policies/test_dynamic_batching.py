@@ -6,37 +6,29 @@ import random
 
 import pytest
 
-from stepserve.policies import ClusterSnapshot, RequestView, ShapeKey, WorkerView, make_policy
+from stepserve.policies import PerWorker, make_policy
 from stepserve.policies.dynamic_batching import DynamicBatching, DynamicBatchingConfig
 
-SMALL = ShapeKey("sd", 64, 64)
-LARGE = ShapeKey("sd", 128, 128)
+from .snapshots import LARGE, SMALL, only_plan, req, snap, steps
 
 
-def req(rid, key=SMALL, arrival=0.0, ready=True, steps=10, done=0):
-    return RequestView(rid, key, True, done, steps, arrival, ready, None)
-
-
-def snap(now, queued=(), workers=None):
-    """workers: {worker_id: (max_batch_size, [resident views])}; default one idle worker w0, cap 8."""
-    workers = workers or {"w0": (8, [])}
-    running, views = [], []
-    for wid, (cap, residents) in workers.items():
-        placed = [RequestView(**{**r.__dict__, "worker_id": wid}) for r in residents]
-        running += placed
-        views.append(WorkerView(wid, cap, tuple(r.request_id for r in placed)))
-    return ClusterSnapshot(now, tuple(queued), tuple(running), tuple(views))
+def decide(now, queued=(), workers=None, **config):
+    """The policy's Decision for w0; default one idle worker w0, cap 8."""
+    snapshot = snap(workers or {"w0": (8, [])}, queued, now=now)
+    decision = DynamicBatching(DynamicBatchingConfig(**config)).plan(snapshot, "w0")
+    only_plan(decision, "w0")  # at most w0's plan, never an empty one
+    return decision
 
 
 def plan(now, queued=(), workers=None, **config):
-    return DynamicBatching(DynamicBatchingConfig(**config)).plan(snap(now, queued, workers), "w0")
+    return only_plan(decide(now, queued, workers, **config), "w0")
 
 
 def test_registered_under_its_name_with_the_paper_window():
     policy = make_policy("dynamic_batching", {"max_batch_size": 4})
-    assert isinstance(policy, DynamicBatching)
+    assert isinstance(policy, PerWorker) and isinstance(policy.policy, DynamicBatching)
     assert policy.name == "dynamic_batching"
-    assert policy.config == DynamicBatchingConfig(window_s=0.5, max_batch_size=4)
+    assert policy.policy.config == DynamicBatchingConfig(window_s=0.5, max_batch_size=4)
 
 
 @pytest.mark.parametrize("options", [{"window_s": -0.1}, {"window_s": float("nan")}, {"window_s": True},
@@ -48,18 +40,19 @@ def test_bad_options_are_refused(options):
 
 def test_idle_worker_waits_for_the_window_of_the_oldest_ready_request():
     queued = [req("a", arrival=1.0), req("b", arrival=1.2)]
-    p = plan(1.3, queued)
-    assert p.is_empty and p.admit == () and p.groups == ()
-    assert p.wake_at == pytest.approx(1.5)  # a's window: 1.0 + 0.5
+    d = decide(1.3, queued)
+    assert d.plans == ()
+    assert d.wake_at == pytest.approx(1.5)  # a's window: 1.0 + 0.5
 
 
 def test_window_closed_releases_the_batch_of_the_oldest_kind():
     queued = [req("a", arrival=1.0), req("other_steps", arrival=1.1, steps=20), req("b", arrival=1.2),
               req("other_shape", LARGE, arrival=1.3)]
-    p = plan(1.5, queued)
+    d = decide(1.5, queued)
+    p = only_plan(d, "w0")
     assert p.admit == ("a", "b")
-    assert p.groups == (("a", "b"),)
-    assert p.wake_at is None
+    assert p.groups == steps(("a", "b"))
+    assert d.wake_at is None
 
 
 def test_full_batch_starts_before_its_window_closes():
@@ -76,24 +69,24 @@ def test_a_full_batch_of_a_younger_kind_goes_while_the_oldest_kind_still_waits()
 
 def test_not_ready_requests_neither_join_nor_open_a_window():
     queued = [req("encoding", arrival=0.0, ready=False), req("a", arrival=2.0)]
-    p = plan(2.1, queued)
-    assert p.is_empty and p.wake_at == pytest.approx(2.5)
-    p = plan(2.5, queued)
-    assert p.admit == ("a",)
-    only_encoding = plan(9.0, [req("encoding", arrival=0.0, ready=False)])
-    assert only_encoding.is_empty and only_encoding.wake_at is None
+    d = decide(2.1, queued)
+    assert d.plans == () and d.wake_at == pytest.approx(2.5)
+    assert plan(2.5, queued).admit == ("a",)
+    only_encoding = decide(9.0, [req("encoding", arrival=0.0, ready=False)])
+    assert only_encoding.plans == () and only_encoding.wake_at is None
 
 
 def test_nothing_queued_means_no_wake():
-    p = plan(3.0)
-    assert p.is_empty and p.wake_at is None
+    d = decide(3.0)
+    assert d.plans == () and d.wake_at is None
 
 
 def test_running_batch_steps_to_the_end_and_nothing_joins():
     residents = [req("a", steps=20, done=3), req("b", steps=20, done=3)]
     queued = [req("late", arrival=0.0)]  # its window closed long ago
-    p = plan(10.0, queued, workers={"w0": (8, residents)})
-    assert p.admit == () and p.groups == (("a", "b"),) and p.wake_at is None
+    d = decide(10.0, queued, workers={"w0": (8, residents)})
+    p = only_plan(d, "w0")
+    assert p.admit == () and p.groups == steps(("a", "b")) and d.wake_at is None
 
 
 def test_zero_window_is_static_batching():
@@ -131,8 +124,9 @@ def test_matches_brute_force_on_random_queues(seed):
     queued = [req(f"r{i}", rng.choice([SMALL, LARGE]), t, rng.random() < 0.8, rng.choice([10, 20]))
               for i, t in enumerate(arrivals)]
     now, limit, window = rng.uniform(0, 3), rng.randrange(1, 6), rng.choice([0.0, 0.25, 0.5, 1.0])
-    p = plan(now, queued, max_batch_size=limit, window_s=window)
+    d = decide(now, queued, max_batch_size=limit, window_s=window)
+    p = only_plan(d, "w0")
     admit, wake = oracle(now, queued, limit, window)
     assert p.admit == admit
-    assert p.groups == ((admit,) if admit else ())
-    assert p.wake_at == (None if wake is None else pytest.approx(wake))
+    assert p.groups == (steps(admit) if admit else ())
+    assert d.wake_at == (None if wake is None else pytest.approx(wake))

@@ -1,4 +1,4 @@
-"""Policy lookup by name: what configs and the simulator rely on."""
+"""Policy lookup by name: what configs, the router and the simulator rely on."""
 
 from __future__ import annotations
 
@@ -7,37 +7,98 @@ from dataclasses import dataclass
 import pytest
 
 import stepserve.policies as policies
-from stepserve.policies import SchedulingPolicy, make_policy, policy_names
-from stepserve.policies.registry import register_policy
+from stepserve.policies import PerWorker, Scheduler, WorkerPolicy, make_policy, needs_costs, policy_names
+from stepserve.policies.genserve import GenServeConfig
+from stepserve.policies.genserve.policy import GenServePolicy
+from stepserve.policies.registry import register_policy, validate_policy
+
+from .genserve.fakes import FakeCosts
+
+PER_WORKER = ["continuous", "static_fcfs", "dynamic_batching"]
 
 
 def test_builtin_policies_are_registered():
     names = policy_names()
-    assert "continuous" in names and "static_fcfs" in names
+    assert set(PER_WORKER + ["genserve"]) <= set(names)
     assert names == sorted(names)
 
 
-@pytest.mark.parametrize("name", ["continuous", "static_fcfs"])
-def test_make_policy_builds_a_scheduling_policy(name):
+@pytest.mark.parametrize("name", PER_WORKER)
+def test_make_policy_wraps_a_per_worker_policy_in_a_scheduler(name):
     policy = make_policy(name)
-    assert isinstance(policy, SchedulingPolicy)
+    assert isinstance(policy, Scheduler) and isinstance(policy, PerWorker)
+    assert isinstance(policy.policy, WorkerPolicy)
     assert policy.name == name
-    assert make_policy(name, {"max_batch_size": 3}).config.max_batch_size == 3
-    assert make_policy(name, None).config.max_batch_size is None
+    assert make_policy(name, {"max_batch_size": 3}).policy.config.max_batch_size == 3
+    assert make_policy(name, None).policy.config.max_batch_size is None
+
+
+@pytest.mark.parametrize("name", PER_WORKER)
+def test_per_worker_policies_need_no_costs_and_ignore_them(name):
+    assert needs_costs(name) is False
+    assert isinstance(make_policy(name, None, FakeCosts()), PerWorker)
+
+
+def test_genserve_is_a_scheduler_built_with_costs():
+    costs = FakeCosts()
+    policy = make_policy("genserve", {"image_max_batch": 4}, costs)
+    # A whole-pool scheduler is not wrapped: PerWorker would ask it worker by worker.
+    assert isinstance(policy, GenServePolicy) and isinstance(policy, Scheduler)
+    assert not isinstance(policy, PerWorker)
+    assert policy.name == "genserve"
+    assert policy.base_costs is costs
+    assert policy.config == GenServeConfig(image_max_batch=4)
+    assert needs_costs("genserve") is True
+
+
+def test_genserve_without_costs_says_where_they_come_from():
+    with pytest.raises(ValueError, match="router.profiles") as info:
+        make_policy("genserve")
+    assert "genserve" in str(info.value)
+
+
+def test_sp_degrees_from_yaml_list_becomes_a_tuple():
+    options = {"sp_degrees": [1, 2, 4], "fixed_sp_degree": 2}
+    config = validate_policy("genserve", options)
+    assert config.sp_degrees == (1, 2, 4) and config.fixed_sp_degree == 2
+    assert options == {"sp_degrees": [1, 2, 4], "fixed_sp_degree": 2}  # the caller's dict is left alone
+    assert make_policy("genserve", options, FakeCosts()).config.sp_degrees == (1, 2, 4)
+
+
+def test_genserve_invalid_option_value_is_named():
+    with pytest.raises(ValueError, match="sp_degrees"):
+        validate_policy("genserve", {"sp_degrees": [2, 1]})
+    with pytest.raises(ValueError, match="fixed_sp_degree"):
+        make_policy("genserve", {"sp_degrees": [1, 2], "fixed_sp_degree": 4}, FakeCosts())
+
+
+@pytest.mark.parametrize("name", PER_WORKER + ["genserve"])
+def test_validate_policy_returns_the_config_it_would_build(name):
+    config = validate_policy(name)
+    assert config == type(config)()  # no options: the defaults
+    assert validate_policy(name, {}) == config
 
 
 def test_unknown_name_lists_known_names():
-    with pytest.raises(ValueError) as info:
-        make_policy("round_robin")
+    for call in (lambda: make_policy("round_robin"), lambda: validate_policy("round_robin"),
+                 lambda: needs_costs("round_robin")):
+        with pytest.raises(ValueError) as info:
+            call()
+        message = str(info.value)
+        assert "round_robin" in message
+        assert all(name in message for name in PER_WORKER + ["genserve"])
+
+
+@pytest.mark.parametrize("name", PER_WORKER + ["genserve"])
+def test_unknown_option_is_named(name):
+    with pytest.raises(ValueError, match="max_batch'") as info:
+        make_policy(name, {"max_batch": 4}, FakeCosts())
     message = str(info.value)
-    assert "round_robin" in message
-    assert "continuous" in message and "static_fcfs" in message
-
-
-def test_unknown_option_is_named():
-    with pytest.raises(ValueError, match="max_batch") as info:
-        make_policy("continuous", {"max_batch": 4})
-    assert "max_batch_size" in str(info.value)  # the valid spelling is suggested
+    assert name in message
+    valid = "image_max_batch" if name == "genserve" else "max_batch_size"
+    assert valid in message  # the valid spellings are listed
+    with pytest.raises(ValueError, match="max_batch'"):
+        validate_policy(name, {"max_batch": 4})
 
 
 def test_invalid_option_value_is_named():
@@ -63,15 +124,34 @@ def test_duplicate_name_with_another_class_is_rejected():
             def __init__(self, config):
                 self.config = config
 
-    assert type(make_policy("continuous")).__name__ == "ContinuousBatching"
+            def plan(self, snapshot, worker_id):
+                raise AssertionError("never called")
+
+    assert type(make_policy("continuous").policy).__name__ == "ContinuousBatching"
+
+
+def test_a_class_that_cannot_schedule_is_rejected():
+    @dataclass(frozen=True)
+    class NoConfig:
+        pass
+
+    with pytest.raises(TypeError, match="neither schedule"):
+
+        @register_policy("cannot_schedule", NoConfig)
+        class Nothing:
+            pass
+
+    assert "cannot_schedule" not in policy_names()
 
 
 def test_config_must_be_a_dataclass():
     with pytest.raises(TypeError):
         register_policy("not_a_dataclass_config", dict)
+    assert "not_a_dataclass_config" not in policy_names()
 
 
 def test_package_reexports_the_contract():
-    for name in ["ClusterSnapshot", "RequestView", "WorkerView", "WorkerPlan", "StepReport",
-                 "RequestSpec", "RequestStatus", "ShapeKey", "PolicyError"]:
+    for name in ["ClusterSnapshot", "RequestView", "WorkerView", "WorkerPlan", "StepGroup", "Decision", "StepReport",
+                 "RequestSpec", "RequestStatus", "RequestKind", "ShapeKey", "PolicyError", "Scheduler",
+                 "WorkerPolicy", "PerWorker", "make_policy", "needs_costs", "policy_names"]:
         assert hasattr(policies, name), name

@@ -6,6 +6,7 @@ import math
 import random
 from dataclasses import dataclass, field
 
+from stepserve.policies.cost_model import BatchShape
 from stepserve.policies.genserve import (
     GenServeConfig,
     ImageRequest,
@@ -22,10 +23,13 @@ VIDEO_UNIT = 480 * 832 * 81  # one 480p, 81-frame clip
 
 @dataclass
 class FakeCosts:
-    """Image step: a fixed per-forward cost plus a per-row cost, so batching pays off (Fig. 3).
-    Video step: the work split over the degree plus a communication cost per extra worker, so
-    SP scales sublinearly (Figs. 5-6). `video_steps[model][degree]` overrides the formula (a
-    missing degree means the model cannot run at it)."""
+    """A `StepCosts` of two formulas, told apart by frames as ObservedOverheadCosts does.
+
+    Image step (one frame): a fixed per-forward cost plus a per-row cost, so batching pays off
+    (Fig. 3). Video step: the work split over the SP degree plus a communication cost per extra
+    worker, so SP scales sublinearly (Figs. 5-6); it ignores rows, as every test video has CFG.
+    `video_steps[model][degree]` overrides the video formula (a missing degree means the model
+    cannot run at it)."""
 
     image_fixed: float = 0.02
     image_per_row_mpx: float = 0.04
@@ -34,16 +38,14 @@ class FakeCosts:
     video_steps: dict[str, dict[int, float]] = field(default_factory=dict)
     calls: int = 0
 
-    def image_step_seconds(self, model: str, height: int, width: int, rows: int) -> float:
+    def step_seconds(self, batch: BatchShape) -> float:
         self.calls += 1
-        return self.image_fixed + self.image_per_row_mpx * rows * height * width / 1e6
-
-    def video_step_seconds(self, model: str, height: int, width: int, frames: int, degree: int) -> float:
-        self.calls += 1
-        if model in self.video_steps:
-            return self.video_steps[model].get(degree, math.inf)
-        work = self.video_unit_s * height * width * frames / VIDEO_UNIT
-        return work / degree + self.comm_s * (degree - 1)
+        if batch.frames == 1:
+            return self.image_fixed + self.image_per_row_mpx * batch.rows * batch.height * batch.width / 1e6
+        if batch.model in self.video_steps:
+            return self.video_steps[batch.model].get(batch.sp_degree, math.inf)
+        work = self.video_unit_s * batch.pixels / VIDEO_UNIT
+        return work / batch.sp_degree + self.comm_s * (batch.sp_degree - 1)
 
 
 def workers(n: int) -> tuple[str, ...]:
@@ -56,9 +58,10 @@ def img(rid: str, deadline: float, steps: int = 20, key: ShapeKey = SMALL, rows:
 
 
 def vid(jid: str, deadline: float, steps: int = 40, on: tuple[str, ...] = (), paused: bool = False,
-        model: str = "wan", size: tuple[int, int] = (480, 832), frames: int = 81, arrival: float = 0.0) -> VideoJob:
+        model: str = "wan", size: tuple[int, int] = (480, 832), frames: int = 81, arrival: float = 0.0,
+        rows: int = 2) -> VideoJob:
     status = VideoStatus.RUNNING if on else (VideoStatus.PAUSED if paused else VideoStatus.QUEUED)
-    return VideoJob(jid, model, size[0], size[1], frames, steps, deadline, arrival, status, tuple(on))
+    return VideoJob(jid, model, size[0], size[1], frames, steps, deadline, arrival, status, tuple(on), rows)
 
 
 def random_round(rng: random.Random, n_workers: int, n_videos: int, n_images: int,

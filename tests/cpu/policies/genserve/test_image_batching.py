@@ -86,8 +86,8 @@ def test_prefix_stops_at_the_worker_count():
 
 def test_an_image_without_a_cost_never_runs():
     class NoLarge(FakeCosts):
-        def image_step_seconds(self, model, height, width, rows):
-            return math.inf if height == 1024 else super().image_step_seconds(model, height, width, rows)
+        def step_seconds(self, batch):
+            return math.inf if batch.height == 1024 else super().step_seconds(batch)
 
     plan = edf_batches([img("big", 5.0, key=LARGE), img("s", 5.0)], 0.0, GenServeConfig(), NoLarge(), 2)
     assert ids(plan) == [["s"]]

@@ -7,6 +7,7 @@ import math
 import pytest
 
 from stepserve.policies.genserve import GenServeConfig, ImageRequest, RoundInput, VideoJob, VideoStatus
+from stepserve.policies.types import ShapeKey
 
 from .fakes import SMALL, img, vid, workers
 
@@ -26,6 +27,15 @@ def test_image_fields_are_checked(field, value):
     kwargs[field] = value
     with pytest.raises(ValueError, match=field):
         ImageRequest(**kwargs)
+
+
+def test_an_image_is_one_frame_and_a_video_has_positive_rows():
+    with pytest.raises(ValueError, match="one frame"):
+        img("i", 5.0, key=ShapeKey("wan", 480, 832, 81))
+    assert vid("v", 100.0).rows == 2  # CFG unless told otherwise
+    assert vid("v", 100.0, rows=1).rows == 1
+    with pytest.raises(ValueError, match="rows"):
+        vid("v", 100.0, rows=0)
 
 
 def test_infinite_deadline_means_no_slo():

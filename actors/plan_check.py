@@ -1,0 +1,144 @@
+"""Checks a policy's `Decision` against the router's state, as a whole, before the core changes
+anything: a policy that returns a plan the workers cannot execute is a bug, and it must fail
+loudly (`PolicyError`) without leaving half a round applied.
+
+A decision is executable when:
+- it plans only live, open workers, at most once each, and fills only the policy's fields;
+- every admitted request is waiting (queued or paused) and ready, and is admitted on one worker,
+  or on exactly the members of the SP group it steps with;
+- every stepped request is resident there (or admitted in the same plan), steps once per round
+  (an SP group's members list the same step), shares its group's shape, and a request spread
+  over an SP group steps only in that group, on every member, with its ranks;
+- every export names a resident request once, and the request's other holders release it;
+- no worker ends the round holding more than its batch size.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from stepserve.policies.base import PolicyError
+from stepserve.policies.types import Decision, RequestStatus, WorkerPlan
+
+if TYPE_CHECKING:
+    from stepserve.actors.router_core import RouterCore
+
+
+class PlanChecker:
+    def __init__(self, core: "RouterCore") -> None:
+        self.core = core
+
+    def decision(self, decision: Decision) -> None:
+        core = self.core
+        name = getattr(core.policy, "name", type(core.policy).__name__)
+
+        def fail(problem: str) -> PolicyError:
+            return PolicyError(f"policy {name!r}: {problem}")
+
+        if not isinstance(decision, Decision):
+            raise fail(f"expected a Decision, got {type(decision).__name__}")
+        planned: dict[str, WorkerPlan] = {}
+        for plan in decision.plans:
+            if not isinstance(plan, WorkerPlan):
+                raise fail(f"expected WorkerPlans, got {type(plan).__name__}")
+            worker = core._workers.get(plan.worker_id)
+            if worker is None or not worker.alive:
+                raise fail(f"plans worker {plan.worker_id!r}, which is unknown or dead")
+            if not core._open(worker):
+                raise fail(f"plans worker {plan.worker_id!r}, which is not open (pipeline full)")
+            if plan.worker_id in planned:
+                raise fail(f"plans worker {plan.worker_id!r} twice")
+            if plan.drop or plan.checkpoint or plan.finish or plan.plan_id:
+                raise fail(f"plan for {plan.worker_id!r} sets router-filled fields")
+            planned[plan.worker_id] = plan
+
+        admitted: dict[str, list[str]] = {}
+        stepped: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+        exported: dict[str, str] = {}
+        released: dict[str, set[str]] = {}
+        for wid, plan in planned.items():
+            where = f"plan for {wid!r}"
+            resident = core._workers[wid].residents
+            for rid in plan.admit:
+                record = core._requests.get(rid)
+                if record is None or record.status not in (RequestStatus.QUEUED, RequestStatus.PAUSED):
+                    status = "unknown" if record is None else record.status.value
+                    raise fail(f"{where} admits {rid!r}, which is not waiting ({status})")
+                if not record.ready:
+                    raise fail(f"{where} admits {rid!r}, which is not ready (conditioning still in flight)")
+                if record.status is RequestStatus.PAUSED and record.host_state is None:
+                    raise fail(f"{where} admits paused {rid!r}, which has no state to resume from")
+                if wid in admitted.get(rid, ()):
+                    raise fail(f"{where} admits {rid!r} twice")
+                admitted.setdefault(rid, []).append(wid)
+            in_plan: set[str] = set()
+            for index, group in enumerate(plan.groups):
+                if not group.request_ids:
+                    raise fail(f"{where}: group {index} is empty")
+                keys = set()
+                for rid in group.request_ids:
+                    if rid in in_plan:
+                        raise fail(f"{where} steps {rid!r} twice")
+                    in_plan.add(rid)
+                    record = core._requests.get(rid)
+                    if record is None or record.status.is_terminal:
+                        raise fail(f"{where} steps {rid!r}, which is not live")
+                    if rid not in resident and rid not in plan.admit:
+                        raise fail(f"{where} steps {rid!r}, which is not resident on it")
+                    if rid in core._workers[wid].drops and rid not in plan.admit:
+                        raise fail(f"{where} steps {rid!r}, which was dropped (cancelled or lost)")
+                    if not record.needs_steps:
+                        raise fail(f"{where} steps {rid!r}, whose last step is already planned")
+                    keys.add(record.spec.shape_key)
+                    stepped.setdefault(rid, []).append((wid, group.ranks))
+                if len(keys) > 1:
+                    raise fail(f"{where}: group {index} mixes shapes {sorted(keys)}")
+                if group.ranks:
+                    if not core.sp_available:
+                        raise fail(f"{where}: an SP group while the workers' world is down")
+                    if len(group.request_ids) != 1 or len(group.ranks) < 2 or list(group.ranks) != sorted(
+                            set(group.ranks)):
+                        raise fail(f"{where}: an SP group holds one request and two or more sorted ranks")
+            for rid in plan.export:
+                if rid not in resident and rid not in plan.admit:
+                    raise fail(f"{where} exports {rid!r}, which is not resident on it")
+                if rid in exported:
+                    raise fail(f"{rid!r} is exported twice")
+                exported[rid] = wid
+            for rid in plan.release:
+                if rid not in resident:
+                    raise fail(f"{where} releases {rid!r}, which is not resident on it")
+                released.setdefault(rid, set()).add(wid)
+            leaving = set(plan.export) | set(plan.release)
+            after = len([r for r in resident if r not in leaving]) + len([r for r in plan.admit if r not in leaving])
+            if after > core._workers[wid].slot.max_batch_size:
+                raise fail(f"{where}: {after} resident requests exceed max_batch_size "
+                           f"{core._workers[wid].slot.max_batch_size}")
+
+        def rank(worker_id: str) -> int:
+            return core._workers[worker_id].slot.rank
+
+        for rid, steps in stepped.items():
+            record = core._requests[rid]
+            workers = tuple(sorted({w for w, _ in steps}, key=rank))
+            holders = set(record.workers) | set(admitted.get(rid, ()))
+            group_ranks = {r for _, r in steps}
+            if len(group_ranks) != 1:
+                raise fail(f"{rid!r} steps in different groups on {workers}")
+            sp = group_ranks.pop()
+            if sp:
+                if tuple(sorted(rank(w) for w in workers)) != sp or holders != set(workers):
+                    raise fail(f"{rid!r}: SP group {sp} does not match the workers holding and stepping it {workers}")
+            elif len(workers) != 1 or holders != set(workers):
+                raise fail(f"{rid!r} steps on {workers} but is held by {sorted(holders)}")
+        for rid, wids in admitted.items():
+            if len(wids) > 1 and rid not in stepped:
+                raise fail(f"{rid!r} is admitted on {wids} without an SP step")
+        for rid, wid in exported.items():
+            others = set(core._requests[rid].workers) | set(admitted.get(rid, ()))
+            others.discard(wid)
+            if released.get(rid, set()) != others:
+                raise fail(f"{rid!r} is exported from {wid!r} but its other holders {sorted(others)} do not release it")
+        for rid, wids in released.items():
+            if rid not in exported:
+                raise fail(f"{rid!r} is released on {sorted(wids)} without an export")

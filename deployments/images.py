@@ -1,0 +1,70 @@
+"""`POST /v1/images/generations` behind the ingress: validate, admit, submit, answer.
+
+A request may carry a client id (the `Idempotency-Key` header, or `request_id` through a handle):
+its requests are named after it, so a retry while the first attempt runs joins it (the router
+returns the same images to both), and a retry after it finished gets the stored response from
+the job store (kept under the same TTL and byte budget as videos). A retry with another body
+is a 409. Without an id every call is a new request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import time
+import uuid
+from typing import Any
+
+from stepserve.actors.router_core import DuplicateRequestError
+from stepserve.deployments.config import AppConfig
+from stepserve.deployments.edge import AdmissionGate, as_api_error
+from stepserve.deployments.jobs import IdempotencyConflict
+from stepserve.deployments.protocol import ImageGenerationRequest
+from stepserve.deployments.validation import parse_request, to_specs
+from stepserve.deployments.videos import key_seed, request_digest
+from stepserve.policies.types import RequestKind
+
+
+class ImageRequests:
+    def __init__(self, config: AppConfig, router: Any, store: Any, gate: AdmissionGate):
+        self.config = config
+        self.router = router
+        self.store = store
+        self.gate = gate
+
+    async def generate(self, payload: ImageGenerationRequest | dict, client_id: str | None = None) -> dict:
+        """The OpenAI images response body. Raises APIError."""
+        req = parse_request(payload)
+        rid = request_id_for(client_id)
+        specs = to_specs(req, self.config, rid, default_seed=key_seed(client_id))
+        digest = request_digest(req)
+        try:
+            if client_id is not None:
+                stored = await self.store.image_for.remote(client_id, digest)
+                if stored is not None:
+                    return stored
+            for _ in specs:
+                self.gate.check(RequestKind.T2I, rid)
+            pngs = await asyncio.gather(*(self.router.submit.remote(spec) for spec in specs))
+        except BaseException as exc:
+            # Free the siblings of a failed request (a disconnect cancels them all already). A
+            # duplicate id belongs to another caller's live request, which must not be cancelled.
+            if not isinstance(exc, (asyncio.CancelledError, DuplicateRequestError, IdempotencyConflict)):
+                for spec in specs:
+                    self.router.cancel.remote(spec.request_id)
+            raise as_api_error(exc, rid) from None
+        body = {
+            "created": int(time.time()),
+            "data": [{"b64_json": base64.b64encode(png).decode(), "seed": spec.seed} for spec, png in zip(specs, pngs)],
+        }
+        if client_id is not None:
+            await self.store.remember_image.remote(client_id, digest, body)
+        return body
+
+
+def request_id_for(client_id: str | None) -> str:
+    """A request's id: derived from the client's id (so retries meet), else fresh."""
+    if client_id is None:
+        return f"img-{uuid.uuid4().hex}"
+    return f"img-{hashlib.sha256(client_id.encode()).hexdigest()[:32]}"

@@ -1,0 +1,248 @@
+"""The edge: the admission gate (the router's published load, long-polled) and the one mapping
+from router and job-store failures to OpenAI-shaped API errors."""
+
+import asyncio
+
+import pytest
+import ray.exceptions
+
+from stepserve.actors.router import RequestCancelledError, RequestFailedError
+from stepserve.actors.router_core import DuplicateRequestError, QueueFullError
+from stepserve.deployments.edge import AdmissionGate, as_api_error, mapped
+from stepserve.deployments.errors import APIError
+from stepserve.deployments.job_store import JobStore
+from stepserve.deployments.jobs import IdempotencyConflict, JobTableFull
+from stepserve.policies.admission import ClassLoad, LoadReport
+from stepserve.policies.types import RequestKind
+from tests.cpu.deployments.fakes import ACTOR_ID, LEAKS, LEAKY_TEXT, NODE_IP, PID, FakeRouter, eventually
+
+T2I, T2V = RequestKind.T2I, RequestKind.T2V
+
+
+def router() -> FakeRouter:
+    return FakeRouter(JobStore(ttl_s=60, max_bytes=1 << 20, max_jobs=10))
+
+
+def images(queued=0, decoding=0, max_queued=3, drain_per_s=None, max_wait_s=None) -> dict:
+    return {T2I: ClassLoad(queued=queued, running=0, decoding=decoding, max_queued=max_queued,
+                           drain_per_s=drain_per_s, max_wait_s=max_wait_s)}
+
+
+def refused(gate: AdmissionGate, kind: RequestKind, request_id: str = "req-1") -> APIError:
+    with pytest.raises(APIError) as info:
+        gate.check(kind, request_id)
+    return info.value
+
+
+# -- the admission gate --------------------------------------------------------------------------
+
+
+def test_no_report_yet_admits_and_starts_the_watch():
+    fake = router()
+    fake.report = LoadReport(version=3, live_workers=0)  # would refuse everything
+
+    async def scenario():
+        gate = AdmissionGate(fake)
+        gate.check(T2I, "req-1")  # the router decides alone until a report arrives
+        await eventually(lambda: gate.report is not None)
+        assert refused(gate, T2I).status == 503
+
+    asyncio.run(scenario())
+
+
+def test_a_report_over_the_bound_is_429_with_retry_after():
+    fake = router()
+    fake.report = LoadReport(version=1, live_workers=2, classes=images(queued=6, decoding=2, max_queued=4,
+                                                                        drain_per_s=0.5))
+
+    async def scenario():
+        gate = AdmissionGate(fake)
+        gate.check(T2I, "first")
+        await eventually(lambda: gate.report is not None)
+        error = refused(gate, T2I, "req-9")
+        assert (error.status, error.code, error.type, error.request_id) == (429, "overloaded", "rate_limit_error",
+                                                                           "req-9")
+        # Five ahead over the bound (8 in backlog, 4 allowed) drain in 10 s at 0.5 per second.
+        assert error.retry_after_s == 10 and error.headers() == {"x-request-id": "req-9", "retry-after": "10"}
+        assert "queue is full" in error.message
+        gate.check(T2V, "video")  # videos are their own class: a full image queue does not shed them
+
+    asyncio.run(scenario())
+
+
+def test_predicted_wait_over_the_bound_is_429():
+    fake = router()
+    fake.report = LoadReport(version=1, live_workers=1, classes=images(queued=4, max_queued=100, drain_per_s=1.0,
+                                                                        max_wait_s=2.0))
+
+    async def scenario():
+        gate = AdmissionGate(fake)
+        gate.check(T2I, "first")
+        await eventually(lambda: gate.report is not None)
+        error = refused(gate, T2I)
+        assert (error.status, error.retry_after_s) == (429, 3.0)  # 5 s predicted, 2 s allowed
+
+    asyncio.run(scenario())
+
+
+def test_no_live_workers_is_503_with_retry_after():
+    fake = router()
+    fake.report = LoadReport(version=1, live_workers=0)
+
+    async def scenario():
+        gate = AdmissionGate(fake)
+        gate.check(T2V, "first")
+        await eventually(lambda: gate.report is not None)
+        for kind in (T2I, T2V):
+            error = refused(gate, kind)
+            assert (error.status, error.code, error.type) == (503, "unavailable", "server_error")
+            assert error.headers()["retry-after"] == "5"
+
+    asyncio.run(scenario())
+
+
+def test_pending_counts_requests_let_in_since_the_report():
+    fake = router()
+
+    async def scenario():
+        gate = AdmissionGate(fake)
+        gate.check(T2I, "before")  # admitted with no report; starts the watch
+        report = fake.publish(classes=images(queued=1, max_queued=3))
+        await eventually(lambda: gate.report == report)
+        gate.check(T2I, "a")  # backlog 1 + 0 pending
+        gate.check(T2I, "b")  # 1 + 1
+        assert refused(gate, T2I).status == 429  # 1 + 2: the report cannot show them yet
+        assert refused(gate, T2I).status == 429  # a refused request is not pending
+        gate.check(T2V, "video")  # pending is per class
+        # The router's next report shows what it received: the count starts again from it.
+        report = fake.publish(classes=images(queued=2, max_queued=3))
+        await eventually(lambda: gate.report == report)
+        gate.check(T2I, "c")
+        assert refused(gate, T2I).status == 429
+
+    asyncio.run(scenario())
+
+
+def test_the_watcher_long_polls_and_keeps_the_last_report_when_the_router_fails():
+    fake = router()
+
+    async def scenario():
+        gate = AdmissionGate(fake)
+        gate.check(T2I, "r")
+        await eventually(lambda: gate.report == fake.report and len(fake.load.calls) == 2)
+        assert fake.load.calls == [(-1,), (0,)]  # then it waits on the router with the version it holds
+        await asyncio.sleep(0.2)
+        assert len(fake.load.calls) == 2  # nothing changed, nothing exchanged
+        full = fake.publish(classes=images(queued=3, max_queued=3))
+        await eventually(lambda: gate.report == full)
+        await eventually(lambda: fake.load.calls[-1] == (1,))
+
+        fake.load_error = ray.exceptions.RayActorError()  # the router is restarting
+        fake.publish(classes={})
+        await asyncio.sleep(0.3)
+        assert gate.report == full  # the last report stands
+        assert refused(gate, T2I).status == 429
+        fake.load_error = None
+        await eventually(lambda: gate.report.version == 2)  # it tried again
+        gate.check(T2I, "r2")
+
+    asyncio.run(scenario())
+
+
+def test_the_watch_restarts_on_a_new_event_loop():
+    # A watch whose task ended (its loop closed, or it crashed) must not leave the gate on a
+    # stale report forever: the next check starts it again.
+    fake = router()
+    gate = AdmissionGate(fake)
+
+    async def first():
+        gate.check(T2I, "r")
+        await eventually(lambda: gate.report is not None)
+
+    asyncio.run(first())
+    report = fake.publish(live_workers=0)
+
+    async def second():
+        gate.check(T2I, "r")  # stale report (admits); the watch starts again
+        await eventually(lambda: gate.report == report)
+        assert refused(gate, T2I).status == 503
+
+    asyncio.run(second())
+
+
+# -- as_api_error --------------------------------------------------------------------------------
+
+
+def ray_wrapped(exc: Exception) -> Exception:
+    """`exc` as a DeploymentHandle call raises it: a RayTaskError that is also an instance of it."""
+    return ray.exceptions.RayTaskError("submit", LEAKY_TEXT, exc, ip=NODE_IP, pid=PID,
+                                       actor_id=ACTOR_ID).as_instanceof_cause()
+
+
+MAPPINGS = [
+    # (raised, status, code, type, param, retry_after_s)
+    (QueueFullError("the t2i queue is full", 429, 2.2), 429, "overloaded", "rate_limit_error", None, 2.2),
+    (QueueFullError("the t2i queue is full", 429, None), 429, "overloaded", "rate_limit_error", None, 1.0),
+    (QueueFullError("no worker can serve it", 503, 4.0), 503, "unavailable", "server_error", None, 4.0),
+    (DuplicateRequestError("req-1"), 409, "duplicate_request_id", "invalid_request_error", "request_id", None),
+    (IdempotencyConflict("key k was used for another body"), 409, "idempotency_key_reused", "invalid_request_error",
+     "Idempotency-Key", None),
+    (JobTableFull("all 10 job slots are live"), 429, "overloaded", "rate_limit_error", None, 5.0),
+    (RequestCancelledError("request req-1 was cancelled"), 409, "cancelled", "invalid_request_error", None, None),
+    (RequestFailedError(LEAKY_TEXT), 500, "generation_failed", "server_error", None, None),
+    (RuntimeError(LEAKY_TEXT), 500, "internal_error", "server_error", None, None),
+    (KeyError(LEAKY_TEXT), 500, "internal_error", "server_error", None, None),
+]
+
+
+@pytest.mark.parametrize("wrap", [False, True], ids=["raw", "through-ray"])
+@pytest.mark.parametrize("raised,status,code,kind,param,retry_after_s", MAPPINGS,
+                         ids=[f"{type(m[0]).__name__}-{m[1]}" for m in MAPPINGS])
+def test_each_failure_maps_to_its_api_error(wrap, raised, status, code, kind, param, retry_after_s):
+    error = as_api_error(ray_wrapped(raised) if wrap else raised, "req-1")
+    assert isinstance(error, APIError)
+    assert (error.status, error.code, error.type, error.param, error.retry_after_s, error.request_id) == (
+        status, code, kind, param, retry_after_s, "req-1")
+    assert set(error.body()["error"]) == {"message", "type", "param", "code"}
+    assert error.headers()["x-request-id"] == "req-1"
+    if status == 500:  # a fixed message: what went wrong is for the server log
+        assert error.message.endswith("(request id: req-1)")
+    text = str(error.body()) + str(error.headers()) + str(error)
+    for secret in LEAKS:
+        assert secret not in text, (secret, text)
+
+
+@pytest.mark.parametrize("raised", [
+    ray.exceptions.RayActorError(),
+    ray.exceptions.ActorUnavailableError(f"actor {ACTOR_ID} on {NODE_IP} is unavailable", None),
+    ray_wrapped(ray.exceptions.RayActorError()),
+], ids=["actor-died", "actor-unavailable", "wrapped"])
+def test_a_dead_deployment_is_503_with_retry_after(raised):
+    error = as_api_error(raised, "req-7")
+    assert (error.status, error.code, error.type) == (503, "unavailable", "server_error")
+    assert error.headers() == {"x-request-id": "req-7", "retry-after": "5"}
+    assert NODE_IP not in error.message and ACTOR_ID not in error.message and "req-7" in error.message
+
+
+def test_api_errors_and_cancellation_pass_unchanged():
+    given = APIError(400, "bad size", param="size")
+    assert as_api_error(given, "req-1") is given
+    cancelled = asyncio.CancelledError()
+    assert as_api_error(cancelled, "req-1") is cancelled
+
+
+def test_mapped_awaits_and_maps():
+    async def ok():
+        return 5
+
+    async def full():
+        raise QueueFullError("full", 429, 3.0)
+
+    async def scenario():
+        assert await mapped(ok(), "r") == 5
+        with pytest.raises(APIError) as info:
+            await mapped(full(), "r")
+        assert (info.value.status, info.value.retry_after_s, info.value.request_id) == (429, 3.0, "r")
+        assert info.value.__cause__ is None and info.value.__suppress_context__  # no chained traceback
+
+    asyncio.run(scenario())
