@@ -47,6 +47,9 @@ from stepserve.policies.types import (
 )
 
 
+DRAIN_ALPHA = 0.05  # weight of the newest gap between completions in the drain-rate estimate
+
+
 class QueueFullError(Exception):
     """The request's class is over its admission bound (HTTP 429), or nothing can serve it now
     (503); `retry_after_s` is when to try again."""
@@ -254,7 +257,8 @@ class RouterCore:
         self.sp_available = True
         self.overhead = StepOverhead()
         self._costs = costs  # predicts plans' times (pipeline timing, calibration); None: learn them
-        self._drain: dict[RequestKind, tuple[float, float | None]] = {}  # kind -> (last finish, smoothed rate)
+        # kind -> (last completion, smoothed gap between completions, work left then)
+        self._drain: dict[RequestKind, tuple[float | None, float | None, bool]] = {}
         self.load_version = 0
         self.decisions = 0
         self._now = 0.0
@@ -435,6 +439,7 @@ class RouterCore:
             self._waiting_views = None
         for rid in plan.checkpoint:
             sent.checkpoints[rid] = self._requests[rid].steps_planned
+            self._requests[rid].checkpoint_time = now  # not again in the next pipelined plan
         for rid in plan.finish:
             self._leave_workers(self._requests[rid])
         for rid in plan.release:
@@ -503,7 +508,6 @@ class RouterCore:
             record = current(rid)
             if record is not None and rid not in failures and steps >= record.checkpoint_steps:
                 record.checkpoint, record.checkpoint_steps = sent.handles[rid], steps
-                record.checkpoint_time = now
         for rid in sent.plan.export:
             record = current(rid)
             if record is not None and rid not in failures and record.host_from == (report.worker_id, report.plan_id):
@@ -524,17 +528,20 @@ class RouterCore:
         if record is None or record.status is not RequestStatus.DECODING:
             return False
         self._end(record, RequestStatus.FINISHED, None, now)
-        rate = self._drain.get(record.spec.kind)
-        # Smoothed completions per second, for the load report's predicted waits.
-        if rate is None:
-            self._drain[record.spec.kind] = (now, None)
-        else:
-            last, smoothed = rate
-            gap = max(now - last, 1e-6)
-            instant = 1.0 / gap
-            smoothed = instant if smoothed is None else smoothed + 0.05 * (instant - smoothed)
-            self._drain[record.spec.kind] = (now, smoothed)
+        self._measure_drain(record.spec.kind, now)
         return True
+
+    def _measure_drain(self, kind: RequestKind, now: float) -> None:
+        """Smooth the time between completions of a kind while it has work (an idle stretch is
+        not slowness), for the load report's predicted waits. Gaps are averaged, then inverted:
+        a batch finishes together, and averaging 1/gap would make its near-zero gaps look like
+        a rate of thousands per second."""
+        last, gap, busy = self._drain.get(kind, (None, None, False))
+        if last is not None and busy:
+            step = now - last
+            gap = step if gap is None else gap + DRAIN_ALPHA * (step - gap)
+        still_busy = self.queue_length(kind) + self.count(RequestStatus.RUNNING, kind) > 0
+        self._drain[kind] = (now, gap, still_busy)
 
     def cancel(self, request_id: str, now: float) -> bool:
         return self._end_early(request_id, RequestStatus.CANCELLED, None, now)
@@ -679,11 +686,11 @@ class RouterCore:
             limit = self.config.max_queued.get(kind)
             if limit is None:
                 continue
-            drain = self._drain.get(kind)
+            gap = self._drain.get(kind, (None, None, False))[1]
             classes[kind] = ClassLoad(
                 queued=self.queue_length(kind), running=self.count(RequestStatus.RUNNING, kind),
                 decoding=self.count(RequestStatus.DECODING, kind), max_queued=limit,
-                drain_per_s=None if drain is None else drain[1], max_wait_s=self.config.max_wait_s.get(kind))
+                drain_per_s=1.0 / gap if gap else None, max_wait_s=self.config.max_wait_s.get(kind))
         return LoadReport(self.load_version, self.live_workers, classes)
 
     def snapshot(self, now: float) -> ClusterSnapshot:

@@ -1,9 +1,10 @@
 """Overload, live: offered load at 3x capacity for a minute, shed at the edge.
 
 For each admission setting the app from a Serve config (default: configs/local.yaml) is
-deployed, warmed up, probed for its capacity (open-loop well above it for `--probe-duration` s:
-what completes per second is what the app can serve), then driven open-loop at `--factor` times
-that capacity for `--duration` s with the workload's request mix and SLOs. Reported per setting:
+deployed, warmed up and driven open-loop at `--factor` times the app's capacity for `--duration`
+s with the workload's request mix and SLOs. The capacity is measured once first, with only the
+count bound (open-loop well above it for `--probe-duration` s: what completes per second is
+what the app can serve), so every setting meets the same offered load. Reported per setting:
 how fast a rejection comes back (P50/P99 of the 429/503 answers), the goodput (requests that met
 their SLO, per second) against the capacity, and the SLO attainment of the requests admitted.
 
@@ -45,7 +46,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--config", type=Path, default=default_config_path(), help="Serve config (default: %(default)s)")
     parser.add_argument("--workload", default="local-tiny", help="request mix and SLOs (default: %(default)s)")
     parser.add_argument("--profile", default="tiny-sd-cpu", help="profile the SLOs are computed from")
-    parser.add_argument("--max-waits", default="none,2", help="admission settings to compare (default: %(default)s)")
+    parser.add_argument("--max-waits", default="none,2,0.5", help="admission settings to compare (default: %(default)s)")
     parser.add_argument("--probe-rate", type=float, default=16.0, help="req/s of the capacity probe (default: %(default)s)")
     parser.add_argument("--probe-duration", type=float, default=30.0, help="seconds of the probe (default: %(default)s)")
     parser.add_argument("--factor", type=float, default=3.0, help="overload as a multiple of capacity")
@@ -89,25 +90,36 @@ def outcome(records: list[RequestRecord], capacity_rps: float, offered_rps: floa
     }
 
 
-def run_setting(base: dict[str, Any], port: int, max_wait: float | None, args: argparse.Namespace,
-                spec, cost) -> dict[str, Any]:
-    config = with_max_wait(base, port, max_wait)
-    label = "count bound only" if max_wait is None else f"max wait {max_wait:g} s"
-    with deployed(config) as url:
+def measure_capacity(base: dict[str, Any], port: int, args: argparse.Namespace, spec, cost) -> float:
+    """What the app serves per second when offered far more, with only the count bound: the
+    workers never wait for work, so completions per second are its capacity."""
+    with deployed(with_max_wait(base, port, None)) as url:
         asyncio.run(wait_ready(url))
-        warmup = generate(replace(spec.with_rate(args.probe_rate / 4), seed=spec.seed + 1, duration_s=None,
-                                  num_requests=args.warmup), cost)
-        asyncio.run(run_open_loop(url, warmup, args.request_timeout, warmup[-1].offset_s + args.request_timeout))
+        warm_up(url, args, spec, cost)
         probe = generate(replace(spec.with_rate(args.probe_rate), duration_s=args.probe_duration, num_requests=None),
                          cost)
-        log(f"[{label}] capacity probe: {len(probe)} requests at {args.probe_rate:g} req/s")
+        log(f"capacity probe: {len(probe)} requests at {args.probe_rate:g} req/s")
         probed = asyncio.run(run_open_loop(url, probe, args.request_timeout, probe[-1].offset_s + args.request_timeout))
-        served = [r for r in probed if r.ok]
-        capacity = len(served) / max(r.finished_s for r in served) if served else 0.0
-        rate = args.factor * capacity
-        load = generate(replace(spec.with_rate(rate), seed=spec.seed + 2, duration_s=args.duration,
-                                num_requests=None), cost)
-        log(f"[{label}] capacity {capacity:.2f} req/s; overload: {len(load)} requests at {rate:.2f} req/s")
+    served = [r for r in probed if r.ok]
+    return len(served) / max(r.finished_s for r in served) if served else 0.0
+
+
+def warm_up(url: str, args: argparse.Namespace, spec, cost) -> None:
+    warmup = generate(replace(spec.with_rate(args.probe_rate / 4), seed=spec.seed + 1, duration_s=None,
+                              num_requests=args.warmup), cost)
+    asyncio.run(run_open_loop(url, warmup, args.request_timeout, warmup[-1].offset_s + args.request_timeout))
+
+
+def run_setting(base: dict[str, Any], port: int, max_wait: float | None, capacity: float,
+                args: argparse.Namespace, spec, cost) -> dict[str, Any]:
+    label = "count bound only" if max_wait is None else f"max wait {max_wait:g} s"
+    rate = args.factor * capacity
+    load = generate(replace(spec.with_rate(rate), seed=spec.seed + 2, duration_s=args.duration, num_requests=None),
+                    cost)
+    with deployed(with_max_wait(base, port, max_wait)) as url:
+        asyncio.run(wait_ready(url))
+        warm_up(url, args, spec, cost)
+        log(f"[{label}] overload: {len(load)} requests at {rate:.2f} req/s")
         records = asyncio.run(run_open_loop(url, load, args.request_timeout,
                                             load[-1].offset_s + args.request_timeout))
     result = outcome(records, capacity, rate)
@@ -128,7 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     waits = [None if w.strip() == "none" else float(w) for w in args.max_waits.split(",")]
     port = free_port()
     with local_ray(args.num_cpus):
-        runs = [run_setting(base, port, w, args, spec, cost) for w in waits]
+        capacity = measure_capacity(base, port, args, spec, cost)
+        log(f"capacity {capacity:.2f} req/s")
+        runs = [run_setting(base, port, w, capacity, args, spec, cost) for w in waits]
     args.out.mkdir(parents=True, exist_ok=True)
     report = {
         "benchmark": "overload",

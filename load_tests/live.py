@@ -1,8 +1,14 @@
-"""Open-loop load against a running stepserve over HTTP (`POST /v1/images/generations`).
+"""Open-loop load against a running stepserve over HTTP: images with `POST /v1/images/generations`,
+videos with the job API (`POST /v1/videos`, then `GET /v1/videos/{id}` until the job ends).
 
 Each request leaves at its scheduled offset whether or not earlier ones have answered, so a
 slow server meets the offered load instead of quietly lowering it (no coordinated omission).
 A run always ends on its own: every request has a timeout and the run has a deadline.
+
+A video's latency runs from its scheduled send to the poll that saw it `completed`. The job
+ended somewhere in the interval before that poll, so a video's latency reads up to one poll
+interval (`video_poll_s`) late, half of it on average: the interval bounds the error. A shorter
+interval costs the server a status request per outstanding video that often.
 """
 
 from __future__ import annotations
@@ -19,6 +25,11 @@ from .records import RequestRecord
 from .workload import ScheduledRequest
 
 GENERATIONS = "/v1/images/generations"
+VIDEOS = "/v1/videos"
+VIDEO_POLL_S = 0.025  # seconds between status polls of one video job
+# A video job that ended without its frames, as the HTTP status the image path would answer:
+# a failed generation is a server error, a cancelled request a conflict (as `edge.as_api_error`).
+JOB_END_STATUS = {"failed": 500, "cancelled": 409}
 
 
 def check_loopback(base_url: str) -> str:
@@ -66,8 +77,47 @@ def _error_message(response: httpx.Response) -> str:
         return response.text[:200]
 
 
+async def _image(client: httpx.AsyncClient, request: ScheduledRequest) -> tuple[int, str | None]:
+    response = await client.post(GENERATIONS, json=request.body())
+    return response.status_code, None if response.status_code == 200 else _error_message(response)
+
+
+async def _video(client: httpx.AsyncClient, request: ScheduledRequest, poll_s: float,
+                 job: dict[str, str]) -> tuple[int | None, str | None]:
+    """Create the job and poll it until it ends; (200, None) once it is completed. `job` gets
+    the job's id as soon as the server hands it out, so a caller that gives up can cancel it."""
+    response = await client.post(VIDEOS, json=request.body())
+    while True:
+        if response.status_code != 200:
+            return response.status_code, _error_message(response)
+        try:
+            video = response.json()
+            job["id"], status = str(video["id"]), str(video["status"])
+        except (ValueError, KeyError, TypeError):
+            return None, f"not a video object: {response.text[:200]}"
+        if status == "completed":
+            return 200, None
+        if status in JOB_END_STATUS:
+            error = video.get("error")
+            message = (error.get("message") if isinstance(error, dict) else error) or f"video {status}"
+            return JOB_END_STATUS[status], f"video {status}: {message}"
+        await asyncio.sleep(poll_s)
+        response = await client.get(f"{VIDEOS}/{job['id']}")
+
+
+async def _cancel_video(client: httpx.AsyncClient, video_id: str, budget_s: float) -> None:
+    """Best effort: a video the client gave up on must not keep taking workers from the rest of
+    the run (an image's is cancelled server-side when its connection closes)."""
+    if budget_s <= 0:
+        return  # the run is over; the app is torn down after it anyway
+    try:
+        await asyncio.wait_for(client.post(f"{VIDEOS}/{video_id}/cancel"), budget_s)
+    except (asyncio.TimeoutError, httpx.HTTPError):
+        pass
+
+
 async def _one(client: httpx.AsyncClient, request: ScheduledRequest, start: float, timeout_s: float,
-               deadline_s: float) -> RequestRecord:
+               deadline_s: float, video_poll_s: float = VIDEO_POLL_S) -> RequestRecord:
     def now() -> float:
         return time.perf_counter() - start
 
@@ -80,28 +130,38 @@ async def _one(client: httpx.AsyncClient, request: ScheduledRequest, start: floa
         return RequestRecord(**base, sent_s=None, latency_s=None, status=None, error="run deadline reached before send")
     # The run deadline caps every wait, so the run ends on time without cancelling anything.
     budget = min(timeout_s, deadline_s - sent)
+    job: dict[str, str] = {}
+    call = _video(client, request, video_poll_s, job) if request.is_video else _image(client, request)
     try:
-        response = await asyncio.wait_for(client.post(GENERATIONS, json=request.body()), budget)
+        status, error = await asyncio.wait_for(call, budget)
     except asyncio.TimeoutError:
-        # wait_for cancelled the call, closing its connection, which cancels it server-side.
-        error = f"no response within {budget:.1f} s"
+        # wait_for cancelled the call, closing its connection, which cancels an image server-side;
+        # a video job outlives its connections, so it is cancelled explicitly.
+        if "id" in job:
+            await _cancel_video(client, job["id"], min(1.0, deadline_s - now()))
+        what = "completion" if request.is_video else "response"
+        error = f"no {what} within {budget:.1f} s"
         return RequestRecord(**base, sent_s=sent, latency_s=None, status=None, error=error)
     except httpx.HTTPError as exc:
         return RequestRecord(**base, sent_s=sent, latency_s=None, status=None, error=f"{type(exc).__name__}: {exc}")
     latency = now() - request.offset_s
-    error = None if response.status_code == 200 else _error_message(response)
-    return RequestRecord(**base, sent_s=sent, latency_s=latency, status=response.status_code, error=error)
+    if status is None:  # the server answered, but not with anything a video job says
+        return RequestRecord(**base, sent_s=sent, latency_s=None, status=None, error=error)
+    return RequestRecord(**base, sent_s=sent, latency_s=latency, status=status, error=error)
 
 
 async def run_open_loop(base_url: str, requests: Sequence[ScheduledRequest], request_timeout_s: float,
-                        deadline_s: float) -> list[RequestRecord]:
+                        deadline_s: float, video_poll_s: float = VIDEO_POLL_S) -> list[RequestRecord]:
     """Send every request at its offset; returns one record per request, in workload order.
 
-    A request waits at most `request_timeout_s` for its answer, and nothing waits past
-    `deadline_s` after the start; what is unanswered by then is recorded without a response.
+    A request waits at most `request_timeout_s` for its answer (a video: for its job to end,
+    polled every `video_poll_s`), and nothing waits past `deadline_s` after the start; what is
+    unanswered by then is recorded without a response.
     """
+    if not video_poll_s > 0:
+        raise ValueError(f"video_poll_s must be > 0, got {video_poll_s}")
     async with loopback_client(base_url) as client:
         start = time.perf_counter()
         return list(await asyncio.gather(
-            *(_one(client, r, start, request_timeout_s, deadline_s) for r in requests)
+            *(_one(client, r, start, request_timeout_s, deadline_s, video_poll_s) for r in requests)
         ))

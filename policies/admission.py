@@ -72,7 +72,9 @@ def admit(report: LoadReport, kind: RequestKind, pending: int = 0) -> Verdict:
         wait = load.predicted_wait_s(backlog - load.max_queued + 1)
         return Verdict(False, 429, f"the {kind.value} queue is full ({load.max_queued} waiting)", _retry_after(wait))
     if load.max_wait_s is not None:
-        wait = load.predicted_wait_s(load.queued + pending + 1)
+        # `pending` left out: under load a report lags, and requests counted as pending are
+        # often in `queued` already; the router applies the bound again, exactly.
+        wait = load.predicted_wait_s(load.queued + 1)
         if wait is not None and wait > load.max_wait_s:
             return Verdict(False, 429, f"the predicted queue wait ({wait:.1f} s) exceeds {load.max_wait_s:g} s",
                            _retry_after(wait - load.max_wait_s))

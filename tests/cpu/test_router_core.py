@@ -384,3 +384,38 @@ def test_constructor_validation():
         CoreConfig(pipeline_depth=0)
     with pytest.raises(KeyError):
         RouterCore(policy, [WorkerSlot("w0", 1, 0)]).worker_lost("nope", 0.0)
+
+
+def test_the_drain_rate_averages_gaps_so_a_batch_finishing_together_does_not_inflate_it():
+    """Under steady load eight requests finish together every second: that drains 8/s, not the
+    thousands per second their microsecond gaps would suggest; and an idle stretch between
+    busy periods does not count as slowness."""
+    core = RouterCore(make_policy("continuous"), [WorkerSlot("w0", 8, 0)])
+
+    def batch(name: str) -> list[str]:
+        ids = [f"{name}-{i}" for i in range(8)]
+        for rid in ids:
+            core.submit(spec(rid), now)
+        return ids
+
+    def finish(ids: list[str]) -> None:
+        for i, rid in enumerate(ids):  # denoised and decoded together, a microsecond apart
+            record = core._requests[rid]
+            core._leave_waiting(record)
+            core._set_status(record, S.DECODING)
+            core.complete(rid, now + i * 1e-6)
+
+    now = 0.0
+    current = batch("b0")
+    for k in range(1, 12):
+        upcoming = batch(f"b{k}")  # queued while the current batch runs: the class is busy
+        now += 1.0
+        finish(current)
+        current = upcoming
+        if k == 6:  # an idle minute: everything finishes, nothing waits
+            now += 1.0
+            finish(current)
+            now += 60.0
+            current = batch("after-idle")
+    drain = core.load().classes[RequestKind.T2I].drain_per_s
+    assert 4.0 < drain < 16.0

@@ -1,8 +1,14 @@
-"""The open-loop generator against a small local HTTP server that answers slowly on purpose."""
+"""The open-loop generator against a small local HTTP server that answers slowly on purpose.
+
+The server is a test double of stepserve's HTTP API: images answer after 10 ms per step; a
+video is a job (the shape of `deployments/videos.py`, tested for real in
+tests/cpu/deployments/test_videos_api.py) that completes 10 ms per step after its creation.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import socket
 import threading
 import time
@@ -16,10 +22,64 @@ from stepserve.load_tests.live import check_loopback, run_open_loop, wait_ready
 from stepserve.load_tests.workload import ScheduledRequest
 
 REFUSED_STEPS = 13  # the fake server answers 429 to this step count
+FAILING_STEPS = 17  # a video job with this step count fails when it would have completed
+
+
+class FakeJobs:
+    """Video jobs that run on the clock: queued, in progress, then completed (or failed)."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[str, dict] = {}
+        self.bodies: list[dict] = []  # every create body, in arrival order
+        self.polls: dict[str, int] = {}
+        self.cancelled: list[str] = []
+        self._ids = itertools.count()
+
+    def create(self, body: dict) -> dict:
+        self.bodies.append(body)
+        job_id = f"video_{next(self._ids):032x}"
+        self.jobs[job_id] = {"id": job_id, "steps": body["num_inference_steps"], "seed": body["seed"],
+                             "created": time.monotonic(), "status": "queued"}
+        self.polls[job_id] = 0
+        return self.view(job_id)
+
+    def view(self, job_id: str) -> dict:
+        job = self.jobs[job_id]
+        elapsed = time.monotonic() - job["created"]
+        if job["status"] not in ("cancelled", "failed", "completed") and elapsed >= job["steps"] / 100:
+            job["status"] = "failed" if job["steps"] == FAILING_STEPS else "completed"
+        elif job["status"] == "queued" and elapsed > 0.02:
+            job["status"] = "in_progress"
+        error = {"code": "generation_failed", "message": "video generation failed"} if job["status"] == "failed" \
+            else None
+        return {"id": job_id, "object": "video", "status": job["status"], "error": error}
+
+
+JOBS = FakeJobs()
 
 
 def fake_app() -> FastAPI:
     app = FastAPI()
+
+    @app.post("/v1/videos")
+    async def create_video(request: Request) -> JSONResponse:
+        body = await request.json()
+        if body["num_inference_steps"] == REFUSED_STEPS:
+            return JSONResponse({"error": {"message": "too many queued videos"}}, status_code=429)
+        return JSONResponse(JOBS.create(body))
+
+    @app.get("/v1/videos/{video_id}")
+    async def get_video(video_id: str) -> JSONResponse:
+        if video_id not in JOBS.jobs:
+            return JSONResponse({"error": {"message": f"video {video_id!r} does not exist"}}, status_code=404)
+        JOBS.polls[video_id] += 1
+        return JSONResponse(JOBS.view(video_id))
+
+    @app.post("/v1/videos/{video_id}/cancel")
+    async def cancel_video(video_id: str) -> JSONResponse:
+        JOBS.cancelled.append(video_id)
+        JOBS.jobs[video_id]["status"] = "cancelled"
+        return JSONResponse(JOBS.view(video_id))
 
     @app.post("/v1/images/generations")
     async def generate(request: Request) -> JSONResponse:
@@ -57,6 +117,19 @@ def request(index: int, offset: float, steps: int) -> ScheduledRequest:
                             height=64, guidance_scale=7.5, prompt="p")
 
 
+def video(index: int, offset: float, steps: int) -> ScheduledRequest:
+    return ScheduledRequest(index=index, offset_s=offset, num_inference_steps=steps, seed=index, width=64,
+                            height=64, guidance_scale=5.0, prompt="a fox", model="tiny-wan", num_frames=9,
+                            request_class="video")
+
+
+def created(index: int) -> tuple[str, dict]:
+    """The job id and create body of the video with this seed, as the fake server saw them."""
+    [body] = [b for b in JOBS.bodies if b["seed"] == index]
+    [job_id] = [j for j, job in JOBS.jobs.items() if job["seed"] == index]
+    return job_id, body
+
+
 def test_sends_on_schedule_while_earlier_requests_are_outstanding(server_url):
     # Each answer takes 0.5 s and a request is due every 50 ms: a closed loop would fall
     # behind by ~0.45 s per request; the open loop sends every one on time.
@@ -86,6 +159,56 @@ def test_run_ends_at_its_deadline(server_url):
     assert time.perf_counter() - start < 0.95  # not the 1.0 s offset of the unsent one, nor 3 s
     assert answered_late.sent_s is not None and answered_late.status is None
     assert never_sent.sent_s is None and never_sent.status is None and "deadline" in never_sent.error
+
+
+def test_videos_are_jobs_polled_until_completed(server_url):
+    # An image and a video side by side: the image is answered in one call, the video is created
+    # with its job body and polled; its latency ends with the poll that saw it completed.
+    requests = [request(0, 0.0, steps=30), video(1000, 0.0, steps=30)]
+    image, clip = asyncio.run(run_open_loop(server_url, requests, request_timeout_s=5, deadline_s=10,
+                                            video_poll_s=0.02))
+    assert image.ok and 0.3 <= image.latency_s < 1.0
+    assert clip.ok and clip.error is None and clip.request_class == "video"
+    assert 0.3 <= clip.latency_s < 1.0
+    job_id, body = created(1000)
+    assert (body["num_frames"], body["size"], body["model"]) == (9, "64x64", "tiny-wan")
+    assert body["num_inference_steps"] == 30 and "n" not in body
+    assert JOBS.polls[job_id] >= 2  # queued or in progress first, then completed
+
+
+def test_the_poll_interval_bounds_a_videos_latency(server_url):
+    # The job completes 0.1 s after creation; polled every 0.4 s, the client sees it at the
+    # first poll, 0.4 s in: the latency reads late by less than one interval.
+    [clip] = asyncio.run(run_open_loop(server_url, [video(1001, 0.0, steps=10)], request_timeout_s=5, deadline_s=10,
+                                       video_poll_s=0.4))
+    assert clip.ok and 0.4 <= clip.latency_s < 0.1 + 0.4 + 0.3
+
+
+def test_video_failures_are_recorded_not_raised(server_url):
+    requests = [video(1002, 0.0, steps=REFUSED_STEPS), video(1003, 0.0, steps=FAILING_STEPS),
+                video(1004, 0.0, steps=300)]
+    refused, failed, slow = asyncio.run(run_open_loop(server_url, requests, request_timeout_s=0.5, deadline_s=10))
+    assert (refused.status, refused.error) == (429, "too many queued videos") and not refused.ok
+    assert failed.status == 500 and failed.error == "video failed: video generation failed" and not failed.ok
+    assert failed.latency_s is not None and failed.latency_s >= FAILING_STEPS / 100
+    # Timed out: no status, and the job it left running on the server is cancelled.
+    assert slow.status is None and slow.latency_s is None and "0.5 s" in slow.error
+    slow_id, _ = created(1004)
+    assert slow_id in JOBS.cancelled and JOBS.jobs[slow_id]["status"] == "cancelled"
+
+
+def test_a_video_still_running_at_the_deadline_ends_the_run_on_time(server_url):
+    start = time.perf_counter()
+    [clip] = asyncio.run(run_open_loop(server_url, [video(1005, 0.0, steps=300)], request_timeout_s=60,
+                                       deadline_s=0.5))
+    assert time.perf_counter() - start < 1.0  # not the job's 3 s
+    assert clip.sent_s is not None and clip.status is None and clip.latency_s is None
+
+
+def test_poll_interval_must_be_positive(server_url):
+    with pytest.raises(ValueError):
+        asyncio.run(run_open_loop(server_url, [video(0, 0.0, steps=10)], request_timeout_s=1, deadline_s=1,
+                                  video_poll_s=0))
 
 
 @pytest.mark.parametrize("url", ["http://127.0.0.1:8000", "http://localhost:1/", "http://[::1]:9", "http://127.5.0.1"])
