@@ -18,8 +18,9 @@ from stepserve.deployments.job_store import JobStore
 from stepserve.deployments.text_encoder import TextEncoder
 from stepserve.deployments.vae_decoder import VAEDecoder
 
-# Every in-flight image holds a call open on the ingress and the router for its whole life;
-# admission (router.max_queued_*, shed at the ingress with 429) is what bounds them.
+# Every in-flight image holds a call open on the ingress and the router for its whole life, and
+# every video status long poll (`Prefer: wait`) one on the job store; admission
+# (router.max_queued_*, shed at the ingress with 429) and jobs.max_jobs are what bound them.
 LONG_CALLS = 100_000
 
 
@@ -47,7 +48,7 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
     # One replica, apart from the router: a router restart loses no finished job.
     jobs = config.jobs
     store = serve.deployment(JobStore, name="JobStore").options(
-        num_replicas=1, max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0},
+        num_replicas=1, max_ongoing_requests=LONG_CALLS, ray_actor_options={"num_cpus": 0},
     ).bind(jobs.ttl_s, jobs.max_bytes, jobs.max_jobs)
 
     rc = config.router

@@ -32,7 +32,7 @@ from stepserve.deployments.images import ImageRequests, request_id_for
 from stepserve.deployments.protocol import ImageGenerationRequest
 from stepserve.deployments.video_encoding import FORMAT_HEADER
 from stepserve.deployments.video_validation import VideoCreateRequest
-from stepserve.deployments.videos import VideoJobs, is_form, read_form
+from stepserve.deployments.videos import VideoJobs, is_form, preferred_wait_s, read_form
 
 logger = logging.getLogger("stepserve.ingress")
 
@@ -138,8 +138,9 @@ class Ingress:
         """Queue a video job; returns the OpenAI video object at once (poll `get_video`)."""
         return await self.videos.create(request, idempotency_key)
 
-    async def get_video(self, video_id: str) -> dict:
-        return await self.videos.get(video_id)
+    async def get_video(self, video_id: str, wait_s: float = 0.0) -> dict:
+        """The job; with `wait_s` > 0, after waiting up to that long (max 60 s) for it to end."""
+        return await self.videos.get(video_id, wait_s)
 
     async def list_videos(self, after: str | None = None, limit: int = 20, order: str = "desc") -> dict:
         return await self.videos.page(after, limit, order)
@@ -191,7 +192,9 @@ class Ingress:
     async def http_get_video(self, video_id: str, request: Request) -> Response:
         async def handle() -> Response:
             self._authorize(request)
-            return JSONResponse(await self.get_video(video_id))
+            wait_s = preferred_wait_s(request.headers.get("prefer"))
+            headers = {"Preference-Applied": f"wait={wait_s:g}"} if wait_s else None
+            return JSONResponse(await self.get_video(video_id, wait_s), headers=headers)
 
         return await self._observed("/v1/videos/{video_id}", handle)
 

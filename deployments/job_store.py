@@ -8,6 +8,7 @@ the table needs no lock.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import pickle
 import time
@@ -30,6 +31,7 @@ class JobStore:
     def __init__(self, ttl_s: float, max_bytes: int, max_jobs: int, clock: Callable[[], float] = time.time):
         self.table = JobTable(ttl_s, max_bytes, max_jobs)
         self.clock = clock
+        self._ended: dict[str, asyncio.Event] = {}  # job id -> set when it ends (for `wait`)
 
     async def create(self, record: JobRecord) -> JobRecord:
         """The new job, or the existing one when this is an idempotent retry (compare job ids)."""
@@ -39,6 +41,8 @@ class JobStore:
         """Every job still queued or running fails with `message` (called by a router starting
         up: whatever an earlier router was running is gone). Returns their ids."""
         lost = self.table.fail_unfinished({"code": "interrupted", "message": message}, self.clock())
+        for job_id in lost:
+            self._wake(job_id)
         if lost:
             logger.warning("%d video jobs were interrupted by a router restart: %s", len(lost), lost)
         return lost
@@ -46,8 +50,29 @@ class JobStore:
     async def get(self, job_id: str) -> JobRecord | None:
         return self.table.get(job_id, self.clock())
 
+    async def wait(self, job_id: str, timeout_s: float) -> JobRecord | None:
+        """The job once it has ended, or as it stands after `timeout_s`: a long poll, so a
+        client learns of the end when it happens without polling often. None if unknown."""
+        record = self.table.get(job_id, self.clock())
+        if record is None or record.terminal or timeout_s <= 0:
+            return record
+        ended = self._ended.setdefault(job_id, asyncio.Event())
+        try:
+            await asyncio.wait_for(ended.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            pass
+        return self.table.get(job_id, self.clock())
+
     async def set_status(self, job_id: str, status: str, error: dict[str, str] | None = None) -> bool:
-        return self.table.update_status(job_id, status, self.clock(), error)
+        changed = self.table.update_status(job_id, status, self.clock(), error)
+        if changed and self.table.get(job_id, self.clock()).terminal:
+            self._wake(job_id)
+        return changed
+
+    def _wake(self, job_id: str) -> None:
+        ended = self._ended.pop(job_id, None)
+        if ended is not None:
+            ended.set()
 
     async def complete(self, job_id: str, frames: np.ndarray, pauses: int = 0,
                        sp_degrees: tuple[int, ...] = ()) -> bool:
@@ -71,12 +96,15 @@ class JobStore:
                      "message": f"the finished video is too large to keep for download: {exc}"}
             self.table.update_status(job_id, "failed", self.clock(), error)
             return False
+        finally:
+            self._wake(job_id)
 
     async def content(self, job_id: str) -> np.ndarray | None:
         """A completed job's frames; None for any other job or an unknown id."""
         return self.table.result(job_id, self.clock())
 
     async def delete(self, job_id: str) -> JobRecord | None:
+        self._wake(job_id)  # a waiter then finds it gone
         return self.table.delete(job_id)
 
     async def page(self, after: str | None = None, limit: int = 20, order: Literal["asc", "desc"] = "desc"

@@ -29,6 +29,7 @@ from stepserve.policies.types import RequestKind, RequestSpec
 FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
 MAX_FORM_FIELDS = 64
 MAX_PAGE = 100
+MAX_WAIT_S = 60.0  # the longest a status request may block for a job to end (`Prefer: wait=N`)
 
 
 class VideoJobs:
@@ -60,8 +61,15 @@ class VideoJobs:
             raise as_api_error(exc, rid) from None
         return await self._object(record)
 
-    async def get(self, video_id: str) -> dict[str, Any]:
-        return await self._object(await self._record(video_id))
+    async def get(self, video_id: str, wait_s: float = 0.0) -> dict[str, Any]:
+        """The job as it stands; with `wait_s` > 0 (at most MAX_WAIT_S), first wait up to that
+        long for it to end, so a client learns of the end at once without polling often."""
+        record = await self._record(video_id)
+        if wait_s > 0 and not record.terminal:
+            record = await self.store.wait.remote(video_id, min(wait_s, MAX_WAIT_S))
+            if record is None:  # deleted while we waited
+                raise not_found(video_id)
+        return await self._object(record)
 
     async def page(self, after: str | None, limit: int, order: str) -> dict[str, Any]:
         """OpenAI's list shape: newest first by default, `after` a job id cursor."""
@@ -205,6 +213,20 @@ def not_ready(video_id: str, video: dict[str, Any]) -> APIError:
     return APIError(409, f"video {video_id} is {video['status']} ({video['steps_done']}/{video['steps_total']} "
                          f"steps); poll GET /v1/videos/{video_id} until status is 'completed'",
                     param="video_id", code="video_not_ready")
+
+
+def preferred_wait_s(prefer: str | None) -> float:
+    """Seconds from an RFC 7240 `Prefer: wait=N` header (0 without one). A preference the
+    server cannot honour is ignored, as the RFC says, not refused; N is capped at MAX_WAIT_S."""
+    for preference in (prefer or "").split(","):
+        name, _, value = preference.partition("=")
+        if name.strip().lower() == "wait":
+            try:
+                seconds = float(value.strip().strip('"'))
+            except ValueError:
+                return 0.0
+            return min(seconds, MAX_WAIT_S) if seconds > 0 and seconds == seconds else 0.0
+    return 0.0
 
 
 async def read_form(request: Request, body: bytes) -> dict[str, str]:

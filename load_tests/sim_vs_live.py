@@ -2,7 +2,7 @@
 
 For each policy the app from a Serve config (default: configs/local.yaml) is deployed on a
 lean local Ray, warmed up, and driven open-loop over HTTP with a workload's requests (images
-with /v1/images/generations, videos as /v1/videos jobs polled until they end); the simulator
+with /v1/images/generations, videos as /v1/videos jobs long-polled until they end); the simulator
 then runs exactly those requests (same offsets, steps, sizes, frames) with the cluster taken
 from the same config, timed by a cost profile, with every component sharing this machine's
 CPUs (`SimConfig.host_cpus`). It prints both P50/P95 and the simulator's error: for the whole
@@ -280,8 +280,8 @@ def print_table(comparisons: list[Comparison], tolerance: float, min_requests: i
     print(f"\nlatency in s from scheduled send to response; error = sim / live - 1 (agreement: within "
           f"±{tolerance:.0%})")
     if any(c.kinds for c in comparisons):
-        print(f"a video's latency ends at the poll that saw it completed; images and videos are held to the bar "
-              f"apart when at least {min_requests} of them completed live; 'agrees' on a run's first row is the "
+        print(f"a video's latency ends at the answer to its long poll, when it completed; images and videos are "
+              f"held to the bar apart when at least {min_requests} of them completed live; 'agrees' on a run's first row is the "
               f"run's verdict")
     print(f"{'policy':<13}{'req/s':>6}{'ok':>9}{'live P50':>10}{'sim P50':>9}{'err':>8}"
           f"{'live P95':>10}{'sim P95':>9}{'err':>8}  agrees")

@@ -9,7 +9,7 @@ What is measured, each the median of interleaved repeats after a warm-up:
   `family.denoise` during that very call (the family is wrapped to time its forwards), i.e.
   the sampler bookkeeping a round adds around the forward.
 - round_overhead, fixed: what the live loop adds around a worker round (the live per-step
-  latency minus the worker's own execute time, from the router's metrics); without the live
+  latency minus the in-process round: the forward and the bookkeeping above); without the live
   app, a bare Ray actor round trip carrying a `WorkerPlan` for a full batch and answering a
   `StepReport`, as the router does with a worker every round.
 - text_encode: `family.encode_text` for 1, 2, 4, ... texts.
@@ -436,9 +436,21 @@ def round_totals(metrics_text: str) -> tuple[float, float]:
     return total, count
 
 
-def measure_live(ctx: Context, serve_config: dict, size: int) -> LiveResult:
+def send_image(client, model: str, size: int, steps: int, i: int) -> None:
+    """One image request, answered when it is done (CFG on, a prompt never seen before)."""
+    body = {"model": model, "prompt": f"profile request {i}-{steps}: a red fox",
+            "negative_prompt": f"blurry {i}-{steps}", "size": f"{size}x{size}",
+            "num_inference_steps": steps, "guidance_scale": 7.5, "seed": i}
+    response = client.post("/v1/images/generations", json=body)
+    if response.status_code != 200:
+        raise RuntimeError(f"live request failed ({response.status_code}): {response.text[:300]}")
+
+
+def measure_live(ctx: Context, serve_config: dict, size: int, send: Callable = send_image,
+                 what: str = "CFG") -> LiveResult:
     """Solo requests through the config's real app: HTTP → ingress → router → text encoder,
-    worker rounds, VAE decoder. Each prompt is new, so the encoder's cache never answers."""
+    worker rounds, VAE decoder. Each prompt is new, so the encoder's cache never answers.
+    `send(client, model, size, steps, i)` makes one request and returns once it is done."""
     import httpx
     from ray import serve
 
@@ -465,22 +477,16 @@ def measure_live(ctx: Context, serve_config: dict, size: int) -> LiveResult:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{url}/ready never answered 200")
                 time.sleep(0.5)
-            log(f"  solo requests {size}x{size}, CFG, steps {lo} and {hi}, {grid.live_repeats} each")
+            log(f"  solo requests {size}x{size}, {what}, steps {lo} and {hi}, {grid.live_repeats} each")
             before = (0.0, 0.0)
             for i in range(1 + grid.live_repeats):  # the first pair warms every replica
                 if i == 1:
                     before = round_totals(client.get("/metrics").text)
                 for steps in ((lo, hi) if i % 2 else (hi, lo)):
-                    body = {"model": ctx.model, "prompt": f"profile request {i}-{steps}: a red fox",
-                            "negative_prompt": f"blurry {i}-{steps}", "size": f"{size}x{size}",
-                            "num_inference_steps": steps, "guidance_scale": 7.5, "seed": i}
                     start = time.perf_counter()
-                    response = client.post("/v1/images/generations", json=body)
-                    elapsed = time.perf_counter() - start
-                    if response.status_code != 200:
-                        raise RuntimeError(f"live request failed ({response.status_code}): {response.text[:300]}")
+                    send(client, ctx.model, size, steps, i)
                     if i:
-                        latencies[steps].append(elapsed)
+                        latencies[steps].append(time.perf_counter() - start)
             after = round_totals(client.get("/metrics").text)
     finally:
         serve.delete(config["applications"][0].get("name", "stepserve"))
@@ -494,6 +500,31 @@ def measure_live(ctx: Context, serve_config: dict, size: int) -> LiveResult:
         log(f"  worker execute per round (router metrics, {rounds:.0f} rounds): {worker_round * 1e3:.2f} ms; "
             f"the live loop adds {result.round_residual_s * 1e3:.2f} ms per round around it")
     return result
+
+
+def live_rows(ctx: Context, live: LiveResult, in_process_step_s: float, model_work_s: float, echo: ProfileRow,
+              what: str) -> list[ProfileRow]:
+    """The fixed round overhead and the request overhead from solo live requests.
+
+    Per round: what a live step costs beyond the in-process one (forward + bookkeeping) is what
+    the simulator must charge, namely the Ray round trip where pipelining does not hide it and
+    the worker's own cost around the round (arguments, object refs, outputs); the bare round
+    trip (`echo`) when that reads as nothing. Not "minus the worker's execute": with pipelined
+    plans a step is shorter than an execute. Per request: the latency line's intercept minus
+    the model work a request does once (`model_work_s`: text encoding and decoding)."""
+    residual = live.per_step_s - in_process_step_s
+    rows = [ctx.row(ROUND_OVERHEAD, residual, live.samples,
+                    note=f"live app: per-step latency minus the in-process step ({what} solo); "
+                         f"bare Ray round trip {echo.latency_ms:.3f} ms")
+            if residual > 0 else echo]
+    overhead = live.intercept_s - model_work_s
+    if overhead < 0:
+        log(f"  warning: intercept below encode + decode by {-overhead * 1e3:.1f} ms (noise); recording 0")
+    lo, hi = live.steps
+    rows.append(ctx.row(REQUEST_OVERHEAD, max(0.0, overhead), live.samples,
+                        note=f"live app over HTTP, solo {what} requests at {lo} and {hi} steps: "
+                             "latency intercept minus text_encode(2) and decode"))
+    return rows
 
 
 # -- the command -----------------------------------------------------------------------------
@@ -530,7 +561,7 @@ def run_profile(args: argparse.Namespace) -> int:
     if model_config.is_video:  # frames and sequence parallelism: its own grid (profile_video.py)
         from stepserve.profile_video import run_video_profile
 
-        return run_video_profile(args, app, model_config)
+        return run_video_profile(args, serve_config, app, model_config)
     device = resolve_device(args.device)
     out = Path(args.out) if args.out else CONFIGS / "profiles" / f"{model_config.name}-{device.split(':')[0]}.csv"
     grid = choose_grid(args, device)
@@ -567,30 +598,14 @@ def run_profile(args: argparse.Namespace) -> int:
         serve.shutdown()
         ray.shutdown()
 
-    residual = None if live_result is None else live_result.round_residual_s
-    if residual is not None and residual > 0:
-        # The real loop's cost around a worker round (router plan + Ray call from the router's
-        # event loop) is what the simulator must charge; the echo actor is its lower bound.
-        rows.append(ctx.row(
-            ROUND_OVERHEAD, residual, live_result.samples,
-            note=f"live app: per-step latency minus the worker's execute time ({live_result.size}px CFG solo); "
-                 f"bare Ray round trip {echo.latency_ms:.3f} ms",
-        ))
-    else:
+    if live_result is None:
         rows.append(echo)
-    if live_result is not None:
+    else:
         size = live_result.size
+        in_process = ProfiledCostModel(rows).round_seconds([BatchShape(model_config.name, size, size, 2)])
         text = next(r for r in rows if r.component == TEXT_ENCODE and r.rows == 2).seconds
         decode = next(r for r in rows if r.component == VAE_DECODE and r.height == size).seconds
-        overhead = live_result.intercept_s - text - decode
-        if overhead < 0:
-            log(f"  warning: intercept below encode + decode by {-overhead * 1e3:.1f} ms (noise); recording 0")
-        lo, hi = live_result.steps
-        rows.append(ctx.row(
-            REQUEST_OVERHEAD, max(0.0, overhead), live_result.samples,
-            note=f"live app over HTTP, solo {size}x{size} CFG requests at {lo} and {hi} steps: "
-                 "latency intercept minus text_encode(2) and vae_decode",
-        ))
+        rows += live_rows(ctx, live_result, in_process, text + decode, echo, f"{size}px CFG")
 
     out.parent.mkdir(parents=True, exist_ok=True)
     write_profile(out, rows)

@@ -14,13 +14,15 @@ What is measured, each the median of interleaved repeats after a warm-up (the ma
   conversion a worker's `StepRunner` does when it finishes a video. A video decodes on its
   worker (no PNG; the MP4 is written outside the step loop), so the worker's threads apply.
 - text_encode: `family.encode_text` for 1, 2, 4 texts, with the text encoder's threads.
-- round_overhead, fixed: a bare Ray actor round trip carrying a `WorkerPlan` of one request
-  and answering a `StepReport` (`stepserve.profile.measure_rpc`), as the image path does
-  without the live app.
+- round_overhead, fixed, and request_overhead (unless --no-live or --quick): the config's real
+  app on a lean local Ray, solo video jobs at the largest (size, frames) with two step counts,
+  each created and long-polled to its end; as for images (`stepserve.profile.live_rows`), what
+  a live step costs beyond the in-process SP-1 step, and the latency intercept minus text
+  encoding and decoding. Without the live app, the fixed round overhead is a bare Ray actor
+  round trip carrying a `WorkerPlan` of one request (`stepserve.profile.measure_rpc`).
 
-Not measured for videos: request_overhead (no live app run; the cost model lists it as missing
-and counts 0), the per-group round bookkeeping (`Sampler.advance`; counted as 0) and the
-host probe (the image profile of the same host has it).
+Not measured for videos: the per-group round bookkeeping (`Sampler.advance`; counted as 0) and
+the host probe (the image profile of the same host has it).
 """
 
 from __future__ import annotations
@@ -56,7 +58,9 @@ from stepserve.profile import (
     first_timestep,
     free_port,
     interleaved_medians,
+    live_rows,
     log,
+    measure_live,
     measure_rpc,
     set_threads,
 )
@@ -77,6 +81,10 @@ class VideoProfileGrid:
     repeats: int = 7  # decode and text encode
     denoise_repeats: int = 31  # tiny forwards take milliseconds: more repeats, same wall time
     rpc_repeats: int = 200
+    # Solo live jobs at these step counts give a latency line; far apart, as a tiny video step
+    # (~4 ms on CPU) is small beside its decode (~190 ms), whose noise would swamp 10 steps.
+    live_steps: tuple[int, int] = (1, 41)
+    live_repeats: int = 5
 
 
 GRIDS = {
@@ -85,7 +93,7 @@ GRIDS = {
                              repeats=5, denoise_repeats=10),
 }
 QUICK = VideoProfileGrid(sizes=(32, 48), frames=(5,), texts=(1, 2), max_degree=2, repeats=3, denoise_repeats=5,
-                         rpc_repeats=50)
+                         rpc_repeats=50, live_repeats=3)
 
 
 def choose_grid(args: argparse.Namespace, device: str) -> VideoProfileGrid:
@@ -305,11 +313,28 @@ def measure_video_text(ctx: Context, threads: int) -> list[ProfileRow]:
             for n, v in medians.items()]
 
 
+def send_video(frames: int):
+    """A `measure_live` sender: one video job (CFG on, a prompt never seen before), created and
+    long-polled (`Prefer: wait`) until it has completed."""
+
+    def send(client, model: str, size: int, steps: int, i: int) -> None:
+        body = {"model": model, "prompt": f"profile job {i}-{steps}: {PROMPT}", "negative_prompt": f"blurry {i}",
+                "size": f"{size}x{size}", "num_frames": frames, "num_inference_steps": steps,
+                "guidance_scale": 5.0, "seed": i}
+        response = client.post("/v1/videos", json=body)
+        while response.status_code == 200 and response.json()["status"] in ("queued", "in_progress"):
+            response = client.get(f"/v1/videos/{response.json()['id']}", headers={"Prefer": "wait=60"})
+        if response.status_code != 200 or response.json()["status"] != "completed":
+            raise RuntimeError(f"live video job did not complete ({response.status_code}): {response.text[:300]}")
+
+    return send
+
+
 # -- the command -----------------------------------------------------------------------------
 
 
-def run_video_profile(args: argparse.Namespace, app, model_config) -> int:
-    """`stepserve profile` for a video model; `app` is the validated `AppConfig`."""
+def run_video_profile(args: argparse.Namespace, serve_config: dict, app, model_config) -> int:
+    """`stepserve profile` for a video model; `app` is `serve_config`'s validated `AppConfig`."""
     import ray
 
     from stepserve.actors.denoiser import resolve_device
@@ -320,8 +345,7 @@ def run_video_profile(args: argparse.Namespace, app, model_config) -> int:
     device = resolve_device(args.device)
     out = Path(args.out) if args.out else CONFIGS / "profiles" / f"{model_config.name}-{device.split(':')[0]}.csv"
     grid = choose_grid(args, device)
-    if args.live:
-        log("note: --live is not measured for video models; request_overhead stays missing (0)")
+    live = (not args.quick) if args.live is None else args.live
     if args.host_probe:
         log("note: --host-probe is not run for video models (the image profile of this host has it)")
     available = torch.cuda.device_count() if device.startswith("cuda") else (os.cpu_count() or 1)
@@ -339,18 +363,31 @@ def run_video_profile(args: argparse.Namespace, app, model_config) -> int:
     rows += measure_video_text(ctx, set_threads(app.text_encoder.torch_threads))
     set_threads(app.workers.torch_threads)
 
+    h, w, f = max(video_points(family, grid))
+    live_result = None
     start_local_ray(args.num_cpus)
     try:
-        rows.append(measure_rpc(ctx, 1))  # a video step names one video
+        echo = measure_rpc(ctx, 1)  # a video step names one video
+        if live:
+            live_result = measure_live(ctx, serve_config, h, send_video(f), what=f"{f}-frame CFG")
     finally:
+        from ray import serve
+
+        serve.shutdown()
         ray.shutdown()
+    if live_result is None:
+        rows.append(echo)
+    else:
+        in_process = ProfiledCostModel(rows).video_step_seconds(model_config.name, h, w, f, 1)
+        text = next(r for r in rows if r.component == TEXT_ENCODE and r.rows == 2).seconds
+        decode = next(r for r in rows if r.component == VAE_DECODE and (r.height, r.frames) == (h, f)).seconds
+        rows += live_rows(ctx, live_result, in_process, text + decode, echo, f"{h}x{w} {f}-frame CFG")
 
     out.parent.mkdir(parents=True, exist_ok=True)
     write_profile(out, rows)
     model = ProfiledCostModel.from_csv(out)
     log(f"wrote {len(rows)} rows to {out} in {time.perf_counter() - started:.0f} s")
     print(format_fit_report(model.fit_report()))
-    h, w, f = max(video_points(family, grid))
     steps = ", ".join(f"SP {d}: {model.video_step_seconds(model_config.name, h, w, f, d) * 1e3:.2f} ms"
                       for d in model.sp_degrees(model_config.name))
     print(f"video step ({h}x{w}, {f} frames, CFG) from the profile: {steps}")

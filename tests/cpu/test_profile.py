@@ -43,3 +43,19 @@ def test_quick_profile_writes_a_loadable_csv(tmp_path):
     report = model.fit_report()["tiny-sd"]
     assert report["missing"] == ["request_overhead"]  # --quick skips the live app
     assert "denoise" in proc.stdout  # the fit report is printed
+
+
+def test_live_rows_charge_what_a_live_step_costs_beyond_the_in_process_one():
+    from stepserve.profile import QUICK, Context, LiveResult, Stopwatch, live_rows
+
+    ctx = Context("m", "cpu", None, QUICK, Stopwatch("cpu"), "measured today")
+    echo = ctx.row(ROUND_OVERHEAD, 0.0015, 200, note="Ray actor round trip")
+    # 1 step 0.120 s, 11 steps 0.320 s: 20 ms a step, intercept 100 ms.
+    live = LiveResult(64, (1, 11), (0.120, 0.320), 5, worker_round_s=0.025)
+    fixed, request = live_rows(ctx, live, in_process_step_s=0.012, model_work_s=0.030, echo=echo, what="64px CFG")
+    # Not "minus the worker's execute" (25 ms: more than a pipelined step): minus the in-process step.
+    assert fixed.component == ROUND_OVERHEAD and abs(fixed.seconds - 0.008) < 1e-9 and "live app" in fixed.source
+    assert abs(request.seconds - 0.070) < 1e-9 and "intercept" in request.source
+    # A live step no dearer than in-process: the bare round trip stands; a negative intercept is 0.
+    fixed, request = live_rows(ctx, live, in_process_step_s=0.021, model_work_s=0.2, echo=echo, what="64px CFG")
+    assert fixed is echo and request.seconds == 0.0

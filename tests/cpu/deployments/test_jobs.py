@@ -304,3 +304,36 @@ def test_job_store_methods():
     assert run(store.get("v1")) is None and run(store.image_for("ik", "d")) is None
     stats = run(store.stats())
     assert stats["bytes_stored"] == 0 and stats["images"] == 0 and stats["evictions"] == 3
+
+
+def test_job_store_wait_returns_when_the_job_ends():
+    store = JobStore(ttl_s=60, max_bytes=1000, max_jobs=10, clock=FakeClock())
+
+    async def scenario():
+        for vid in ("done", "failed", "gone", "lost", "slow"):
+            await store.create(job(vid))
+        await store.complete("done", frames())
+        # Ended or unknown: at once.
+        assert (await store.wait("done", 30)).status == "completed"
+        assert await store.wait("nope", 30) is None
+
+        async def later(action):
+            await asyncio.sleep(0.01)
+            await action
+
+        # Live: it returns when the job ends, however it ends, long before the timeout.
+        for vid, action, expect in (
+                ("failed", store.set_status("failed", "failed", {"code": "x", "message": "y"}), "failed"),
+                ("gone", store.delete("gone"), None),
+                ("lost", store.fail_unfinished("router restarted"), "failed")):
+            waited, _ = await asyncio.wait_for(asyncio.gather(store.wait(vid, 30), later(action)), 5)
+            assert (waited and waited.status) == expect
+        # A status change that does not end the job does not wake it; the timeout does.
+        await store.create(job("slow2"))
+        waited, _ = await asyncio.gather(store.wait("slow2", 0.05), later(store.set_status("slow2", "in_progress")))
+        assert waited.status == "in_progress"
+        assert store._ended == {"slow2": store._ended["slow2"]}  # kept until the job ends...
+        await store.set_status("slow2", "cancelled")
+        assert store._ended == {}  # ...then dropped
+
+    asyncio.run(scenario())

@@ -18,6 +18,7 @@ from PIL import Image
 from stepserve.actors.router_core import DuplicateRequestError, QueueFullError
 from stepserve.deployments.errors import APIError
 from stepserve.deployments.video_validation import VideoCreateRequest
+from stepserve.deployments.videos import preferred_wait_s
 from stepserve.policies.admission import ClassLoad
 from stepserve.policies.types import RequestKind
 from tests.cpu.deployments.fakes import (
@@ -170,8 +171,10 @@ def test_openai_client(http, router):
         router.step(video.id, 1)
         assert (client.videos.retrieve(video.id).status, client.videos.retrieve(video.id).progress) == (
             "in_progress", 50)
+        # The README's long poll: the header passes through the client; not ended within it, as it stands.
+        assert client.videos.retrieve(video.id, extra_headers={"Prefer": "wait=0.05"}).status == "in_progress"
         router.finish(video.id)
-        assert client.videos.retrieve(video.id).status == "completed"
+        assert client.videos.retrieve(video.id, extra_headers={"Prefer": "wait=30"}).status == "completed"
         data = client.videos.download_content(video.id).read()
         listed = client.videos.list(limit=5)
         assert [v.id for v in listed.data] == [video.id]
@@ -494,6 +497,38 @@ def test_handle_methods_share_the_http_code(app):
         assert (info.value.status, info.value.retry_after_s) == (429, 1.0)
 
     asyncio.run(scenario())
+
+
+def test_prefer_wait_blocks_until_the_job_ends(app, http, router):
+    vid = create(http)["id"]
+    # Not ended within the wait: the job as it stands, and the header says the wait was applied.
+    response = http.get(f"/v1/videos/{vid}", headers={"Prefer": "wait=0.05"})
+    assert response.status_code == 200 and response.json()["status"] == "queued"
+    assert response.headers["preference-applied"] == "wait=0.05"
+    router.finish(vid)
+    response = http.get(f"/v1/videos/{vid}", headers={"Prefer": "respond-async, wait=30"})
+    assert response.json()["status"] == "completed"  # ended: at once
+    assert_error(http.get("/v1/videos/" + UNKNOWN, headers={"Prefer": "wait=1"}), 404, "video_not_found", "video_id")
+
+    async def scenario():
+        video = await app.ingress.create_video(FOX)
+
+        async def finish_soon():
+            await asyncio.sleep(0.02)
+            router.finish(video["id"])
+
+        waited, _ = await asyncio.wait_for(asyncio.gather(app.ingress.get_video(video["id"], 30), finish_soon()), 5)
+        assert waited["status"] == "completed"
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("header, seconds", [
+    (None, 0.0), ("", 0.0), ("wait=5", 5.0), ("Wait = 2.5", 2.5), ('wait="3"', 3.0), ("return=minimal, wait=1", 1.0),
+    ("wait=999", 60.0), ("wait=inf", 60.0), ("wait=-1", 0.0), ("wait=nan", 0.0), ("wait=soon", 0.0), ("handling=lenient", 0.0),
+])
+def test_prefer_wait_header_is_parsed_leniently(header, seconds):
+    assert preferred_wait_s(header) == seconds
 
 
 def test_jobs_created_by_another_replica_are_served_in_full():

@@ -33,6 +33,7 @@ class FakeJobs:
         self.bodies: list[dict] = []  # every create body, in arrival order
         self.polls: dict[str, int] = {}
         self.cancelled: list[str] = []
+        self.long_polls = True  # honour `Prefer: wait=N` as stepserve does
         self._ids = itertools.count()
 
     def create(self, body: dict) -> dict:
@@ -69,11 +70,17 @@ def fake_app() -> FastAPI:
         return JSONResponse(JOBS.create(body))
 
     @app.get("/v1/videos/{video_id}")
-    async def get_video(video_id: str) -> JSONResponse:
+    async def get_video(video_id: str, request: Request) -> JSONResponse:
         if video_id not in JOBS.jobs:
             return JSONResponse({"error": {"message": f"video {video_id!r} does not exist"}}, status_code=404)
         JOBS.polls[video_id] += 1
-        return JSONResponse(JOBS.view(video_id))
+        prefer = request.headers.get("prefer", "")
+        if not (JOBS.long_polls and prefer.startswith("wait=")):
+            return JSONResponse(JOBS.view(video_id))
+        until = time.monotonic() + float(prefer.removeprefix("wait="))
+        while JOBS.view(video_id)["status"] in ("queued", "in_progress") and time.monotonic() < until:
+            await asyncio.sleep(0.002)
+        return JSONResponse(JOBS.view(video_id), headers={"Preference-Applied": prefer})
 
     @app.post("/v1/videos/{video_id}/cancel")
     async def cancel_video(video_id: str) -> JSONResponse:
@@ -161,26 +168,30 @@ def test_run_ends_at_its_deadline(server_url):
     assert never_sent.sent_s is None and never_sent.status is None and "deadline" in never_sent.error
 
 
-def test_videos_are_jobs_polled_until_completed(server_url):
+def test_videos_are_jobs_long_polled_until_completed(server_url):
     # An image and a video side by side: the image is answered in one call, the video is created
-    # with its job body and polled; its latency ends with the poll that saw it completed.
+    # with its job body and long-polled: one status request, answered when the job completes.
     requests = [request(0, 0.0, steps=30), video(1000, 0.0, steps=30)]
     image, clip = asyncio.run(run_open_loop(server_url, requests, request_timeout_s=5, deadline_s=10,
-                                            video_poll_s=0.02))
+                                            video_poll_s=2.0))
     assert image.ok and 0.3 <= image.latency_s < 1.0
     assert clip.ok and clip.error is None and clip.request_class == "video"
-    assert 0.3 <= clip.latency_s < 1.0
+    assert 0.3 <= clip.latency_s < 0.3 + 0.15  # when it completed, not at a 2 s poll
     job_id, body = created(1000)
     assert (body["num_frames"], body["size"], body["model"]) == (9, "64x64", "tiny-wan")
     assert body["num_inference_steps"] == 30 and "n" not in body
-    assert JOBS.polls[job_id] >= 2  # queued or in progress first, then completed
+    assert JOBS.polls[job_id] == 1
 
 
-def test_the_poll_interval_bounds_a_videos_latency(server_url):
+def test_a_server_that_cannot_long_poll_is_polled_and_the_interval_bounds_the_latency(server_url):
     # The job completes 0.1 s after creation; polled every 0.4 s, the client sees it at the
     # first poll, 0.4 s in: the latency reads late by less than one interval.
-    [clip] = asyncio.run(run_open_loop(server_url, [video(1001, 0.0, steps=10)], request_timeout_s=5, deadline_s=10,
-                                       video_poll_s=0.4))
+    JOBS.long_polls = False
+    try:
+        [clip] = asyncio.run(run_open_loop(server_url, [video(1001, 0.0, steps=10)], request_timeout_s=5,
+                                           deadline_s=10, video_poll_s=0.4))
+    finally:
+        JOBS.long_polls = True
     assert clip.ok and 0.4 <= clip.latency_s < 0.1 + 0.4 + 0.3
 
 
