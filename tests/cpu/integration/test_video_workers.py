@@ -4,6 +4,7 @@ other, and equals an uninterrupted run on one worker. Inputs that cannot be had 
 own requests, saying whether the state was lost."""
 
 import dataclasses
+import time
 
 import numpy as np
 import pytest
@@ -114,11 +115,22 @@ class Owner:
         return [ray.put(value)]  # in a list, so the ref (owned by this actor) comes back unresolved
 
 
+
 def test_inputs_that_cannot_be_had_fail_only_their_request(workers, embeds):
     w0, _ = workers
     owner = Owner.remote()
     [orphan] = ray.get(owner.put.remote(ray.get(embeds)))
-    ray.kill(owner)  # the owner of the object died: it is lost
+    ray.kill(owner)  # the owner of the object dies: it is lost, once Ray has noticed
+    # `ray.kill` returns before the actor is gone, and its objects go a moment after it: until
+    # then the orphan still resolves (from this node's object store), so wait for that.
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            ray.get(orphan, timeout=10)
+        except ray.exceptions.ObjectLostError:  # OwnerDiedError among them
+            break
+        assert time.monotonic() < deadline, "the killed owner's object never became unavailable"
+        time.sleep(0.1)
     ok, refused, lost, stale = (make_video_spec(rid, steps=2) for rid in ("ok", "refused", "lost", "stale"))
     admissions = [AdmissionRef(ok, embeds), AdmissionRef(refused, refused_prompt.remote()),
                   AdmissionRef(lost, orphan), AdmissionRef(stale, orphan, resume=True)]
