@@ -60,8 +60,10 @@ def wait_until(client, url, video_id, predicate, deadline):
 
 def test_videos_yield_to_urgent_images_and_resume_to_the_uninterrupted_result(coserve_app):
     """Two videos hold both workers; two urgent images of different sizes (they cannot share a
-    forward) need workers now, so the videos pause at a step boundary, the images finish first,
-    and the videos resume from host memory (usually on the other worker) and complete."""
+    forward) need workers now, so videos pause at a step boundary, the images finish first, and
+    the videos resume from host memory (usually on the other worker) and complete exactly. At
+    least one video pauses; the second may not, when the scheduler finds that the second image
+    meets its deadline on the worker the first image frees (a matter of timing)."""
     url, _ = coserve_app
     deadline = time.monotonic() + 300
     with httpx.Client(timeout=120) as client:
@@ -92,18 +94,20 @@ def test_videos_yield_to_urgent_images_and_resume_to_the_uninterrupted_result(co
         for video_id in ids:
             assert poll(client, url, video_id)["status"] == "in_progress", "the images should finish first"
             assert client.get(f"{url}/v1/videos/{video_id}/content").status_code == 409  # not ready yet
+        pauses = []
         for video_id in ids:
             video = wait_until(client, url, video_id, lambda v: v["status"] == "completed", deadline)
             assert video["progress"] == 100 and video["steps_done"] == video["steps_total"]
-            assert video["pauses"] >= 1
+            pauses.append(video["pauses"])
+        assert max(pauses) >= 1, pauses
 
         for video_id, body in zip(ids, (VIDEO, SECOND)):
             record = job_record(video_id)
             assert len(record.sp_degrees) == body["num_inference_steps"]
-            # Paused to host memory and resumed at least once. Which worker it resumes on depends
-            # on which image's worker frees first; a change of group is asserted deterministically
-            # in coserve_sp_live (a change of degree).
-            assert record.pauses >= 1
+            # The store records what the job API showed. Which worker a paused video resumes on
+            # depends on which image's worker frees first; a change of group is asserted
+            # deterministically in coserve_sp_live (a change of degree).
+            assert record.pauses == pauses[ids.index(video_id)]
             frames = client.get(f"{url}/v1/videos/{video_id}/content", params={"variant": "frames"})
             assert frames.status_code == 200 and frames.headers["x-stepserve-video-format"] == "png-zip"
             served = unzip_frames(frames.content)
