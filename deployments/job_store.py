@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from stepserve.deployments.jobs import JobRecord, JobTable, ResultTooLarge
+from stepserve.deployments.jobs import TERMINAL, JobRecord, JobTable, ResultTooLarge
 
 logger = logging.getLogger("stepserve.job_store")
 
@@ -65,7 +65,7 @@ class JobStore:
 
     async def set_status(self, job_id: str, status: str, error: dict[str, str] | None = None) -> bool:
         changed = self.table.update_status(job_id, status, self.clock(), error)
-        if changed and self.table.get(job_id, self.clock()).terminal:
+        if changed and status in TERMINAL:
             self._wake(job_id)
         return changed
 

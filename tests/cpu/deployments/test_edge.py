@@ -28,6 +28,14 @@ def images(queued=0, decoding=0, max_queued=3, drain_per_s=None, max_wait_s=None
                            drain_per_s=drain_per_s, max_wait_s=max_wait_s)}
 
 
+async def watching(fake: FakeRouter, kind: RequestKind = T2I) -> AdmissionGate:
+    """A gate that has let one request in (which starts its watch) and holds the router's report."""
+    gate = AdmissionGate(fake)
+    gate.check(kind, "first")
+    await eventually(lambda: gate.report is not None)
+    return gate
+
+
 def refused(gate: AdmissionGate, kind: RequestKind, request_id: str = "req-1") -> APIError:
     with pytest.raises(APIError) as info:
         gate.check(kind, request_id)
@@ -56,9 +64,7 @@ def test_a_report_over_the_bound_is_429_with_retry_after():
                                                                         drain_per_s=0.5))
 
     async def scenario():
-        gate = AdmissionGate(fake)
-        gate.check(T2I, "first")
-        await eventually(lambda: gate.report is not None)
+        gate = await watching(fake)
         error = refused(gate, T2I, "req-9")
         assert (error.status, error.code, error.type, error.request_id) == (429, "overloaded", "rate_limit_error",
                                                                            "req-9")
@@ -76,9 +82,7 @@ def test_predicted_wait_over_the_bound_is_429():
                                                                         max_wait_s=2.0))
 
     async def scenario():
-        gate = AdmissionGate(fake)
-        gate.check(T2I, "first")
-        await eventually(lambda: gate.report is not None)
+        gate = await watching(fake)
         error = refused(gate, T2I)
         assert (error.status, error.retry_after_s) == (429, 3.0)  # 5 s predicted, 2 s allowed
 
@@ -90,9 +94,7 @@ def test_no_live_workers_is_503_with_retry_after():
     fake.report = LoadReport(version=1, live_workers=0)
 
     async def scenario():
-        gate = AdmissionGate(fake)
-        gate.check(T2V, "first")
-        await eventually(lambda: gate.report is not None)
+        gate = await watching(fake, T2V)
         for kind in (T2I, T2V):
             error = refused(gate, kind)
             assert (error.status, error.code, error.type) == (503, "unavailable", "server_error")

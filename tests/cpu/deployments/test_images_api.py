@@ -35,22 +35,6 @@ from tests.cpu.deployments.fakes import (
 CAT = {"prompt": "a cat", "size": "64x64"}
 
 
-@pytest.fixture
-def app():
-    return build()
-
-
-@pytest.fixture
-def router(app):
-    return app.router
-
-
-@pytest.fixture
-def http(app, monkeypatch):
-    with http_client(app.ingress, monkeypatch) as client:
-        yield client
-
-
 def async_client(app, monkeypatch) -> httpx.AsyncClient:
     """HTTP on the test's own event loop, for requests that must be in flight together."""
     point_serve_at(app.ingress, monkeypatch)

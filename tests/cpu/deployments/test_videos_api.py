@@ -35,22 +35,6 @@ UNKNOWN = "video_" + "0" * 32
 FOX = {"prompt": "a fox", "num_frames": 5, "size": "32x32"}
 
 
-@pytest.fixture
-def app():
-    return build()
-
-
-@pytest.fixture
-def router(app):
-    return app.router
-
-
-@pytest.fixture
-def http(app, monkeypatch):
-    with http_client(app.ingress, monkeypatch) as client:
-        yield client
-
-
 def create(http, body=FOX, **kwargs):
     response = http.post("/v1/videos", json=body, **kwargs)
     assert response.status_code == 200, response.text
