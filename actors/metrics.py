@@ -4,8 +4,14 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from stepserve.actors.router_core import RequestState
+from stepserve.policies.types import RequestKind
+
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250)
+STAGE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 100)
+# A finished request's time inside the router, in order (the ingress adds its own stages).
+ROUTER_STAGES = ("text_encode", "queue", "denoise", "step", "decode")
 
 
 class RouterMetrics:
@@ -48,6 +54,26 @@ class RouterMetrics:
         self.recoveries = Counter(
             "stepserve_recoveries", "Requests that lost their state to a worker fault and resumed from their "
             "last checkpoint.", registry=r)
+
+        self.request_stage = Histogram(
+            "stepserve_request_stage_seconds",
+            "Where a finished request's time went in the router: text_encode (arrival to embeddings), queue "
+            "(embeddings to first admission), denoise (first admission to last step), step (denoise / steps: one "
+            "step including the wait between steps), decode (last step to decoded PNG, or to the stored video).",
+            ["kind", "stage"], buckets=STAGE_BUCKETS, registry=r,
+        )
+
+    def finished(self, state: RequestState, now: float) -> None:
+        """Count a finished request and observe its stages (see `request_stage`)."""
+        self.requests.labels("finished").inc()
+        if state.ready_time is None or state.admit_time is None or state.denoised_time is None:
+            return  # nothing to split: it never went through every stage
+        kind = "video" if state.kind is RequestKind.T2V else "image"  # as stepserve_queue_length says
+        denoise = state.denoised_time - state.admit_time
+        for stage, seconds in zip(ROUTER_STAGES, (
+                state.ready_time - state.arrival_time, state.admit_time - state.ready_time, denoise,
+                denoise / max(1, state.steps_total), now - state.denoised_time)):
+            self.request_stage.labels(kind, stage).observe(max(0.0, seconds))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -76,6 +76,7 @@ class Router:
         self._report_ready = {wid: asyncio.Event() for wid in self.workers}
         self._kick = asyncio.Event()
         self._load_changed = asyncio.Event()
+        self._published_version = -1
         self._tasks: set[asyncio.Task] = set()
         # A world of process groups only when some model can split a forward over workers.
         self._uses_world = len(self.workers) > 1 and any(family_class(m.family).sequence_parallel for m in models)
@@ -208,7 +209,7 @@ class Router:
             logger.exception("text encoding of %s could not be requested", spec.request_id)
             self._fail(spec.request_id, "text encoder unavailable")
             return
-        self.core.mark_ready(spec.request_id, ref)
+        self.core.mark_ready(spec.request_id, ref, time.monotonic())
         self._kick.set()
 
     # -- the scheduling task -------------------------------------------------------------------
@@ -308,8 +309,9 @@ class Router:
         else:
             self._fail(rid, "decoding failed")
             return
-        if self.core.complete(rid, time.monotonic()):
-            self.metrics.requests.labels("finished").inc()
+        now = time.monotonic()
+        if self.core.complete(rid, now):
+            self.metrics.finished(self.core.state(rid), now)
             waiter = self._waiters.pop(rid, None)
             if waiter is not None and not waiter.done():
                 waiter.set_result(png)
@@ -325,8 +327,9 @@ class Router:
         except Exception:
             logger.exception("storing video %s failed", rid)
             stored = False
-        if stored and self.core.complete(rid, time.monotonic()):
-            self.metrics.requests.labels("finished").inc()
+        now = time.monotonic()
+        if stored and self.core.complete(rid, now):
+            self.metrics.finished(self.core.state(rid), now)
         elif not stored:
             self._fail(rid, "the finished video could not be stored")
         if self.core.state(rid).status.is_terminal:
@@ -398,6 +401,11 @@ class Router:
         return task
 
     def _published(self) -> None:
+        """Publish the load when it changed: wake the edge's long poll, set the gauges. Most
+        rounds change nothing the load says (a step is not news to the edge)."""
+        if self.core.load_version == self._published_version:
+            return
+        self._published_version = self.core.load_version
         self._load_changed.set()
         self.metrics.queue_length.labels("image").set(self.core.queue_length(RequestKind.T2I))
         self.metrics.queue_length.labels("video").set(self.core.queue_length(RequestKind.T2V))

@@ -131,6 +131,7 @@ class RequestState:
     steps_total: int
     workers: tuple[str, ...]
     arrival_time: float
+    ready_time: float | None  # its text embeddings existed
     admit_time: float | None
     denoised_time: float | None
     finish_time: float | None
@@ -143,8 +144,8 @@ class RequestState:
 class _Request:
     __slots__ = ("spec", "arrival", "deadline", "status", "conditioning", "host_state", "host_steps", "host_from",
                  "checkpoint", "checkpoint_steps", "checkpoint_time", "steps_done", "steps_planned", "workers",
-                 "admit_time", "denoised_time", "finish_time", "error", "pauses", "recoveries", "degrees", "epoch",
-                 "view")
+                 "ready_time", "admit_time", "denoised_time", "finish_time", "error", "pauses", "recoveries", "degrees",
+                 "epoch", "view")
 
     def __init__(self, spec: RequestSpec, arrival: float, deadline: float) -> None:
         self.spec = spec
@@ -161,6 +162,7 @@ class _Request:
         self.steps_done = 0  # reported
         self.steps_planned = 0  # sent, plans in flight included
         self.workers: tuple[str, ...] = ()  # where its state will be once the plans sent have run
+        self.ready_time: float | None = None
         self.admit_time: float | None = None
         self.denoised_time: float | None = None
         self.finish_time: float | None = None
@@ -287,11 +289,12 @@ class RouterCore:
         self._waiting_views = None
         self._changed_load()
 
-    def mark_ready(self, request_id: str, conditioning: object) -> None:
+    def mark_ready(self, request_id: str, conditioning: object, now: float) -> None:
         """The request's text embeddings are available (`conditioning` is their handle)."""
         record = self._requests.get(request_id)
         if record is not None and not record.status.is_terminal:  # may arrive after a cancel
             record.conditioning = conditioning
+            record.ready_time = now
             self._touch(record)
 
     # ---- rounds ---------------------------------------------------------------------------
@@ -449,7 +452,6 @@ class RouterCore:
             worker.residents.pop(rid, None)
             self._stale.add(plan.worker_id)
             self._touch(record)
-        self._changed_load()
 
     # ---- reports in -----------------------------------------------------------------------
 
@@ -519,7 +521,6 @@ class RouterCore:
                 record.denoised_time = now
                 self._set_status(record, RequestStatus.DECODING)
                 denoised.append((rid, sent.handles[rid]))
-        self._changed_load()
         return Outcome(tuple(denoised), tuple(failed), tuple(recovered))
 
     def complete(self, request_id: str, now: float) -> bool:
@@ -643,8 +644,8 @@ class RouterCore:
     def state(self, request_id: str) -> RequestState:
         r = self._requests[request_id]
         return RequestState(request_id, r.spec.kind, r.status, r.steps_done, r.spec.num_inference_steps, r.workers,
-                            r.arrival, r.admit_time, r.denoised_time, r.finish_time, r.error, r.pauses, r.recoveries,
-                            tuple(r.degrees))
+                            r.arrival, r.ready_time, r.admit_time, r.denoised_time, r.finish_time, r.error, r.pauses,
+                            r.recoveries, tuple(r.degrees))
 
     def spec(self, request_id: str) -> RequestSpec:
         return self._requests[request_id].spec
@@ -821,6 +822,7 @@ class RouterCore:
         record.status = status
         self._count(record, +1)
         record.view = None
+        self._changed_load()
 
     def _count(self, record: _Request, delta: int) -> None:
         counts = self._counts[record.spec.kind]
@@ -835,9 +837,10 @@ class RouterCore:
         record.error = message
         # Whatever the handles point at can be freed now.
         record.conditioning = record.host_state = record.checkpoint = None
-        self._changed_load()
 
     def _changed_load(self) -> None:
+        """What `load` reports changed (a count, the live workers, a drain rate): the edge's long
+        poll answers. Not on every plan or report: that made the ingress poll at every step."""
         self.load_version += 1
 
     def _predict(self, plan: WorkerPlan) -> float | None:

@@ -24,7 +24,7 @@ from stepserve.policies.types import RequestKind
 
 logger = logging.getLogger("stepserve.edge")
 
-POLL_GAP_S = 0.05  # at most this often under load: the report changes with every step
+POLL_GAP_S = 0.05  # at most this often under load: the report changes with every admission and finish
 ROUTER_RETRY_S = 5.0
 
 

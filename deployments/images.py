@@ -27,14 +27,16 @@ from stepserve.policies.types import RequestKind
 
 
 class ImageRequests:
-    def __init__(self, config: AppConfig, router: Any, store: Any, gate: AdmissionGate):
+    def __init__(self, config: AppConfig, router: Any, store: Any, gate: AdmissionGate, stages: Any = None):
         self.config = config
         self.router = router
         self.store = store
         self.gate = gate
+        self.stages = stages  # a Histogram by stage name, or None: see `HTTPMetrics.image_stage`
 
     async def generate(self, payload: ImageGenerationRequest | dict, client_id: str | None = None) -> dict:
         """The OpenAI images response body. Raises APIError."""
+        started = time.perf_counter()
         req = parse_request(payload)
         rid = request_id_for(client_id)
         specs = to_specs(req, self.config, rid, default_seed=key_seed(client_id))
@@ -46,7 +48,9 @@ class ImageRequests:
                     return stored
             for _ in specs:
                 self.gate.check(RequestKind.T2I, rid)
+            submitted = time.perf_counter()
             pngs = await asyncio.gather(*(self.router.submit.remote(spec) for spec in specs))
+            answered = time.perf_counter()
         except BaseException as exc:
             # Free the siblings of a failed request (a disconnect cancels them all already). A
             # duplicate id belongs to another caller's live request, which must not be cancelled.
@@ -60,6 +64,10 @@ class ImageRequests:
         }
         if client_id is not None:
             await self.store.remember_image.remote(client_id, digest, body)
+        if self.stages is not None:
+            for stage, seconds in (("validate", submitted - started), ("router", answered - submitted),
+                                   ("respond", time.perf_counter() - answered)):
+                self.stages.labels(stage).observe(seconds)
         return body
 
 

@@ -101,6 +101,12 @@ class HTTPMetrics:
         self.latency = Histogram("stepserve_http_latency_seconds", "HTTP request latency by route.", ["route"],
                                  buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100),
                                  registry=self.registry)
+        self.image_stage = Histogram(
+            "stepserve_ingress_stage_seconds",
+            "An image request's time in the ingress: validate (parse, checks, admission gate), router (the "
+            "router call: text encoding to decoded PNG, plus the hops), respond (building the response body).",
+            ["stage"], buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25),
+            registry=self.registry)
 
 
 @serve.ingress(api)
@@ -115,7 +121,7 @@ class Ingress:
         self.metrics_keys = tuple(config.metrics_api_keys) or self.api_keys
         self.http = HTTPMetrics()
         gate = AdmissionGate(router)
-        self.images = ImageRequests(config, router, store, gate)
+        self.images = ImageRequests(config, router, store, gate, self.http.image_stage)
         self.videos = VideoJobs(config, router, store, gate)
 
     # -- handle API ----------------------------------------------------------------------

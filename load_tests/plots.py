@@ -309,3 +309,30 @@ def plot_overload(runs: Sequence[Mapping], title: str, path: Path) -> None:
     ax.legend(fontsize=8)
     fig.suptitle(title)
     fig.savefig(path, dpi=110)
+
+
+def plot_peers(systems: Sequence[Mapping], title: str, path: Path) -> None:
+    """Against offered load, one colour per system, every repeat a dot and the median a line:
+    P50 and P95 latency, SLO attainment, server CPU per request."""
+    figure = _figure(18, 4.5)
+    axes = figure.subplots(1, 4)
+    figure.suptitle(title)
+    panels = (("latency_p50_s", 1000, "P50 latency (ms)"), ("latency_p95_s", 1000, "P95 latency (ms)"),
+              ("slo_attainment", 100, "requests meeting their SLO (%)"),
+              ("cpu_per_request_s", 1000, "server CPU per request (ms)"))
+    for i, system in enumerate(systems):
+        color = f"C{i}"
+        for ax, (key, scale, label) in zip(axes, panels):
+            dots = [(p["rate"], p[key] * scale) for p in system["points"] if p[key] is not None]
+            ax.plot([r for r, _ in dots], [v for _, v in dots], ".", color=color, alpha=0.5)
+            line = sorted((r, v * scale) for r, v in system[f"median_{key}"].items() if v is not None)
+            ax.plot([r for r, _ in line], [v for _, v in line], "-", color=color, label=system["system"])
+            ax.set(xlabel="offered load (req/s)", ylabel=label)
+    axes[0].set_yscale("log")
+    axes[1].set_yscale("log")
+    axes[2].axhline(90, color="grey", linestyle=":", linewidth=0.8)
+    axes[2].set_ylim(0, 102)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    figure.savefig(path, dpi=110)

@@ -46,7 +46,38 @@ def run_means(before: Mapping[str, float], after: Mapping[str, float]) -> dict[s
 
 
 async def scrape(base_url: str) -> dict[str, float]:
+    return histogram_totals(await scrape_text(base_url))
+
+
+# An image request's stages (actors/metrics.py, deployments/ingress.py): ingress, then router.
+STAGE_HISTOGRAMS = {"stepserve_ingress_stage_seconds": "ingress", "stepserve_request_stage_seconds": "router"}
+
+
+def stage_totals(exposition: str) -> dict[str, float]:
+    """`<where>.<stage>_sum` / `_count` of each image stage, e.g. `router.queue_sum`."""
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            name, _, suffix = sample.name.rpartition("_")
+            where = STAGE_HISTOGRAMS.get(name)
+            if where is None or suffix not in ("sum", "count") or sample.labels.get("kind", "image") != "image":
+                continue
+            key = f"{where}.{sample.labels['stage']}_{suffix}"
+            totals[key] = totals.get(key, 0.0) + sample.value
+    return totals
+
+
+def stage_means(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float | None]:
+    """Mean seconds of each stage between two `stage_totals` scrapes."""
+    out: dict[str, float | None] = {}
+    for key in sorted(k[:-len("_count")] for k in after if k.endswith("_count")):
+        count = after[f"{key}_count"] - before.get(f"{key}_count", 0.0)
+        out[key] = (after[f"{key}_sum"] - before.get(f"{key}_sum", 0.0)) / count if count else None
+    return out
+
+
+async def scrape_text(base_url: str) -> str:
     async with loopback_client(base_url) as client:
         response = await client.get("/metrics", timeout=10.0)
         response.raise_for_status()
-        return histogram_totals(response.text)
+        return response.text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 from pathlib import Path
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 import yaml
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+DEFAULT_BUILDER = "stepserve.deployments.app:build_app"
 
 
 def default_config_path() -> Path:
@@ -46,13 +48,14 @@ def run_app(config: dict[str, Any], http: bool = True):
     """Deploy the config's application on the running Ray; returns the ingress handle."""
     from ray import serve
 
-    from .deployments.app import build_app
-
     app = config["applications"][0]
+    # The builder the YAML names, as `serve run` would import it (stepserve's by default).
+    module, _, attr = app.get("import_path", DEFAULT_BUILDER).partition(":")
+    builder = getattr(importlib.import_module(module), attr)
     # Serve keeps the proxy options of its first start in this Ray; later calls only warn.
     if http:
         serve.start(proxy_location=config.get("proxy_location", "HeadOnly"), http_options=config.get("http_options"))
     else:
         serve.start(proxy_location="Disabled")
-    return serve.run(build_app(app.get("args", {})), name=app.get("name", "stepserve"),
+    return serve.run(builder(app.get("args", {})), name=app.get("name", "stepserve"),
                      route_prefix=app.get("route_prefix", "/"))

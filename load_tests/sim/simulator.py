@@ -286,7 +286,7 @@ class Simulation:
         now = self.events.now
         for rid in request_ids:
             self.pending[rid].ready_s = now
-            self.core.mark_ready(rid, "embeddings")
+            self.core.mark_ready(rid, "embeddings", now)
         self._request_decision()
 
     def _on_decoded(self, request_id: str, started: float) -> None:

@@ -56,7 +56,7 @@ class Harness:
         for s in specs:
             self.core.submit(s, self.now)
             if ready:
-                self.core.mark_ready(s.request_id, f"embeds-{s.request_id}")
+                self.core.mark_ready(s.request_id, f"embeds-{s.request_id}", self.now)
 
     def schedule(self):
         return self.core.schedule(self.now, self.send)

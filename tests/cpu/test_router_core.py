@@ -71,7 +71,7 @@ def test_unready_requests_wait_and_ready_ones_pass_them():
     h.submit(spec("early"))
     h.round()
     assert h.status("early") is S.RUNNING and h.status("late") is S.QUEUED
-    h.core.mark_ready("late", "embeds")
+    h.core.mark_ready("late", "embeds", h.now)
     h.run()
     assert h.status("late") is S.FINISHED
 
@@ -419,3 +419,19 @@ def test_the_drain_rate_averages_gaps_so_a_batch_finishing_together_does_not_inf
             current = batch("after-idle")
     drain = core.load().classes[RequestKind.T2I].drain_per_s
     assert 4.0 < drain < 16.0
+
+
+def test_the_load_version_moves_with_what_the_load_says_not_with_every_step():
+    """The edge long-polls the load: a plain step (a plan out, its report in) is not news, and
+    must not wake it; an admission, a finish and a new arrival are."""
+    h = Harness(workers=1, max_queued={RequestKind.T2I: 8, RequestKind.T2V: 8})
+    h.submit(spec("a", steps=4))
+    submitted = h.core.load_version
+    h.round()  # admitted and first step
+    admitted = h.core.load_version
+    assert admitted > submitted and h.status("a") is S.RUNNING
+    h.round()
+    h.round()  # plain steps
+    assert h.core.load_version == admitted
+    h.run()
+    assert h.status("a") is S.FINISHED and h.core.load_version > admitted

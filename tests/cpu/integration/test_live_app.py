@@ -154,7 +154,9 @@ def test_health_ready_models_and_metrics(live_app):
     metrics = httpx.get(f"{url}/metrics").text
     for name in ('stepserve_queue_length{kind="image"}', "stepserve_running_requests", "stepserve_step_latency_seconds_bucket",
                  "stepserve_batch_size_bucket", 'stepserve_requests_total{status="finished"}',
-                 'stepserve_http_requests_total{code="200",route="/v1/images/generations"}'):
+                 'stepserve_http_requests_total{code="200",route="/v1/images/generations"}',
+                 'stepserve_request_stage_seconds_count{kind="image",stage="denoise"}',
+                 'stepserve_ingress_stage_seconds_count{stage="router"}'):
         assert name in metrics, name
 
 

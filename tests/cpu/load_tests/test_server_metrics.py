@@ -23,3 +23,22 @@ def test_means_over_a_run_sum_workers_and_exclude_earlier_observations():
     assert means["batch_size"] == {"count": 3, "mean": pytest.approx(2.0)}
     assert means["round_s"] == {"count": 2, "mean": pytest.approx(0.03)}
     assert means["queue_wait_s"] == {"count": 0, "mean": None}
+
+
+def test_stage_means_cover_images_only_and_the_run_only():
+    from stepserve.actors.router_core import RequestState
+    from stepserve.load_tests.server_metrics import stage_means, stage_totals
+    from stepserve.policies.types import RequestKind, RequestStatus
+
+    def finished(kind, admit):
+        metrics.finished(RequestState("r", kind, RequestStatus.FINISHED, 2, 2, (), 0.0, 0.5, admit, 3.0, None, None,
+                                      0, 0, ()), now=3.5)
+
+    metrics = RouterMetrics()
+    finished(RequestKind.T2I, admit=1.0)  # before the run
+    before = stage_totals(metrics.exposition().decode())
+    finished(RequestKind.T2I, admit=2.0)
+    finished(RequestKind.T2V, admit=0.5)  # videos are not an image's stages
+    means = stage_means(before, stage_totals(metrics.exposition().decode()))
+    assert means["router.queue"] == pytest.approx(1.5) and means["router.step"] == pytest.approx(0.5)
+    assert means["router.text_encode"] == pytest.approx(0.5) and means["router.decode"] == pytest.approx(0.5)

@@ -1,0 +1,38 @@
+from prometheus_client.parser import text_string_to_metric_families
+
+from stepserve.actors.metrics import ROUTER_STAGES, RouterMetrics
+from stepserve.actors.router_core import RequestState
+from stepserve.policies.types import RequestKind, RequestStatus
+
+
+def state(kind=RequestKind.T2I, ready=1.5, admit=2.0, denoised=6.0, steps=20) -> RequestState:
+    return RequestState("r", kind, RequestStatus.FINISHED, steps, steps, (), 1.0, ready, admit, denoised, None,
+                        None, 0, 0, ())
+
+
+def stage_sums(metrics: RouterMetrics) -> dict[tuple[str, str], tuple[float, float]]:
+    sums: dict[tuple[str, str], list[float]] = {}
+    for family in text_string_to_metric_families(metrics.exposition().decode()):
+        for s in family.samples:
+            if s.name in ("stepserve_request_stage_seconds_sum", "stepserve_request_stage_seconds_count"):
+                key = (s.labels["kind"], s.labels["stage"])
+                sums.setdefault(key, [0.0, 0.0])[s.name.endswith("_count")] = s.value
+    return {k: tuple(v) for k, v in sums.items()}
+
+
+def test_a_finished_request_is_split_into_its_stages():
+    metrics = RouterMetrics()
+    metrics.finished(state(), now=6.25)
+    metrics.finished(state(RequestKind.T2V, steps=4), now=7.0)
+    sums = stage_sums(metrics)
+    image = {stage: sums[("image", stage)] for stage in ROUTER_STAGES}
+    assert image == {"text_encode": (0.5, 1), "queue": (0.5, 1), "denoise": (4.0, 1), "step": (0.2, 1),
+                     "decode": (0.25, 1)}
+    assert sums[("video", "step")] == (1.0, 1) and sums[("video", "decode")] == (1.0, 1)
+
+
+def test_a_request_that_skipped_a_stage_is_counted_but_not_split():
+    metrics = RouterMetrics()
+    metrics.finished(state(ready=None), now=7.0)
+    assert stage_sums(metrics) == {}
+    assert "stepserve_requests_total{status=\"finished\"} 1.0" in metrics.exposition().decode()
