@@ -27,12 +27,12 @@ from stepserve.policies.types import RequestKind
 
 
 class ImageRequests:
-    def __init__(self, config: AppConfig, router: Any, store: Any, gate: AdmissionGate, stages: Any = None):
+    def __init__(self, config: AppConfig, router: Any, store: Any, gate: AdmissionGate, stages: Any):
         self.config = config
         self.router = router
         self.store = store
         self.gate = gate
-        self.stages = stages  # a Histogram by stage name, or None: see `HTTPMetrics.image_stage`
+        self.stages = stages  # a Histogram by stage name: `HTTPMetrics.image_stage`
 
     async def generate(self, payload: ImageGenerationRequest | dict, client_id: str | None = None) -> dict:
         """The OpenAI images response body. Raises APIError."""
@@ -64,10 +64,9 @@ class ImageRequests:
         }
         if client_id is not None:
             await self.store.remember_image.remote(client_id, digest, body)
-        if self.stages is not None:
-            for stage, seconds in (("validate", submitted - started), ("router", answered - submitted),
-                                   ("respond", time.perf_counter() - answered)):
-                self.stages.labels(stage).observe(seconds)
+        for stage, seconds in (("validate", submitted - started), ("router", answered - submitted),
+                               ("respond", time.perf_counter() - answered)):
+            self.stages.labels(stage).observe(seconds)
         return body
 
 
