@@ -17,7 +17,9 @@ from stepserve.runtime import load_serve_config, run_app, CONFIGS
 from ..integration.conftest import free_port, local_ray_for_tests
 
 POLICIES = ["continuous", "static_fcfs", "dynamic_batching", "genserve"]
-LONG_IMAGE = {"prompt": "a long one", "size": "128x128", "num_inference_steps": 100, "seed": 1}
+# The largest image the config allows at its most steps: it must outlast the 3 s client timeout
+# with room to spare (at 128 px, 100 steps once finished in under 3 s on a quiet machine).
+LONG_IMAGE = {"prompt": "a long one", "size": "256x256", "num_inference_steps": 100, "seed": 1}
 SHORT_IMAGE = {"prompt": "a short one", "size": "64x64", "num_inference_steps": 3, "seed": 2}
 LONG_VIDEO = {"model": "tiny-wan", "prompt": "a long video", "size": "64x64", "num_frames": 9,
               "num_inference_steps": 200, "seed": 3}
