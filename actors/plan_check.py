@@ -48,7 +48,7 @@ class PlanChecker:
                 raise fail(f"plans worker {plan.worker_id!r}, which is not open (pipeline full)")
             if plan.worker_id in planned:
                 raise fail(f"plans worker {plan.worker_id!r} twice")
-            if plan.drop or plan.checkpoint or plan.finish or plan.plan_id:
+            if plan.drop or plan.checkpoint or plan.finish or plan.plan_id or plan.steps != 1:
                 raise fail(f"plan for {plan.worker_id!r} sets router-filled fields")
             planned[plan.worker_id] = plan
 

@@ -87,6 +87,11 @@ class CoreConfig:
     # loses at most this much of its work; None: never (it restarts from step 0).
     checkpoint_interval_s: float | None = 10.0
     max_recoveries: int = 3  # faults one request survives before it fails
+    # A steady policy's batch runs several steps in one plan, up to this long, while nothing waits
+    # that the worker could take: the router and the hop to the worker are paid once per plan,
+    # not per step. A request that arrives meanwhile joins a running batch up to this much later
+    # (an idle worker takes it at once), and a cancelled one leaves it as late. 0: a step a plan.
+    max_plan_s: float = 0.3
 
     def __post_init__(self) -> None:
         if self.pipeline_depth < 1:
@@ -95,6 +100,8 @@ class CoreConfig:
             raise ValueError(f"max_queued bounds must be >= 1, got {dict(self.max_queued)}")
         if self.pipeline_lead_s < 0:
             raise ValueError(f"pipeline_lead_s must be >= 0, got {self.pipeline_lead_s}")
+        if not (math.isfinite(self.max_plan_s) and self.max_plan_s >= 0):
+            raise ValueError(f"max_plan_s must be a finite number >= 0, got {self.max_plan_s}")
         if self.checkpoint_interval_s is not None and self.checkpoint_interval_s < 0:
             raise ValueError(f"checkpoint_interval_s must be >= 0 or None, got {self.checkpoint_interval_s}")
 
@@ -204,7 +211,7 @@ class _Worker:
         self.drops: dict[str, None] = {}  # router-filled: forget at the next plan
         self.next_plan_id = 1
         self.last_report_at: float | None = None
-        self.service_s: float | None = None  # smoothed time a plan takes here, report to report
+        self.step_s: float | None = None  # smoothed time a step takes here, report to report
         # It is open (may take a plan) while now >= open_from: -inf when idle, inf when dead or
         # its pipeline is full, else when its plans in flight are predicted to end, less the lead.
         self.open_from = -math.inf
@@ -217,10 +224,12 @@ class _Worker:
         head = self.in_flight[0]
         at = head.sent_at if self.last_report_at is None else max(head.sent_at, self.last_report_at)
         for sent in self.in_flight:
-            seconds = sent.expected_s if sent.expected_s is not None else self.service_s
-            if seconds is None:
+            if sent.expected_s is not None:
+                at += sent.expected_s
+            elif self.step_s is not None:
+                at += self.step_s * sent.plan.steps
+            else:
                 return None
-            at += seconds
         return at
 
 
@@ -340,6 +349,8 @@ class RouterCore:
         for plan in plans:
             for rid in plan.stepping:
                 stepped.setdefault(rid, []).append(plan.worker_id)
+        left_waiting = len(self._waiting) - len({rid for plan in plans for rid in plan.admit})
+        steps = {plan.worker_id: self._plan_steps(plan, left_waiting) for plan in plans}
         finish: dict[str, list[str]] = {}
         release: dict[str, list[str]] = {}
         checkpoint: dict[str, list[str]] = {}
@@ -347,7 +358,7 @@ class RouterCore:
         for rid, holders in stepped.items():
             record = self._requests[rid]
             first = min(holders, key=lambda w: self._workers[w].slot.rank)
-            if record.steps_planned + 1 >= record.spec.num_inference_steps:
+            if record.steps_planned + steps[first] >= record.spec.num_inference_steps:
                 finish.setdefault(first, []).append(rid)
                 for w in holders:
                     if w != first:
@@ -362,22 +373,37 @@ class RouterCore:
                 plan.worker_id, admit=plan.admit, groups=plan.groups, export=plan.export,
                 release=plan.release + tuple(release.get(plan.worker_id, ())), drop=tuple(worker.drops),
                 checkpoint=tuple(checkpoint.get(plan.worker_id, ())), finish=tuple(finish.get(plan.worker_id, ())),
-                plan_id=worker.next_plan_id))
+                steps=steps[plan.worker_id], plan_id=worker.next_plan_id))
             worker.next_plan_id += 1
         return out
 
+    def _plan_steps(self, plan: WorkerPlan, left_waiting: int) -> int:
+        """How many steps the plan runs: one, unless the policy is steady and the plan would come
+        back unchanged. Then its batch steps until its first request finishes, within
+        `max_plan_s`. Not while something waits that the worker has room for (it would join at
+        the next step), nor across an export or an SP group (whose members step in lockstep)."""
+        worker = self._workers[plan.worker_id]
+        if (self.config.max_plan_s <= 0 or not self.policy.steady or worker.step_s is None or not plan.groups
+                or plan.export or plan.release or any(g.ranks for g in plan.groups)):
+            return 1
+        if left_waiting > 0 and len(worker.residents) + len(plan.admit) < worker.slot.max_batch_size:
+            return 1
+        left = min(self._requests[rid].spec.num_inference_steps - self._requests[rid].steps_planned
+                   for rid in plan.stepping)
+        return max(1, min(left, int(self.config.max_plan_s / max(worker.step_s, 1e-6))))
+
     def _count_steps(self, plans: list[WorkerPlan]) -> None:
-        """Each stepped request advances one step this round (every member of an SP group lists
-        the same step)."""
-        degree: dict[str, int] = {}
+        """Each stepped request advances `plan.steps` steps this round (every member of an SP
+        group lists the same step)."""
+        degree: dict[str, tuple[int, int]] = {}
         for plan in plans:
             for group in plan.groups:
                 for rid in group.request_ids:
-                    degree[rid] = max(1, len(group.ranks))
-        for rid, d in degree.items():
+                    degree[rid] = (max(1, len(group.ranks)), plan.steps)
+        for rid, (d, steps) in degree.items():
             record = self._requests[rid]
-            record.steps_planned += 1
-            record.degrees.append(d)
+            record.steps_planned += steps
+            record.degrees.extend([d] * steps)
             self._touch(record)
 
     def _admissions(self, plan: WorkerPlan) -> tuple[Admission, ...]:
@@ -853,7 +879,7 @@ class RouterCore:
             head = specs[0]
             batches.append(BatchShape(head.model, head.height, head.width, sum(s.rows for s in specs),
                                       head.num_frames, max(1, len(group.ranks))))
-        total = self._costs.round_seconds(batches) if batches else 0.0
+        total = self._costs.round_seconds(batches) * plan.steps if batches else 0.0
         for rid in plan.finish:
             spec = self._requests[rid].spec
             if spec.is_video:
@@ -867,9 +893,10 @@ class RouterCore:
         start = sent.sent_at if worker.last_report_at is None else max(sent.sent_at, worker.last_report_at)
         worker.last_report_at = now
         observed = now - start
-        worker.service_s = observed if worker.service_s is None else worker.service_s + 0.2 * (
-            observed - worker.service_s)
         plan = sent.plan
+        if plan.groups:
+            per_step = observed / plan.steps
+            worker.step_s = per_step if worker.step_s is None else worker.step_s + 0.2 * (per_step - worker.step_s)
         if sent.predicted_s is None or plan.admit or plan.export or plan.checkpoint or plan.finish:
             return  # moving state is not in the profile's numbers: calibrate on plain steps
         self.overhead.observe(self._kind_of(plan), observed, sent.predicted_s)

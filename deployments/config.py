@@ -134,6 +134,14 @@ class RouterConfig(_Strict):
         description="How long before a worker's current plan is predicted to end its next one is decided: long "
                     "enough to hide the round trip, short enough that the decision sees fresh state.",
     )
+    max_plan_s: float = Field(
+        default=0.3, ge=0, le=10,
+        description="With a steady policy (continuous, static_fcfs, dynamic_batching), a batch nothing would change "
+                    "runs several steps in one plan, up to this long: the router and the hop to the worker are "
+                    "paid once per plan instead of once per step. A request arriving while every worker is busy "
+                    "joins a batch up to this much later; a cancelled one frees its slot as late. 0: one step per "
+                    "plan.",
+    )
     checkpoint_interval_s: float | None = Field(
         default=10.0, ge=0,
         description="A running request's state is copied to host memory at most this often, so a worker fault "
@@ -153,7 +161,7 @@ class RouterConfig(_Strict):
 
     def core_config(self) -> CoreConfig:
         return CoreConfig(
-            pipeline_depth=self.pipeline_depth, pipeline_lead_s=self.pipeline_lead_s,
+            pipeline_depth=self.pipeline_depth, pipeline_lead_s=self.pipeline_lead_s, max_plan_s=self.max_plan_s,
             max_queued={RequestKind.T2I: self.max_queued_images, RequestKind.T2V: self.max_queued_videos},
             max_wait_s={RequestKind.T2I: self.max_image_queue_wait_s, RequestKind.T2V: self.max_video_queue_wait_s},
             checkpoint_interval_s=self.checkpoint_interval_s, max_recoveries=self.max_recoveries)

@@ -2,7 +2,8 @@
 
 The runner owns the samplers of its resident requests and never decides what runs; the router
 does, one plan per round. A plan runs, in order: drop, admit, one denoiser forward per group
-(sequence-parallel when the group names ranks), export, checkpoint, finish, release.
+(sequence-parallel when the group names ranks) `plan.steps` times over, export, checkpoint,
+finish, release.
 
 Every failure is confined to the requests it concerns, reported in the `StepReport`, and a
 failed request is forgotten here (the router resumes it from a checkpoint or fails it). After a
@@ -76,8 +77,9 @@ class StepRunner:
             self.samplers.pop(rid, None)
         for rid in plan.admit:
             run.admit(rid, admissions.get(rid))
-        for group in plan.groups:
-            run.step(group, sp_group)
+        for _ in range(plan.steps):
+            for group in plan.groups:
+                run.step(group, sp_group)
         # What stepped (or was admitted) stands here now, also for those that leave below.
         progress = {rid: RequestProgress(rid, s.step_index, s.steps_total)
                     for rid in run.touched if (s := self.samplers.get(rid)) is not None}

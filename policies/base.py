@@ -32,9 +32,15 @@ class PolicyError(Exception):
 
 @runtime_checkable
 class Scheduler(Protocol):
-    """Decides one round for the pool: plans only for open workers, at most one each."""
+    """Decides one round for the pool: plans only for open workers, at most one each.
+
+    `steady`: the plan it gives a worker stays the same until a request arrives, finishes, is
+    cancelled or a worker changes; the router may then run it for several steps in one plan.
+    A policy whose choice moves with the clock (deadlines, slack) is not steady.
+    """
 
     name: str
+    steady: bool
 
     def schedule(self, snapshot: ClusterSnapshot) -> Decision: ...
 
@@ -56,6 +62,10 @@ class PerWorker:
     ready waits: every per-worker policy answers it with an empty plan otherwise, and on a large
     pool asking every idle worker in every round would make a round cost O(workers).
     """
+
+    # A worker's plan is a function of its residents and the queue, not of the clock (a batching
+    # window only holds back admissions, which end a multi-step plan anyway).
+    steady = True
 
     def __init__(self, policy: WorkerPolicy) -> None:
         self.policy = policy

@@ -271,16 +271,18 @@ class StepGroup:
 @dataclass(frozen=True)
 class WorkerPlan:
     """One round for one worker. It runs, in order: `drop` (forget), `admit` (start fresh, or
-    resume from host memory), one forward per group (every member advances one step), then
-    `export`, `checkpoint` and `finish`, whose data it returns, and last `release` (forget).
+    resume from host memory), one forward per group (every member advances one step) `steps`
+    times over, then `export`, `checkpoint` and `finish`, whose data it returns, and last
+    `release` (forget).
 
     Schedulers fill `admit`, `groups`, `export` (state to host memory; the request leaves:
     pause, or the first half of a move) and `release` (the other members of an SP group whose
     first member exports). The router fills the rest: `drop` (cancelled or failed), `checkpoint`
     (a copy of the state to host memory, so a worker fault loses little), `finish` (this round
     ends the request's denoising: an image returns its latents, a video is decoded here and
-    returns its frames; the other members of its SP group `release` it), and `plan_id` (its
-    position in the worker's sequence).
+    returns its frames; the other members of its SP group `release` it), `steps` (a steady
+    policy's batch runs several steps per plan while nothing would change its plan: see
+    `CoreConfig.max_plan_s`), and `plan_id` (its position in the worker's sequence).
     """
 
     worker_id: str
@@ -291,6 +293,7 @@ class WorkerPlan:
     drop: tuple[str, ...] = ()
     checkpoint: tuple[str, ...] = ()
     finish: tuple[str, ...] = ()
+    steps: int = 1
     plan_id: int = 0
 
     @property

@@ -60,6 +60,7 @@ class SimConfig:
     policy_options: Mapping[str, Any] = field(default_factory=dict)
     pipeline_depth: int = 2  # RouterConfig.pipeline_depth
     pipeline_lead_s: float = 0.05  # RouterConfig.pipeline_lead_s
+    max_plan_s: float = 0.3  # RouterConfig.max_plan_s
     max_queued_images: int = 256  # RouterConfig: beyond it a request is rejected (429)
     max_queued_videos: int = 64
     max_image_queue_wait_s: float | None = None  # RouterConfig: also rejected beyond this predicted wait
@@ -211,7 +212,8 @@ class Simulation:
         policy = make_policy(config.policy, dict(config.policy_options), cost if needs_costs(config.policy) else None)
         worker_ids = [f"w{i}" for i in range(config.workers)]
         core_config = CoreConfig(
-            pipeline_depth=config.pipeline_depth, pipeline_lead_s=config.pipeline_lead_s, checkpoint_interval_s=None,
+            pipeline_depth=config.pipeline_depth, pipeline_lead_s=config.pipeline_lead_s,
+            max_plan_s=config.max_plan_s, checkpoint_interval_s=None,
             max_queued={RequestKind.T2I: config.max_queued_images, RequestKind.T2V: config.max_queued_videos},
             max_wait_s={RequestKind.T2I: config.max_image_queue_wait_s,
                         RequestKind.T2V: config.max_video_queue_wait_s})

@@ -1,12 +1,12 @@
 """A simulated denoiser worker: `engine/step_runner.StepRunner` with the tensors taken out.
 
-It executes `WorkerPlan`s in the real runner's order (drop, admit, one forward per group,
-export / checkpoint / finish, release), tracks each resident request's steps, and answers with
+It executes `WorkerPlan`s in the real runner's order (drop, admit, one forward per group
+`plan.steps` times over, export / checkpoint / finish, release), tracks each resident request's steps, and answers with
 a real `StepReport` plus one token per `plan.outputs` entry (a `SimState` for exported and
 checkpointed state, the request id for a finished output). It fails a request exactly where the
 real runner does (not resident, resuming from a state that is not ready), so the core's fault
 handling can be driven by it too. Time comes from the cost model: a plan takes the cost of the
-groups that really ran (`cost.round_seconds`), plus a video's decode when it finishes here.
+groups that really ran (`cost.round_seconds`) for each of its steps, plus a video's decode when it finishes here.
 """
 
 from __future__ import annotations
@@ -83,8 +83,8 @@ class SimWorker:
             shapes.append(BatchShape(head.model, head.height, head.width, sum(m.spec.rows for m in members),
                                      head.num_frames, max(1, len(group.ranks))))
             for member in members:
-                member.done += 1
-        seconds = self.round_cost(tuple(shapes)) if shapes else 0.0
+                member.done += plan.steps
+        seconds = self.round_cost(tuple(shapes)) * plan.steps if shapes else 0.0
         outputs: list = []
         for rid in plan.outputs:
             resident = self.resident.get(rid)

@@ -61,6 +61,7 @@ _VIDEO_STATUS = {RequestStatus.QUEUED: VideoStatus.QUEUED, RequestStatus.PAUSED:
 class GenServePolicy:
     name: str  # set by register_policy
     needs_costs = True
+    steady = False  # slack moves with the clock: it may preempt at any step
 
     def __init__(self, config: GenServeConfig, costs: StepCosts) -> None:
         self.config = config

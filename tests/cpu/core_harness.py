@@ -33,10 +33,11 @@ def spec(rid: str, steps: int = 3, size: int = 64, guidance: float = 7.5, model:
 class Harness:
     def __init__(self, policy: Any = "continuous", options: dict | None = None, workers: int = 2, batch: int = 4,
                  depth: int = 2, costs: Any = None, checkpoint_interval_s: float | None = None,
-                 max_queued: dict | None = None, max_recoveries: int = 3, lead_s: float = math.inf) -> None:
+                 max_queued: dict | None = None, max_recoveries: int = 3, lead_s: float = math.inf,
+                 max_plan_s: float = 0.0) -> None:
         scheduler = make_policy(policy, options, costs) if isinstance(policy, str) else policy
         config = CoreConfig(
-            pipeline_depth=depth, pipeline_lead_s=lead_s, checkpoint_interval_s=checkpoint_interval_s,
+            pipeline_depth=depth, pipeline_lead_s=lead_s, checkpoint_interval_s=checkpoint_interval_s, max_plan_s=max_plan_s,
             max_queued=max_queued or {RequestKind.T2I: 64, RequestKind.T2V: 64}, max_recoveries=max_recoveries)
         ids = [f"w{i}" for i in range(workers)]
         self.core = RouterCore(scheduler, [WorkerSlot(w, batch, i) for i, w in enumerate(ids)], config, costs)

@@ -34,6 +34,7 @@ class FixedPolicy:
     """Test double for a policy: returns `next` (then nothing)."""
 
     name = "fixed"
+    steady = False
 
     def __init__(self) -> None:
         self.next = Decision()
@@ -123,6 +124,60 @@ def test_decisions_wait_for_the_pipeline_lead():
     assert len(h.schedule().plans) == 1  # within the lead: the next step is queued behind
 
 
+# ---- several steps a plan -------------------------------------------------------------------------
+
+
+def _stepped(h, now_step=0.01):
+    """Run the worker's oldest plan `now_step` seconds a step after it was sent; returns it."""
+    plan = h.queues["w0"][0][0]
+    h.now += now_step * plan.steps
+    h.execute("w0")
+    return plan
+
+
+def test_a_steady_batch_runs_several_steps_a_plan_until_its_first_request_finishes():
+    h = Harness(workers=1, batch=4, depth=1, max_plan_s=0.05)
+    h.submit(spec("a", steps=14), spec("b", steps=8))
+    h.schedule()
+    first = _stepped(h)
+    assert first.steps == 1  # a worker's step time is unknown before its first report
+    plans = []
+    while h.queues["w0"] or h.schedule().plans:
+        plans.append(_stepped(h))
+    # 0.05 s a plan at 0.01 s a step: 5 steps, cut where "b" ends (8 = 1 + 5 + 2), then "a" alone.
+    assert [(p.steps, p.finish) for p in plans] == [(5, ()), (2, ("b",)), (5, ()), (1, ("a",))]
+    assert h.status("a") is S.FINISHED and h.status("b") is S.FINISHED
+    assert h.core.state("a").degrees == (1,) * 14
+
+
+def test_one_step_a_plan_while_something_waits_that_the_worker_has_room_for():
+    h = Harness(workers=1, batch=2, depth=1, max_plan_s=0.05)
+    h.submit(spec("a", steps=20))
+    h.schedule()
+    _stepped(h)
+    h.submit(spec("b", steps=20), ready=False)  # waiting for its text embeddings
+    h.schedule()
+    assert _stepped(h).steps == 1
+    h.core.mark_ready("b", "embeds-b", h.now)
+    h.schedule()
+    joined = _stepped(h)
+    assert joined.admit == ("b",) and joined.steps == 5  # nothing waits now
+    # A full worker has no room: what waits does not hold its batch to single steps.
+    h.submit(spec("c", steps=20))
+    h.schedule()
+    assert _stepped(h).steps == 5 and h.status("c") is S.QUEUED
+
+
+@pytest.mark.parametrize("max_plan_s, steady", [(0.0, True), (0.05, False)])
+def test_one_step_a_plan_when_switched_off_or_the_policy_is_not_steady(max_plan_s, steady):
+    policy = make_policy("continuous")
+    policy.steady = steady  # a policy whose plans move with the clock
+    h = Harness(policy, workers=1, batch=2, depth=1, max_plan_s=max_plan_s)
+    h.submit(spec("a", steps=6))
+    h.run()
+    assert h.status("a") is S.FINISHED and {p.steps for p in h.sent} == {1} and len(h.sent) == 6
+
+
 # ---- plan validation -----------------------------------------------------------------------------
 
 
@@ -154,6 +209,7 @@ BAD = {
     "release without export": (WorkerPlan("w0", release=("a",)), "without an export"),
     "unknown worker": (WorkerPlan("w9"), "unknown or dead"),
     "sp on one worker": (WorkerPlan("w0", groups=(StepGroup(("a",), (0, 1)),)), "SP group"),
+    "steps set by the policy": (WorkerPlan("w0", groups=(StepGroup(("a", "b")),), steps=2), "router-filled"),
 }
 
 
@@ -330,7 +386,8 @@ def _random_arrivals(rng, n, frames=(1,)):
 @pytest.mark.parametrize("seed", range(6))
 def test_random_runs_keep_invariants(policy, seed):
     rng = random.Random(seed)
-    h = Harness(policy, workers=rng.randint(1, 3), batch=rng.randint(1, 4), depth=rng.randint(1, 2))
+    h = Harness(policy, workers=rng.randint(1, 3), batch=rng.randint(1, 4), depth=rng.randint(1, 2),
+                max_plan_s=rng.choice([0.0, 0.05]))
     arrivals = _random_arrivals(rng, rng.randint(5, 25), frames=(1, 1, 5))
     cancels = {rng.randint(0, 40): a[1].request_id for a in rng.sample(arrivals, len(arrivals) // 5)}
     for tick in range(3000):

@@ -77,6 +77,24 @@ def test_ops_run_in_order(tiny_family):
     assert report.failed == () and latents.shape == (1, 4, 8, 8) and r.resident == ()
 
 
+def test_a_plan_of_several_steps_equals_as_many_plans_of_one(tiny_family):
+    specs = [make_spec("a", steps=5, seed=1), make_spec("b", steps=3, seed=2)]
+    admissions = {s.request_id: admission_for(tiny_family, s) for s in specs}
+    one_by_one, at_once = runner(tiny_family), runner(tiny_family)
+    one_by_one.execute(WorkerPlan("w0", admit=("a", "b")), admissions)
+    for _ in range(2):
+        one_by_one.execute(WorkerPlan("w0", groups=(group("a", "b"),)), {})
+    _, (b_alone,) = one_by_one.execute(WorkerPlan("w0", groups=(group("a", "b"),), finish=("b",)), {})
+    report, (b_at_once,) = at_once.execute(
+        WorkerPlan("w0", admit=("a", "b"), groups=(group("a", "b"),), finish=("b",), steps=3), admissions)
+    assert report.progress == (RequestProgress("a", 3, 5), RequestProgress("b", 3, 3)) and report.batch_size == 2
+    np.testing.assert_array_equal(b_at_once, b_alone)
+    torch.testing.assert_close(at_once.samplers["a"].latents, one_by_one.samplers["a"].latents, rtol=0, atol=0)
+    # Finishing is checked against the steps the plan really ran.
+    report, _ = at_once.execute(WorkerPlan("w0", groups=(group("a"),), finish=("a",), steps=1), {})
+    assert failures(report) == {"a": False} and "steps are left" in report.failed[0].message
+
+
 def test_payloads_follow_plan_outputs_and_a_checkpoint_resumes_exactly(tiny_family):
     r = runner(tiny_family)
     specs = {rid: make_spec(rid, steps=n, seed=seed) for rid, n, seed in (("a", 1, 1), ("b", 3, 2), ("c", 3, 3))}
