@@ -109,7 +109,7 @@ class Router:
         try:
             return await asyncio.shield(waiter)
         except asyncio.CancelledError:
-            # This caller went away; once nobody waits, free its worker at the next step.
+            # This caller went away; once nobody waits, free its slot when the plan ends.
             self._callers[rid] -= 1
             if self._waiters.get(rid) is waiter and not waiter.done() and not self._callers[rid]:
                 self._cancel(rid)
@@ -123,7 +123,7 @@ class Router:
         self._submit(spec)
 
     async def cancel(self, request_id: str) -> bool:
-        """Cancel a live request; it leaves its worker at the next step boundary. A video's job
+        """Cancel a live request; it leaves its worker when the worker's current plan ends. A video's job
         record says so before this returns."""
         cancelled, recording = self._cancel(request_id)
         if recording is not None:

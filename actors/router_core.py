@@ -15,6 +15,11 @@ A round (`schedule`) is schedule / execute / update in vLLM's sense, for the who
    (exported and checkpointed states, final latents or frames). Handles are opaque here: Ray
    object refs live, tokens in the simulator. Bulk data never passes through the core.
 
+Under a steady policy (`Scheduler.steady`) a plan that nothing would change runs several steps
+(`WorkerPlan.steps`, within `CoreConfig.max_plan_s`): the worker loops over its batch locally,
+and the router steps in only when a request waits that the worker has room for, or one of the
+batch finishes.
+
 Reports come back per worker in plan order (`apply`). A worker that dies loses what it held:
 each of those requests resumes from its last checkpoint, or starts over, on another worker
 (`worker_lost`), so a fault costs time, not requests.
