@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from stepserve.load_tests.live import run_open_loop, wait_ready
-from stepserve.load_tests.local_app import bench_serve_config, deployed, free_port, local_ray
+from stepserve.load_tests.local_app import bench_serve_config, deployed, free_port, local_ray, log
 from stepserve.load_tests.metrics import percentile, summarize
 from stepserve.load_tests.plots import plot_overload
 from stepserve.load_tests.records import RequestRecord
@@ -126,10 +126,6 @@ def run_setting(base: dict[str, Any], port: int, max_wait: float | None, capacit
     log(f"[{label}] " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items()))
     return {"label": label, "max_image_queue_wait_s": max_wait, **result,
             "records": [asdict(r) for r in records]}
-
-
-def log(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

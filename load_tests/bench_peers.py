@@ -34,7 +34,7 @@ import torch
 from stepserve.deployments.config import AppConfig
 from stepserve.engine.families import ALL_PARTS, load_family
 from stepserve.load_tests.live import run_open_loop, wait_ready
-from stepserve.load_tests.local_app import bench_serve_config, deployed, free_port, local_ray
+from stepserve.load_tests.local_app import bench_serve_config, deployed, free_port, local_ray, log
 from stepserve.load_tests.metrics import percentile, summarize
 from stepserve.load_tests.plots import plot_peers
 from stepserve.load_tests.server_metrics import histogram_totals, run_means, scrape_text, stage_means, stage_totals
@@ -176,10 +176,6 @@ def capacity_at(points: list[dict[str, Any]], slo: float = 0.9) -> float | None:
             break
         best = rate
     return best
-
-
-def log(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import socket
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -52,3 +53,8 @@ def deployed(config: dict[str, Any]) -> Iterator[str]:
         yield f"http://{http['host']}:{http['port']}"
     finally:
         serve.delete(config["applications"][0].get("name", "stepserve"))
+
+
+def log(line: str) -> None:
+    """A benchmark's progress line: stderr, so stdout keeps only its results."""
+    print(line, file=sys.stderr, flush=True)

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from stepserve.load_tests.bench_batching import run_policy
-from stepserve.load_tests.local_app import free_port, local_ray
+from stepserve.load_tests.local_app import free_port, local_ray, log
 from stepserve.load_tests.metrics import Summary, summarize
 from stepserve.load_tests.plots import plot_sim_vs_live
 from stepserve.load_tests.records import RequestRecord
@@ -258,10 +258,6 @@ def compare(args: argparse.Namespace) -> list[Comparison]:
                 out.append(make_comparison(policy, rate, requests, live.records, sim_records, result.busy_s,
                                            live.server))
     return out
-
-
-def log(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
 
 
 def _pct(value: float | None) -> str:
