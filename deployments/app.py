@@ -24,8 +24,18 @@ from stepserve.deployments.vae_decoder import VAEDecoder
 LONG_CALLS = 100_000
 
 
-def _actor_options(component: ComponentConfig) -> dict[str, Any]:
-    return {"num_cpus": component.num_cpus, "num_gpus": component.num_gpus}
+def _actor_options(config: AppConfig, num_cpus: float, num_gpus: float = 0) -> dict[str, Any]:
+    options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus}
+    if config.serve_metrics_export_ms is not None:
+        # Read by Serve when the replica process starts, so it can only come in as its environment
+        # (merged with the application's runtime_env; this key wins).
+        interval = str(config.serve_metrics_export_ms)
+        options["runtime_env"] = {"env_vars": {"RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": interval}}
+    return options
+
+
+def _component_options(config: AppConfig, component: ComponentConfig) -> dict[str, Any]:
+    return _actor_options(config, component.num_cpus, component.num_gpus)
 
 
 def build_app(args: dict[str, Any] | AppConfig) -> Application:
@@ -35,29 +45,30 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
     te = config.text_encoder
     text_encoder = serve.deployment(TextEncoder, name="TextEncoder").options(
         num_replicas=te.num_replicas, max_ongoing_requests=max(64, 4 * te.max_batch_size),
-        ray_actor_options=_actor_options(te),
+        ray_actor_options=_component_options(config, te),
     ).bind(sources, te.device, te.torch_threads, te.max_batch_size, te.batch_wait_timeout_s, te.cache_size)
 
     # Videos decode on the worker that holds them (GenServe: decode does not benefit from SP).
     vd = config.vae_decoder
     image_sources = [m.to_source() for m in config.models if not m.is_video]
     vae_decoder = serve.deployment(VAEDecoder, name="VAEDecoder").options(
-        num_replicas=vd.num_replicas, max_ongoing_requests=16, ray_actor_options=_actor_options(vd),
+        num_replicas=vd.num_replicas, max_ongoing_requests=16, ray_actor_options=_component_options(config, vd),
     ).bind(image_sources, vd.device, vd.torch_threads)
 
     # One replica, apart from the router: a router restart loses no finished job.
     jobs = config.jobs
     store = serve.deployment(JobStore, name="JobStore").options(
-        num_replicas=1, max_ongoing_requests=LONG_CALLS, ray_actor_options={"num_cpus": 0},
+        num_replicas=1, max_ongoing_requests=LONG_CALLS, ray_actor_options=_actor_options(config, 0),
     ).bind(jobs.ttl_s, jobs.max_bytes, jobs.max_jobs)
 
     rc = config.router
     spec = RouterSpec(rc.policy, config.policy_options(), tuple(rc.profiles), rc.core_config())
     router = serve.deployment(Router, name="Router").options(
-        num_replicas=1, max_ongoing_requests=LONG_CALLS, ray_actor_options={"num_cpus": 0},
+        num_replicas=1, max_ongoing_requests=LONG_CALLS, ray_actor_options=_actor_options(config, 0),
     ).bind(sources, config.workers.to_spec(), spec, text_encoder, vae_decoder, store)
 
     ing = config.ingress
     return serve.deployment(Ingress, name="Ingress").options(
-        num_replicas=ing.num_replicas, max_ongoing_requests=LONG_CALLS, ray_actor_options=_actor_options(ing),
+        num_replicas=ing.num_replicas, max_ongoing_requests=LONG_CALLS,
+        ray_actor_options=_component_options(config, ing),
     ).bind(config, router, store, text_encoder)

@@ -221,6 +221,11 @@ class AppConfig(_Strict):
     metrics_api_keys: list[str] = Field(
         default_factory=list,
         description="Tokens for GET /metrics only (e.g. a Prometheus scraper's); empty: /metrics takes api_keys.")
+    serve_metrics_export_ms: int | None = Field(
+        default=1000, ge=1,
+        description="How often each replica exports Ray Serve's own request metrics (the replica's and its handles' "
+                    "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS). Serve's default, 100 ms, is a 10 Hz loop in every replica "
+                    "and handle that burns CPU while the app is idle; None keeps Serve's default.")
 
     @field_validator("models")
     @classmethod

@@ -8,8 +8,9 @@ mix and SLOs), one after another. Per point: P50/P95/P99, throughput, SLO attain
 generator's send lag, the CPU seconds of every Ray process (the whole server: proxy, replicas,
 raylet, GCS) per request, and for stepserve the queue wait and the per-stage timeline of an
 image (ingress, text encoding, queue, steps, decode) from its /metrics. Once per system: the idle
-CPU of the whole app; once per run: a bare in-process pipeline call per step count, the floor
-any server adds its hops to.
+CPU of the whole app, per process. Once per run: the idle CPU of Ray and Serve with no app
+deployed (the floor every system's idle includes), and a bare in-process pipeline call per step
+count, the floor any server adds its hops to.
 
     python -m stepserve.load_tests.bench_peers --out docs/results/peers
 """
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from ray import serve
 
 from stepserve.deployments.config import AppConfig
 from stepserve.engine.families import ALL_PARTS, load_family
@@ -43,7 +45,7 @@ from stepserve.policies.cost_model import load_profile
 from stepserve.runtime import default_config_path, load_serve_config
 
 SYSTEMS = ("stepserve", "per_request", "batched")
-IDLE_S = 10.0  # seconds the deployed, warmed-up app is left alone to measure its idle CPU
+IDLE_S = 20.0  # seconds the deployed, warmed-up app is left alone to measure its idle CPU
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -81,11 +83,11 @@ def peer_config(base: dict[str, Any], port: int, mode: str, batch_wait_s: float)
     return config
 
 
-def ray_cpu_seconds() -> float:
-    """CPU seconds so far of every Ray process on this machine (the server), not this one (the
-    load generator and Ray's driver)."""
+def ray_process_cpu() -> dict[int, tuple[str, float]]:
+    """pid -> (process title, CPU seconds so far) of every Ray process on this machine (the
+    server), not this one (the load generator and Ray's driver)."""
     ticks = os.sysconf("SC_CLK_TCK")
-    total = 0.0
+    out = {}
     for pid in os.listdir("/proc"):
         if not pid.isdigit() or int(pid) == os.getpid():
             continue
@@ -97,8 +99,35 @@ def ray_cpu_seconds() -> float:
         except OSError:
             continue  # ended meanwhile
         if b"ray::" in cmdline or b"/ray/" in cmdline:
-            total += (int(fields[11]) + int(fields[12])) / ticks
-    return total
+            out[int(pid)] = (_title(cmdline), (int(fields[11]) + int(fields[12])) / ticks)
+    return out
+
+
+def _title(cmdline: bytes) -> str:
+    """A Ray process's name: its actor (`ray::ServeReplica:stepserve:Router`, without the method
+    it runs now) or its program (`raylet`, `log_monitor.py`)."""
+    args = [arg.decode(errors="replace") for arg in cmdline.split(b"\0") if arg]
+    name = next((arg for arg in args if arg.startswith("ray::") or "/ray/" in arg), args[0])
+    return name.split(".", 1)[0].strip() if name.startswith("ray::") else name.rsplit("/", 1)[-1]
+
+
+def ray_cpu_seconds() -> float:
+    """CPU seconds so far of every Ray process on this machine."""
+    return sum(seconds for _, seconds in ray_process_cpu().values())
+
+
+def idle_cpu(seconds: float = IDLE_S) -> dict[str, Any]:
+    """Cores every Ray process burns over `seconds` left alone, in all and per process title
+    (largest first; a title shared by several processes is summed)."""
+    before = ray_process_cpu()
+    time.sleep(seconds)
+    after = ray_process_cpu()
+    per_title: dict[str, float] = {}
+    for pid, (title, cpu) in after.items():
+        if pid in before:
+            per_title[title] = per_title.get(title, 0.0) + (cpu - before[pid][1]) / seconds
+    return {"cores": sum(per_title.values()),
+            "processes": dict(sorted(per_title.items(), key=lambda item: -item[1]))}
 
 
 def bare_pipeline_seconds(base: dict[str, Any], prompt: str, size: tuple[int, int], steps: list[int],
@@ -145,10 +174,8 @@ def run_system(name: str, config: dict[str, Any], loads: dict[tuple[float, int],
                                 num_requests=args.warmup), cost)
         asyncio.run(run_open_loop(url, warm, args.request_timeout, warm[-1].offset_s + args.request_timeout))
         time.sleep(2.0)  # the warm-up's tail settles
-        cpu = ray_cpu_seconds()
-        time.sleep(IDLE_S)
-        idle_cores = (ray_cpu_seconds() - cpu) / IDLE_S
-        log(f"[{name}] idle: {idle_cores:.3f} cores")
+        idle = idle_cpu()
+        log(f"[{name}] idle: {idle['cores']:.3f} cores")
         points = []
         for (rate, repeat), requests in loads.items():
             point = run_point(url, requests, args, with_metrics=name == "stepserve")
@@ -157,7 +184,7 @@ def run_system(name: str, config: dict[str, Any], loads: dict[tuple[float, int],
                 f"{point['count']} CPU/req {point['cpu_per_request_s'] * 1000:.0f} ms "
                 f"lag {point['max_send_lag_s'] or 0:.2f} s")
             points.append({"rate": rate, "repeat": repeat, **point})
-    return {"system": name, "idle_cores": idle_cores, "points": points}
+    return {"system": name, "idle_cores": idle["cores"], "idle_processes": idle["processes"], "points": points}
 
 
 def medians(points: list[dict[str, Any]], key: str) -> dict[float, float | None]:
@@ -194,11 +221,18 @@ def main(argv: list[str] | None = None) -> int:
     port = free_port()
     systems = []
     with local_ray(args.num_cpus):
+        # What Ray and Serve burn with no app deployed (GCS, raylet, agents, controller, proxy):
+        # every system's idle includes it, and no app can go below it.
+        serve.start(http_options=bench_serve_config(base, port)["http_options"])
+        time.sleep(2.0)
+        floor = idle_cpu()
+        log(f"idle with no app: {floor['cores']:.3f} cores")
         for name in args.systems:
             config = (bench_serve_config(base, port) if name == "stepserve"
                       else peer_config(base, port, name, args.batch_wait))
             systems.append(run_system(name, config, loads, args, spec, cost))
     for system in systems:
+        system["idle_above_floor_cores"] = system["idle_cores"] - floor["cores"]
         system["capacity_at_90_slo_rps"] = capacity_at(system["points"])
         for key in ("latency_p50_s", "latency_p95_s", "latency_p99_s", "slo_attainment", "cpu_per_request_s",
                     "throughput_rps"):
@@ -212,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         "duration_s": args.duration, "repeats": args.repeats, "batch_wait_timeout_s": args.batch_wait,
         "bare_pipeline_s": {str(n): s for n, s in bare.items()},
         "bare_pipeline_mean_s": statistics.mean(bare[r.num_inference_steps] for rs in loads.values() for r in rs),
+        "idle_floor_cores": floor["cores"], "idle_floor_processes": floor["processes"],
         "systems": systems,
     }
     (args.out / "peers.json").write_text(json.dumps(report, indent=1, default=str))
@@ -226,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{'; '.join(_pct(p['slo_attainment']) for p in runs):>10}"
                   f"{statistics.median(p['cpu_per_request_s'] for p in runs) * 1000:>12.0f}")
         print(f"{system['system']:<13} capacity at 90% SLO: {system['capacity_at_90_slo_rps']} req/s; "
-              f"idle {system['idle_cores']:.3f} cores")
+              f"idle {system['idle_cores']:.3f} cores, {system['idle_above_floor_cores']:.3f} above Ray and Serve "
+              f"with no app ({floor['cores']:.3f})")
     print(f"wrote {args.out / 'peers.json'} and {args.out / 'peers.png'}")
     return 0
 

@@ -1,0 +1,49 @@
+"""The application graph `build_app` binds: every deployment, and the options each gets."""
+
+from __future__ import annotations
+
+from ray.serve.deployment import Application
+
+from stepserve.deployments.app import build_app
+from stepserve.runtime import default_config_path, load_serve_config
+
+METRICS_ENV = "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"
+
+
+def deployments(app: Application) -> dict[str, object]:
+    """Name -> deployment, for every deployment reachable from the ingress."""
+    found, todo = {}, [app]
+    while todo:
+        deployment = todo.pop()._bound_deployment
+        if deployment.name not in found:
+            found[deployment.name] = deployment
+            todo += [a for a in (*deployment.init_args, *deployment.init_kwargs.values()) if isinstance(a, Application)]
+    return found
+
+
+def app_args(**changes) -> dict:
+    args = dict(load_serve_config(default_config_path())["applications"][0]["args"])
+    return {**args, **changes}
+
+
+def test_every_deployment_exports_serves_metrics_at_the_configured_interval():
+    graph = deployments(build_app(app_args()))
+    assert set(graph) == {"Ingress", "Router", "TextEncoder", "VAEDecoder", "JobStore"}
+    for name, deployment in graph.items():
+        assert deployment.ray_actor_options["runtime_env"]["env_vars"][METRICS_ENV] == "1000", name
+
+    graph = deployments(build_app(app_args(serve_metrics_export_ms=250)))
+    assert {d.ray_actor_options["runtime_env"]["env_vars"][METRICS_ENV] for d in graph.values()} == {"250"}
+
+
+def test_serves_default_interval_leaves_the_environment_alone():
+    for name, deployment in deployments(build_app(app_args(serve_metrics_export_ms=None))).items():
+        assert "runtime_env" not in deployment.ray_actor_options, name
+
+
+def test_resources_are_the_configs():
+    graph = deployments(build_app(app_args(ingress={"num_cpus": 0.2}, text_encoder={"num_cpus": 0.3, "num_gpus": 0})))
+    assert graph["Ingress"].ray_actor_options["num_cpus"] == 0.2
+    assert graph["TextEncoder"].ray_actor_options["num_cpus"] == 0.3
+    assert graph["Router"].ray_actor_options["num_cpus"] == 0
+    assert graph["JobStore"].ray_actor_options["num_cpus"] == 0
