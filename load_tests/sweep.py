@@ -95,7 +95,8 @@ def sim_config_from_serve(path: str | os.PathLike) -> dict[str, Any]:
         workers=app.workers.num_workers, max_batch_size=app.workers.max_batch_size, policy=app.router.policy,
         policy_options=dict(app.router.policy_options), max_queued_images=app.router.max_queued_images,
         max_queued_videos=app.router.max_queued_videos, pipeline_depth=app.router.pipeline_depth,
-        pipeline_lead_s=app.router.pipeline_lead_s, max_plan_s=app.router.max_plan_s, decoders=app.vae_decoder.num_replicas,
+        pipeline_lead_s=app.router.pipeline_lead_s, max_plan_s=app.router.max_plan_s,
+        decoders=app.vae_decoder.num_replicas,
         text_encoder=TextEncoderSpec(replicas=te.num_replicas, max_batch_size=te.max_batch_size,
                                      batch_wait_s=te.batch_wait_timeout_s, cache_size=te.cache_size),
     )

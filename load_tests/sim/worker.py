@@ -1,12 +1,13 @@
 """A simulated denoiser worker: `engine/step_runner.StepRunner` with the tensors taken out.
 
 It executes `WorkerPlan`s in the real runner's order (drop, admit, one forward per group
-`plan.steps` times over, export / checkpoint / finish, release), tracks each resident request's steps, and answers with
-a real `StepReport` plus one token per `plan.outputs` entry (a `SimState` for exported and
-checkpointed state, the request id for a finished output). It fails a request exactly where the
-real runner does (not resident, resuming from a state that is not ready), so the core's fault
-handling can be driven by it too. Time comes from the cost model: a plan takes the cost of the
-groups that really ran (`cost.round_seconds`) for each of its steps, plus a video's decode when it finishes here.
+`plan.steps` times over, export / checkpoint / finish, release), tracks each resident
+request's steps, and answers with a real `StepReport` plus one token per `plan.outputs` entry
+(a `SimState` for exported and checkpointed state, the request id for a finished output). It
+fails a request exactly where the real runner does (not resident, resuming from a state that is
+not ready), so the core's fault handling can be driven by it too. Time comes from the cost
+model: a plan takes the cost of the groups that really ran (`cost.round_seconds`) for each of
+its steps, plus a video's decode when it finishes here.
 """
 
 from __future__ import annotations

@@ -37,7 +37,8 @@ class Harness:
                  max_plan_s: float = 0.0) -> None:
         scheduler = make_policy(policy, options, costs) if isinstance(policy, str) else policy
         config = CoreConfig(
-            pipeline_depth=depth, pipeline_lead_s=lead_s, checkpoint_interval_s=checkpoint_interval_s, max_plan_s=max_plan_s,
+            pipeline_depth=depth, pipeline_lead_s=lead_s, checkpoint_interval_s=checkpoint_interval_s,
+            max_plan_s=max_plan_s,
             max_queued=max_queued or {RequestKind.T2I: 64, RequestKind.T2V: 64}, max_recoveries=max_recoveries)
         ids = [f"w{i}" for i in range(workers)]
         self.core = RouterCore(scheduler, [WorkerSlot(w, batch, i) for i, w in enumerate(ids)], config, costs)
