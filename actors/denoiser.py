@@ -2,7 +2,9 @@
 
 A plain class; `actors.pool` turns it into an addressable Ray actor. The router sends it one
 `WorkerPlan` per round (`execute`), images and videos alike; a video's forward may run
-sequence-parallel with other workers of the same `SPWorld`. Latents stay on the worker between
+sequence-parallel with other workers of the same `SPWorld`. `interrupt` runs in a concurrency
+group of its own (`CONTROL`), beside a running plan, so the router can cut a plan of several
+steps short at its next step boundary. Latents stay on the worker between
 steps: they leave only as an exported or checkpointed state (host memory, handed on as an
 object ref), a finished image's latents, or a finished video's frames.
 """
@@ -23,6 +25,8 @@ from stepserve.engine.families import DENOISER, VAE, ModelSource, family_class, 
 from stepserve.engine.sampler import Conditioning
 from stepserve.engine.step_runner import Admission, StepRunner
 from stepserve.policies.types import RequestFailure, RequestSpec, StepReport, WorkerPlan
+
+CONTROL = "control"  # the concurrency group of the calls that must not wait for a running plan
 
 # Errors that mean an input's producer (a worker, the text encoder, or the ref's owner) died:
 # the request is resumed from its last checkpoint, not failed.
@@ -69,6 +73,7 @@ class DenoiserWorker:
         self.incarnation = uuid4().hex
         self.runner = StepRunner(worker_id, families, self.incarnation)
         self.sp_world: SPWorld | None = None
+        self._interrupted = 0  # the plan id the router last asked to cut short
 
     def ready(self) -> str:
         """This process's incarnation (see `StepReport.incarnation`)."""
@@ -81,11 +86,18 @@ class DenoiserWorker:
         one payload per id of `plan.outputs` (call it with `num_returns=1 + len(plan.outputs)`).
         """
         resolved, unresolved = self._resolve(admissions)
-        report, payloads = self.runner.execute(plan, resolved, sp_group=self._sp_group)
+        report, payloads = self.runner.execute(plan, resolved, sp_group=self._sp_group,
+                                               stop=lambda: self._interrupted == plan.plan_id)
         if unresolved:  # the runner saw no admission for these; say why
             failed = tuple(unresolved.get(f.request_id, f) for f in report.failed)
             report = replace(report, failed=failed)
         return (report, *payloads) if plan.outputs else report
+
+    @ray.method(concurrency_group=CONTROL)
+    def interrupt(self, plan_id: int) -> None:
+        """End plan `plan_id` after the step it is running (its report says how many ran). A plan
+        that already ended, or another plan, is not affected."""
+        self._interrupted = plan_id  # one int: read by the plan's thread between steps
 
     def _resolve(self, refs: tuple[AdmissionRef, ...]) -> tuple[dict[str, Admission], dict[str, RequestFailure]]:
         """Every ref's value in one `ray.get`; if that fails, one by one, so a bad ref fails

@@ -8,7 +8,7 @@ from typing import Sequence
 
 import ray
 
-from stepserve.actors.denoiser import DenoiserWorker
+from stepserve.actors.denoiser import CONTROL, DenoiserWorker
 from stepserve.engine.families import ModelSource
 
 
@@ -30,7 +30,8 @@ def start_workers(spec: WorkerPoolSpec, models: Sequence[ModelSource],
     Each is a named actor, `<prefix>-w<i>-<token>`, so an operator can find it with `ray list
     actors`; the token keeps a restarted router's workers apart from the ones its predecessor is
     still tearing down."""
-    remote_cls = ray.remote(DenoiserWorker)
+    # One plan at a time; an interrupt runs beside it (Ray takes concurrency groups only here).
+    remote_cls = ray.remote(concurrency_groups={CONTROL: 1})(DenoiserWorker)
     token = uuid.uuid4().hex[:8]
     workers, names = {}, {}
     for i in range(spec.num_workers):

@@ -109,7 +109,7 @@ class Router:
         try:
             return await asyncio.shield(waiter)
         except asyncio.CancelledError:
-            # This caller went away; once nobody waits, free its slot when the plan ends.
+            # This caller went away; once nobody waits, free its slot at the next step.
             self._callers[rid] -= 1
             if self._waiters.get(rid) is waiter and not waiter.done() and not self._callers[rid]:
                 self._cancel(rid)
@@ -123,8 +123,8 @@ class Router:
         self._submit(spec)
 
     async def cancel(self, request_id: str) -> bool:
-        """Cancel a live request; it leaves its worker when the worker's current plan ends. A video's job
-        record says so before this returns."""
+        """Cancel a live request; it leaves its worker at the worker's next step boundary. A video's
+        job record says so before this returns."""
         cancelled, recording = self._cancel(request_id)
         if recording is not None:
             await recording
@@ -224,7 +224,7 @@ class Router:
             self._kick.clear()
             started = time.perf_counter()
             now = time.monotonic()
-            decision = self.core.schedule(now, self._send)
+            decision = self.core.schedule(now, self._send, self._interrupt)
             self.metrics.plan_latency.observe(time.perf_counter() - started)
             timeout = None if decision.wake_at is None else max(0.0, decision.wake_at - time.monotonic())
             if decision.plans:
@@ -244,6 +244,11 @@ class Router:
         self._reports[plan.worker_id].append(returns[0])
         self._report_ready[plan.worker_id].set()
         return list(returns[1:])
+
+    def _interrupt(self, worker_id: str, plan_id: int) -> None:
+        """Ask a worker to end a plan after its current step; its report says how many ran. Not
+        awaited: a dead worker's report loop finds out."""
+        self.workers[worker_id].interrupt.remote(plan_id)
 
     # -- reports ---------------------------------------------------------------------------
 

@@ -17,8 +17,11 @@ A round (`schedule`) is schedule / execute / update in vLLM's sense, for the who
 
 Under a steady policy (`Scheduler.steady`) a plan that nothing would change runs several steps
 (`WorkerPlan.steps`, within `CoreConfig.max_plan_s`): the worker loops over its batch locally,
-and the router steps in only when a request waits that the worker has room for, or one of the
-batch finishes.
+and the router steps in only when one of the batch finishes, or when something happens that
+changes the plan: then it cuts the plan short at the worker's next step boundary (`interrupt`)
+and plans again from the steps the worker reports. That happens when a request the worker holds
+is cancelled, and, under a policy that joins running batches, when a request becomes ready that
+no worker took and this one has room for.
 
 Reports come back per worker in plan order (`apply`). A worker that dies loses what it held:
 each of those requests resumes from its last checkpoint, or starts over, on another worker
@@ -94,8 +97,8 @@ class CoreConfig:
     max_recoveries: int = 3  # faults one request survives before it fails
     # A steady policy's batch runs several steps in one plan, up to this long, while nothing waits
     # that the worker could take: the router and the hop to the worker are paid once per plan,
-    # not per step. A request that arrives meanwhile joins a running batch up to this much later
-    # (an idle worker takes it at once), and a cancelled one leaves it as late. 0: a step a plan.
+    # not per step. A request that arrives meanwhile, or a cancel, cuts the plan short at its next
+    # step (see `RouterCore`). 0: a step a plan.
     max_plan_s: float = 0.3
 
     def __post_init__(self) -> None:
@@ -123,6 +126,8 @@ class Admission:
 
 # `send(plan, admissions)` dispatches a plan and returns one handle per `plan.outputs` entry.
 Send = Callable[[WorkerPlan, tuple[Admission, ...]], Sequence[object]]
+# `interrupt(worker_id, plan_id)` asks the worker to end that plan after the step it is running.
+Interrupt = Callable[[str, int], None]
 
 
 @dataclass(frozen=True)
@@ -221,6 +226,15 @@ class _Worker:
         # its pipeline is full, else when its plans in flight are predicted to end, less the lead.
         self.open_from = -math.inf
         self.timer = 0  # invalidates an opening time pushed before the last change
+        # The plan asked to end early: until it reports, nothing is planned after it (its
+        # successor would assume all of its steps ran).
+        self.interrupted: int | None = None
+
+    @property
+    def cuttable(self) -> bool:
+        """Its one plan in flight runs several steps and may be cut short."""
+        return (self.alive and self.interrupted is None and len(self.in_flight) == 1
+                and self.in_flight[0].plan.steps > 1)
 
     def free_at(self) -> float | None:
         """When the plans in flight are predicted to have run; None when unknown."""
@@ -269,6 +283,8 @@ class RouterCore:
         self._open_idle_ids: dict[str, None] = {}  # open, holding nothing
         self._tables_version = 0
         self._with_drops: dict[str, None] = {}  # workers holding cancelled requests to forget
+        self._with_room: dict[str, None] = {}  # cuttable workers with room in their batch (`_refresh_workers`)
+        self._interrupted: dict[str, None] = {}  # workers whose plan was asked to end early, until it reports
         self._counts: dict[RequestKind, dict[RequestStatus, int]] = {k: {} for k in RequestKind}
         self.sp_available = True
         self.overhead = StepOverhead()
@@ -313,8 +329,9 @@ class RouterCore:
 
     # ---- rounds ---------------------------------------------------------------------------
 
-    def schedule(self, now: float, send: Send, max_passes: int = 4) -> Decision:
-        """Decide and dispatch a round. Returns what was sent (and the policy's `wake_at`).
+    def schedule(self, now: float, send: Send, interrupt: Interrupt, max_passes: int = 4) -> Decision:
+        """Decide and dispatch a round, then cut short the running plans it changed (`interrupt`).
+        Returns what was sent (and the policy's `wake_at`).
 
         A pass that exports state (a pause, or the first half of a move) changes what the next
         placement can do, and a worker that got a plan may still be open (its pipeline has room
@@ -343,6 +360,12 @@ class RouterCore:
             wake_at = decision.wake_at
             if not again:
                 break
+        for worker in self._to_interrupt(now):
+            plan_id = worker.in_flight[0].plan.plan_id
+            worker.interrupted = plan_id
+            self._interrupted[worker.slot.worker_id] = None
+            self._retime(worker)
+            interrupt(worker.slot.worker_id, plan_id)
         opens = self._next_opening()
         if opens is not None:
             wake_at = opens if wake_at is None else min(wake_at, opens)
@@ -386,16 +409,42 @@ class RouterCore:
         """How many steps the plan runs: one, unless the policy is steady and the plan would come
         back unchanged. Then its batch steps until its first request finishes, within
         `max_plan_s`. Not while something waits that the worker has room for (it would join at
-        the next step), nor across an export or an SP group (whose members step in lockstep)."""
+        the next step; under a policy that does not join running batches it would not), nor
+        across an export or an SP group (whose members step in lockstep)."""
         worker = self._workers[plan.worker_id]
         if (self.config.max_plan_s <= 0 or not self.policy.steady or worker.step_s is None or not plan.groups
                 or plan.export or plan.release or any(g.ranks for g in plan.groups)):
             return 1
-        if left_waiting > 0 and len(worker.residents) + len(plan.admit) < worker.slot.max_batch_size:
+        if (left_waiting > 0 and self.policy.joins_running
+                and len(worker.residents) + len(plan.admit) < worker.slot.max_batch_size):
             return 1
         left = min(self._requests[rid].spec.num_inference_steps - self._requests[rid].steps_planned
                    for rid in plan.stepping)
         return max(1, min(left, int(self.config.max_plan_s / max(worker.step_s, 1e-6))))
+
+    def _to_interrupt(self, now: float) -> list[_Worker]:
+        """Workers whose plan of several steps this round changed: one that holds a cancelled
+        request, and, under a policy that joins running batches, the least loaded with room for
+        the ready requests no worker took (one each). A plan is cut only while nothing is
+        planned after it and more than a step of it is left."""
+        def worth_it(worker: _Worker) -> bool:
+            free_at = worker.free_at()
+            return worker.cuttable and free_at is not None and free_at - now > (worker.step_s or 0.0)
+
+        out = [self._workers[wid] for wid in self._with_drops if worth_it(self._workers[wid])]
+        if not (self.policy.joins_running and self._waiting):
+            return out
+        if self._stale:
+            self._refresh_workers()
+        if not self._with_room:
+            return out
+        ready = sum(1 for rid in self._waiting if self._requests[rid].ready)
+        ready -= len(self._interrupted)  # each of those takes one when it reports
+        if ready <= 0:
+            return out
+        room = sorted((self._workers[wid] for wid in self._with_room),
+                      key=lambda w: (len(w.residents), w.slot.rank))
+        return out + [w for w in room if w not in out and worth_it(w)][:ready]
 
     def _count_steps(self, plans: list[WorkerPlan]) -> None:
         """Each stepped request advances `plan.steps` steps this round (every member of an SP
@@ -509,8 +558,16 @@ class RouterCore:
             if rid not in known:
                 raise ValueError(f"worker {report.worker_id!r} reported {rid!r}, which plan {report.plan_id} "
                                  f"does not name")
+        steps_run = sent.plan.steps if report.steps_run is None else report.steps_run
+        if not 1 <= steps_run <= sent.plan.steps:
+            raise ValueError(f"worker {report.worker_id!r} ran {steps_run} steps of plan {report.plan_id}, "
+                             f"which has {sent.plan.steps}")
+        if steps_run < sent.plan.steps and worker.interrupted != report.plan_id:
+            raise ValueError(f"worker {report.worker_id!r} cut plan {report.plan_id} short unasked")
         worker.in_flight.popleft()
-        self._calibrate(worker, sent, now)
+        worker.interrupted = None
+        self._interrupted.pop(report.worker_id, None)
+        self._calibrate(worker, sent, now, steps_run)
         self._retime(worker)
 
         def current(rid: str) -> _Request | None:
@@ -521,6 +578,9 @@ class RouterCore:
 
         failed, recovered, denoised = [], [], []
         failures = {f.request_id: f for f in report.failed}
+        if steps_run < sent.plan.steps:
+            self._cut_short(worker, sent, sent.plan.steps - steps_run,
+                            {rid: current(rid) for rid in sent.plan.stepping if rid not in failures})
         for rid, failure in failures.items():
             record = current(rid)
             if record is None:
@@ -547,12 +607,33 @@ class RouterCore:
                 record.host_from = None
         for rid in sent.plan.finish:
             record = current(rid)
-            if record is not None and rid not in failures:
+            if record is not None and rid not in failures and steps_run == sent.plan.steps:
                 record.steps_done = record.spec.num_inference_steps
                 record.denoised_time = now
                 self._set_status(record, RequestStatus.DECODING)
                 denoised.append((rid, sent.handles[rid]))
         return Outcome(tuple(denoised), tuple(failed), tuple(recovered))
+
+    def _cut_short(self, worker: _Worker, sent: _Sent, short: int, stepped: dict[str, _Request | None]) -> None:
+        """The plan ran `short` steps fewer than committed (no plan was sent after it, so its
+        steps are the last planned): take them back. What it was to finish is still resident
+        there: it stays, or, if it ended meanwhile (`stepped` maps it to None), is dropped."""
+        wid = worker.slot.worker_id
+        for rid, record in stepped.items():
+            if record is None:
+                if rid in sent.plan.finish:  # the router forgot it there at the commit
+                    worker.drops[rid] = None
+                    self._with_drops[wid] = None
+                continue
+            record.steps_planned -= short
+            del record.degrees[len(record.degrees) - short:]
+            if rid in sent.plan.finish:
+                record.workers = (wid,)
+                worker.residents[rid] = None
+            self._touch(record)
+        for rid in sent.checkpoints:
+            sent.checkpoints[rid] -= short
+        self._stale.add(wid)
 
     def complete(self, request_id: str, now: float) -> bool:
         """Its output is decoded/stored: the request is FINISHED."""
@@ -598,6 +679,8 @@ class RouterCore:
         if not worker.alive:
             return Outcome()
         worker.alive = False
+        worker.interrupted = None
+        self._interrupted.pop(worker_id, None)
         self._retime(worker)
         lost_plans = {(worker_id, sent.plan.plan_id) for sent in worker.in_flight}
         affected: dict[str, int] = {}
@@ -759,7 +842,7 @@ class RouterCore:
     def _retime(self, worker: _Worker) -> None:
         """After its plans in flight, its life or its timing changed: when does it open next?"""
         worker.timer += 1
-        if not worker.alive or len(worker.in_flight) >= self.config.pipeline_depth:
+        if not worker.alive or worker.interrupted is not None or len(worker.in_flight) >= self.config.pipeline_depth:
             worker.open_from = math.inf
         else:
             free_at = worker.free_at() if worker.in_flight else None
@@ -789,8 +872,11 @@ class RouterCore:
             self._open_ids.pop(wid, None)
             self._open_idle_ids.pop(wid, None)
             self._all_views.pop(wid, None)
+            self._with_room.pop(wid, None)
             if not worker.alive:
                 continue
+            if worker.cuttable and len(worker.residents) < worker.slot.max_batch_size:
+                self._with_room[wid] = None
             revived = revived or old is None
             needing = [self._requests[rid] for rid in worker.residents if self._requests[rid].needs_steps]
             views = tuple(self._view(r) for r in needing)
@@ -891,7 +977,7 @@ class RouterCore:
                 total += self._costs.decode_seconds(spec.model, spec.height, spec.width, spec.num_frames)
         return total
 
-    def _calibrate(self, worker: _Worker, sent: _Sent, now: float) -> None:
+    def _calibrate(self, worker: _Worker, sent: _Sent, now: float, steps_run: int) -> None:
         """What the plan cost as the router saw it (from when the worker could start it to its
         report) against the profile's prediction; the difference is the round trip and the
         worker's own overheads, which the scheduler then adds to its predictions."""
@@ -900,10 +986,11 @@ class RouterCore:
         observed = now - start
         plan = sent.plan
         if plan.groups:
-            per_step = observed / plan.steps
+            per_step = observed / steps_run
             worker.step_s = per_step if worker.step_s is None else worker.step_s + 0.2 * (per_step - worker.step_s)
-        if sent.predicted_s is None or plan.admit or plan.export or plan.checkpoint or plan.finish:
-            return  # moving state is not in the profile's numbers: calibrate on plain steps
+        if (sent.predicted_s is None or plan.admit or plan.export or plan.checkpoint or plan.finish
+                or steps_run < plan.steps):
+            return  # moving state (or a cut) is not in the profile's numbers: calibrate on plain plans
         self.overhead.observe(self._kind_of(plan), observed, sent.predicted_s)
 
     def _kind_of(self, plan: WorkerPlan) -> RequestKind:

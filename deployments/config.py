@@ -138,9 +138,8 @@ class RouterConfig(_Strict):
         default=0.3, ge=0, le=10,
         description="With a steady policy (continuous, static_fcfs, dynamic_batching), a batch nothing would change "
                     "runs several steps in one plan, up to this long: the router and the hop to the worker are "
-                    "paid once per plan instead of once per step. A request arriving while every worker is busy "
-                    "joins a batch up to this much later; a cancelled one frees its slot as late. 0: one step per "
-                    "plan.",
+                    "paid once per plan instead of once per step. A cancel, or a request that could join the batch "
+                    "(continuous), cuts the plan short at the worker's next step. 0: one step per plan.",
     )
     checkpoint_interval_s: float | None = Field(
         default=10.0, ge=0,

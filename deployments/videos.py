@@ -86,7 +86,7 @@ class VideoJobs:
                 "last_id": data[-1]["id"] if data else None, "has_more": has_more}
 
     async def cancel(self, video_id: str) -> dict[str, Any]:
-        """Stop a queued or running job when its worker's current plan ends; its record stays (cancelled)."""
+        """Stop a queued or running job at its worker's next step boundary; its record stays (cancelled)."""
         record = await self._record(video_id)
         if record.terminal:
             raise APIError(409, f"video {video_id} already {record.status}; nothing to cancel", param="video_id",

@@ -3,7 +3,8 @@
 The runner owns the samplers of its resident requests and never decides what runs; the router
 does, one plan per round. A plan runs, in order: drop, admit, one denoiser forward per group
 (sequence-parallel when the group names ranks) `plan.steps` times over, export, checkpoint,
-finish, release.
+finish, release. Between two of those steps `stop` may cut the plan short (the router wants the
+worker back: a request arrived or was cancelled); a request it was to finish then stays resident.
 
 Every failure is confined to the requests it concerns, reported in the `StepReport`, and a
 failed request is forgotten here (the router resumes it from a checkpoint or fails it). After a
@@ -63,13 +64,16 @@ class StepRunner:
         plan: WorkerPlan,
         admissions: Mapping[str, Admission],
         sp_group: Callable[[tuple[int, ...]], Any] | None = None,
+        stop: Callable[[], bool] | None = None,
     ) -> tuple[StepReport, list[Any]]:
         """Run `plan`. `admissions` holds an `Admission` for each id in `plan.admit`; `sp_group`
-        maps a group's world ranks to its process group (None for this worker alone).
+        maps a group's world ranks to its process group (None for this worker alone); `stop`,
+        asked before each step after the first, ends the plan's steps early when it says so.
 
         Returns the report and one payload per id of `plan.outputs`, in that order: an export's
         or a checkpoint's state (host-memory copies), a finished image's latents (float32
-        [1, C, h, w]) or a finished video's frames (uint8 [F, H, W, 3]); None where it failed.
+        [1, C, h, w]) or a finished video's frames (uint8 [F, H, W, 3]); None where it failed,
+        or where the plan was cut short before the request's last step.
         """
         start = time.perf_counter()
         run = _PlanRun(self)
@@ -77,15 +81,20 @@ class StepRunner:
             self.samplers.pop(rid, None)
         for rid in plan.admit:
             run.admit(rid, admissions.get(rid))
+        steps_run = 0
         for _ in range(plan.steps):
+            if steps_run and stop is not None and stop():
+                break
             for group in plan.groups:
                 run.step(group, sp_group)
+            steps_run += 1
+        cut = steps_run < plan.steps
         # What stepped (or was admitted) stands here now, also for those that leave below.
         progress = {rid: RequestProgress(rid, s.step_index, s.steps_total)
                     for rid in run.touched if (s := self.samplers.get(rid)) is not None}
         payloads = [run.export(rid) for rid in plan.export]
         payloads += [run.checkpoint(rid) for rid in plan.checkpoint]
-        payloads += [run.finish(rid) for rid in plan.finish]
+        payloads += [run.finish(rid, cut) for rid in plan.finish]
         for rid in plan.release:
             self.samplers.pop(rid, None)
         for device in self._cuda_devices:  # kernels are asynchronous; count them in the plan's time
@@ -98,6 +107,7 @@ class StepRunner:
             duration_s=time.perf_counter() - start,
             batch_size=len(plan.stepping),
             incarnation=self.incarnation,
+            steps_run=steps_run if cut else None,
         )
         return report, payloads
 
@@ -234,9 +244,10 @@ class _PlanRun:
             self.fail(rid, f"{op} failed: {type(exc).__name__}: {exc}", lost=False)
             return None
 
-    def finish(self, rid: str) -> np.ndarray | None:
+    def finish(self, rid: str, cut: bool) -> np.ndarray | None:
+        """Its output, and it leaves; if the plan was `cut` short before its last step, it stays."""
         sampler = self.resident(rid)
-        if sampler is None:
+        if sampler is None or (cut and not sampler.done):
             return None
         try:
             if not sampler.done:

@@ -37,10 +37,16 @@ class Scheduler(Protocol):
     `steady`: the plan it gives a worker stays the same until a request arrives, finishes, is
     cancelled or a worker changes; the router may then run it for several steps in one plan.
     A policy whose choice moves with the clock (deadlines, slack) is not steady.
+
+    `joins_running`: it may add a waiting request to a batch already running on a worker
+    (step-level batching). The router then keeps such a worker's plans short while a request
+    waits, and cuts a plan of several steps short when one becomes ready; a policy that only
+    starts batches on idle workers (request-level batching) leaves running plans alone.
     """
 
     name: str
     steady: bool
+    joins_running: bool
 
     def schedule(self, snapshot: ClusterSnapshot) -> Decision: ...
 
@@ -48,7 +54,10 @@ class Scheduler(Protocol):
 @runtime_checkable
 class WorkerPolicy(Protocol):
     """Decides one round for one worker, seeing the rest of the pool as it is now: a `Decision`
-    with at most that worker's plan (and a `wake_at` if it holds work back on purpose)."""
+    with at most that worker's plan (and a `wake_at` if it holds work back on purpose).
+    `joins_running` as in `Scheduler`."""
+
+    joins_running: bool
 
     def plan(self, snapshot: ClusterSnapshot, worker_id: str) -> Decision: ...
 
@@ -70,6 +79,7 @@ class PerWorker:
     def __init__(self, policy: WorkerPolicy) -> None:
         self.policy = policy
         self.name = getattr(policy, "name", type(policy).__name__)
+        self.joins_running = policy.joins_running
 
     def schedule(self, snapshot: ClusterSnapshot) -> Decision:
         busy = sorted(snapshot.open_workers(idle=False), key=lambda w: len(w.running))

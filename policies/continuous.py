@@ -27,6 +27,7 @@ class ContinuousConfig:
 @register_policy("continuous", ContinuousConfig)
 class ContinuousBatching:
     name: str  # set by register_policy
+    joins_running = True
 
     def __init__(self, config: ContinuousConfig = ContinuousConfig()) -> None:
         self.config = config

@@ -34,6 +34,7 @@ class DynamicBatchingConfig:
 @register_policy("dynamic_batching", DynamicBatchingConfig)
 class DynamicBatching:
     name: str  # set by register_policy
+    joins_running = False
 
     def __init__(self, config: DynamicBatchingConfig = DynamicBatchingConfig()) -> None:
         self.config = config

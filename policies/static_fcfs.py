@@ -26,6 +26,7 @@ class StaticFCFSConfig:
 @register_policy("static_fcfs", StaticFCFSConfig)
 class StaticFCFS:
     name: str  # set by register_policy
+    joins_running = False
 
     def __init__(self, config: StaticFCFSConfig = StaticFCFSConfig()) -> None:
         self.config = config

@@ -282,7 +282,8 @@ class WorkerPlan:
     ends the request's denoising: an image returns its latents, a video is decoded here and
     returns its frames; the other members of its SP group `release` it), `steps` (a steady
     policy's batch runs several steps per plan while nothing would change its plan: see
-    `CoreConfig.max_plan_s`), and `plan_id` (its position in the worker's sequence).
+    `CoreConfig.max_plan_s`; the router may cut such a plan short between two steps, and the
+    report says how many ran), and `plan_id` (its position in the worker's sequence).
     """
 
     worker_id: str
@@ -346,7 +347,11 @@ class RequestFailure:
 @dataclass(frozen=True)
 class StepReport:
     """A worker's answer to a `WorkerPlan`. `incarnation` changes when the worker restarts, so a
-    router can tell a fresh worker (which lost every resident request) from the one it knew."""
+    router can tell a fresh worker (which lost every resident request) from the one it knew.
+
+    `steps_run` is set only when the router cut the plan short (an interrupt between two of its
+    steps): it ran that many of its `steps`, and whatever it was to finish is still resident,
+    not denoised to the end."""
 
     worker_id: str
     plan_id: int
@@ -355,3 +360,4 @@ class StepReport:
     duration_s: float = 0.0  # time spent executing the plan
     batch_size: int = 0  # requests that stepped this round
     incarnation: str = ""
+    steps_run: int | None = None  # None: all of the plan's steps

@@ -37,7 +37,7 @@ class SharedHost:
         self.slowdown = slowdown or (lambda busy: 1.0)
         self._cores = max(1, math.floor(cpus))
         self._speeds: dict[int, float] = {}
-        self._jobs: dict[int, list[Any]] = {}  # id -> [remaining solo seconds, callback, args]
+        self._jobs: dict[int, list[Any]] = {}  # id -> [remaining solo seconds, callback, args, total]
         self._next_id = 0
         self._last = 0.0  # when `remaining` was last brought up to date
         self._token = 0  # invalidates the completion event scheduled before the last change
@@ -56,18 +56,36 @@ class SharedHost:
             self._speeds[n] = min(1.0, self.cpus / n) / self.slowdown(min(n, self._cores))
         return self._speeds[n]
 
-    def run(self, work_s: float, callback: Callable[..., None], *args: Any) -> None:
-        """Do `work_s` seconds of solo CPU work, then call `callback(*args)`."""
+    def run(self, work_s: float, callback: Callable[..., None], *args: Any) -> int | None:
+        """Do `work_s` seconds of solo CPU work, then call `callback(*args)`. Returns the job's
+        id (None for no work: the callback runs at once)."""
         if work_s < 0:
             raise ValueError(f"work must be >= 0 s, got {work_s}")
         self.work_s += work_s
         if work_s == 0:
             self.events.at(self.events.now, callback, *args)
-            return
+            return None
         self._advance()
-        self._jobs[self._next_id] = [work_s, callback, args]
+        job = self._next_id
+        self._jobs[job] = [work_s, callback, args, work_s]
         self._next_id += 1
         self.peak_jobs = max(self.peak_jobs, len(self._jobs))
+        self._reschedule()
+        return job
+
+    def done_s(self, job: int) -> float:
+        """Solo seconds of a running job's work done by now."""
+        self._advance()
+        remaining, _, _, total = self._jobs[job]
+        return total - remaining
+
+    def resize(self, job: int, work_s: float) -> None:
+        """Make a running job `work_s` seconds of work in all (at least what it has done)."""
+        self._advance()
+        entry = self._jobs[job]
+        done = entry[3] - entry[0]
+        self.work_s += work_s - entry[3]
+        entry[0], entry[3] = max(work_s - done, 0.0), work_s
         self._reschedule()
 
     def _advance(self) -> None:
@@ -91,7 +109,7 @@ class SharedHost:
         # Nothing changed since this event was scheduled, so the first job is done by now.
         cutoff = min(job[0] for job in self._jobs.values()) + _EPS
         finished = [jid for jid, job in self._jobs.items() if job[0] <= cutoff]
-        callbacks = [self._jobs.pop(jid)[1:] for jid in finished]
+        callbacks = [self._jobs.pop(jid)[1:3] for jid in finished]
         self._reschedule()
         for callback, args in callbacks:  # in submission order: ids increase
             callback(*args)

@@ -15,7 +15,9 @@ What it models, in the live system's order (actors/router.py, deployments/):
    model's `round_seconds` of the groups that ran (plus a video's VAE decode when it finishes
    there). A plan with a sequence-parallel step starts when every member of the group has
    reached it, as the collective makes the live workers wait; a plan that resumes a request
-   starts when the state it resumes from exists. Reports go to `RouterCore.apply`.
+   starts when the state it resumes from exists. A plan the core interrupts ends after the
+   step it is running (or after its first, if it has not started). Reports go to
+   `RouterCore.apply`.
 5. A denoised image goes to the VAE decoder (a FIFO per replica), a denoised video is stored;
    then the core is told it is complete, and the rest of the request overhead passes before the
    response.
@@ -33,6 +35,7 @@ steps of hundreds, Table 7). Worker faults are not modelled.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -49,7 +52,7 @@ from stepserve.load_tests.sim.worker import SimAdmission, SimState, SimWorker
 from stepserve.load_tests.workload import ScheduledRequest
 from stepserve.policies import make_policy, needs_costs
 from stepserve.policies.cost_model import BatchShape
-from stepserve.policies.types import RequestKind, RequestSpec, RequestStatus, StepReport, WorkerPlan
+from stepserve.policies.types import RequestKind, RequestSpec, RequestStatus, WorkerPlan
 
 
 @dataclass(frozen=True)
@@ -189,16 +192,29 @@ class _Queued:
         self.plan, self.admissions, self.handles, self.gang = plan, admissions, handles, gang
 
 
+class _Executing:
+    """The plan a lane runs: when it started, how many of its steps it will run, and the token
+    of the report event that ends it (a cut schedules an earlier one)."""
+
+    __slots__ = ("queued", "running", "started", "steps", "job", "token")
+
+    def __init__(self, queued: _Queued, running: Any, started: float, steps: int, token: int) -> None:
+        self.queued, self.running, self.started, self.steps, self.token = queued, running, started, steps, token
+        self.job: int | None = None  # its job on the shared host, if there is one
+
+
 class _Lane:
     """One worker's plan FIFO, as Ray queues one caller's calls to an actor."""
 
-    __slots__ = ("worker", "fifo", "executing", "busy_s")
+    __slots__ = ("worker", "fifo", "executing", "busy_s", "interrupted", "tokens")
 
     def __init__(self, worker: SimWorker) -> None:
         self.worker = worker
         self.fifo: deque[_Queued] = deque()
-        self.executing = False
+        self.executing: _Executing | None = None
         self.busy_s = 0.0
+        self.interrupted = 0  # the plan id the core last asked to cut short
+        self.tokens = 0
 
 
 class Simulation:
@@ -321,7 +337,7 @@ class Simulation:
     def _decide(self) -> None:
         self._decide_pending = False
         started = time.perf_counter()
-        decision = self.core.schedule(self.events.now, self._send)
+        decision = self.core.schedule(self.events.now, self._send, self._interrupt)
         self.decision_wall.append(time.perf_counter() - started)
         wake = decision.wake_at
         if wake is not None and wake not in self._wakes:
@@ -349,9 +365,31 @@ class Simulation:
             entry.worker_id = entry.worker_id if any(g.ranks for g in plan.groups) else plan.worker_id
         return handles
 
+    def _interrupt(self, worker_id: str, plan_id: int) -> None:
+        """End the plan after the step it is running: the live worker checks between steps."""
+        lane = self.lanes[worker_id]
+        lane.interrupted = plan_id
+        current = lane.executing
+        if current is None or current.queued.plan.plan_id != plan_id:
+            return  # not started: it runs one step (`_start`)
+        step_s = current.running.step_s
+        if step_s <= 0:
+            return  # none of its forwards runs: it takes no time
+        done = self.events.now - current.started if self.host is None else self.host.done_s(current.job)
+        steps = min(current.steps, math.floor(done / step_s) + 1)
+        if steps >= current.steps:
+            return
+        current.steps = steps
+        if self.host is None:
+            lane.tokens += 1
+            current.token = lane.tokens
+            self.events.at(current.started + steps * step_s, self._report, lane, current.token)
+        else:
+            self.host.resize(current.job, steps * step_s)
+
     def _try_start(self, lane: _Lane) -> None:
         self._blocked.discard(lane)
-        if lane.executing or not lane.fifo:
+        if lane.executing is not None or not lane.fifo:
             return
         head = lane.fifo[0]
         # A resume waits for the state it resumes from (Ray resolves the reference first).
@@ -378,16 +416,28 @@ class Simulation:
 
     def _start(self, lane: _Lane) -> None:
         queued = lane.fifo.popleft()
-        lane.executing = True
         admissions = {a.spec.request_id: SimAdmission(a.spec, a.source.value if a.resume else None)
                       for a in queued.admissions}
-        report, outputs, seconds = lane.worker.execute(queued.plan, admissions)
-        self._run_work(seconds, self._report, lane, queued, report, outputs, self.events.now)
+        running = lane.worker.start(queued.plan, admissions)
+        plan = queued.plan
+        steps = 1 if lane.interrupted == plan.plan_id else plan.steps
+        lane.tokens += 1
+        current = lane.executing = _Executing(queued, running, self.events.now, steps, lane.tokens)
+        seconds = running.step_s * steps + (running.tail_s if steps == plan.steps else 0.0)
+        if self.host is None:
+            self.events.at(self.events.now + seconds, self._report, lane, current.token)
+        else:
+            current.job = self.host.run(seconds, self._report, lane, current.token)
 
-    def _report(self, lane: _Lane, queued: _Queued, report: StepReport, outputs: list, started: float) -> None:
-        lane.executing = False
+    def _report(self, lane: _Lane, token: int) -> None:
+        current = lane.executing
+        if current is None or current.token != token:
+            return  # a cut moved the plan's end earlier
+        lane.executing = None
+        queued = current.queued
+        report, outputs, _ = lane.worker.end(current.running, current.steps)
         now = self.events.now
-        lane.busy_s += now - started  # on a shared host a plan takes longer than its profiled time
+        lane.busy_s += now - current.started  # on a shared host a plan takes longer than its profiled time
         for handle, value in zip(queued.handles, outputs):
             handle.value = value
         outcome = self.core.apply(report, now)

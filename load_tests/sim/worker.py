@@ -7,7 +7,9 @@ request's steps, and answers with a real `StepReport` plus one token per `plan.o
 fails a request exactly where the real runner does (not resident, resuming from a state that is
 not ready), so the core's fault handling can be driven by it too. Time comes from the cost
 model: a plan takes the cost of the groups that really ran (`cost.round_seconds`) for each of
-its steps, plus a video's decode when it finishes here.
+its steps, plus a video's decode when it finishes here. A plan starts (`start`: drops,
+admissions) when the worker would start it and ends (`end`: steps, outputs, report) when its
+time is up, or after fewer steps when the router cut it short.
 """
 
 from __future__ import annotations
@@ -46,6 +48,21 @@ RoundCost = Callable[[tuple[BatchShape, ...]], float]
 DecodeCost = Callable[[RequestSpec], float]
 
 
+class _Running:
+    """A plan between its start (drops and admissions done, the forwards' shapes known) and its
+    end (steps counted, outputs and report made)."""
+
+    __slots__ = ("plan", "failed", "touched", "groups", "step_s", "tail_s")
+
+    def __init__(self, plan: WorkerPlan) -> None:
+        self.plan = plan
+        self.failed: dict[str, RequestFailure] = {}
+        self.touched: list[str] = []
+        self.groups: list[list[_Resident]] = []  # the members of each forward that runs
+        self.step_s = 0.0  # one step's seconds: the cost of its forwards
+        self.tail_s = 0.0  # after its last step: the decode of the videos it finishes
+
+
 class SimWorker:
     def __init__(self, worker_id: str, round_cost: RoundCost, decode_cost: DecodeCost,
                  incarnation: str = "sim") -> None:
@@ -56,10 +73,17 @@ class SimWorker:
         self.resident: dict[str, _Resident] = {}
         self.rounds = 0
 
-    def execute(self, plan: WorkerPlan, admissions: Mapping[str, SimAdmission]) -> tuple[StepReport, list, float]:
-        """Run a plan; returns (report, output tokens aligned with plan.outputs, seconds)."""
-        failed: dict[str, RequestFailure] = {}
-        touched: list[str] = []
+    def execute(self, plan: WorkerPlan, admissions: Mapping[str, SimAdmission],
+                steps_run: int | None = None) -> tuple[StepReport, list, float]:
+        """Run a plan (cut short after `steps_run` steps if given); returns (report, output
+        tokens aligned with plan.outputs, seconds)."""
+        return self.end(self.start(plan, admissions), steps_run)
+
+    def start(self, plan: WorkerPlan, admissions: Mapping[str, SimAdmission]) -> _Running:
+        """Drop, admit, and find what each forward runs; `end` does the rest. The whole plan takes
+        `step_s` a step, then `tail_s`."""
+        running = _Running(plan)
+        failed, touched = running.failed, running.touched
         for rid in plan.drop:
             self.resident.pop(rid, None)
         for rid in plan.admit:
@@ -83,10 +107,23 @@ class SimWorker:
             head = members[0].spec
             shapes.append(BatchShape(head.model, head.height, head.width, sum(m.spec.rows for m in members),
                                      head.num_frames, max(1, len(group.ranks))))
+            running.groups.append(members)
+        running.step_s = self.round_cost(tuple(shapes)) if shapes else 0.0
+        running.tail_s = sum(self.decode_cost(self.resident[rid].spec) for rid in plan.finish
+                             if rid in self.resident and rid not in failed and self.resident[rid].spec.is_video)
+        return running
+
+    def end(self, running: _Running, steps_run: int | None = None) -> tuple[StepReport, list, float]:
+        """The plan's steps (all, or the first `steps_run`), outputs and report; what it was to
+        finish stays resident if it was cut short before the last step."""
+        plan, failed, touched = running.plan, running.failed, running.touched
+        steps = plan.steps if steps_run is None else steps_run
+        for members in running.groups:
             for member in members:
-                member.done += plan.steps
-        seconds = self.round_cost(tuple(shapes)) * plan.steps if shapes else 0.0
+                member.done += steps
+        seconds = running.step_s * steps
         outputs: list = []
+        kept: set[str] = set()
         for rid in plan.outputs:
             resident = self.resident.get(rid)
             if resident is None or rid in failed:
@@ -95,7 +132,10 @@ class SimWorker:
                 outputs.append(None)
             elif rid in plan.finish:
                 if resident.done < resident.spec.num_inference_steps:
-                    failed[rid] = RequestFailure(rid, "finish before the last step")
+                    if steps < plan.steps:
+                        kept.add(rid)
+                    else:
+                        failed[rid] = RequestFailure(rid, "finish before the last step")
                     outputs.append(None)
                 else:
                     if resident.spec.is_video:
@@ -106,10 +146,11 @@ class SimWorker:
         progress = tuple(RequestProgress(rid, self.resident[rid].done, self.resident[rid].spec.num_inference_steps)
                          for rid in dict.fromkeys(touched) if rid in self.resident and rid not in failed)
         for rid in plan.export + plan.finish + plan.release:
-            self.resident.pop(rid, None)
+            if rid not in kept:
+                self.resident.pop(rid, None)
         for rid in failed:
             self.resident.pop(rid, None)
         self.rounds += 1
         report = StepReport(self.worker_id, plan.plan_id, progress, tuple(failed.values()), seconds,
-                            len(plan.stepping), self.incarnation)
+                            len(plan.stepping), self.incarnation, None if steps == plan.steps else steps)
         return report, outputs, seconds

@@ -62,6 +62,7 @@ class GenServePolicy:
     name: str  # set by register_policy
     needs_costs = True
     steady = False  # slack moves with the clock: it may preempt at any step
+    joins_running = True  # a round may put a waiting image into any worker's batch
 
     def __init__(self, config: GenServeConfig, costs: StepCosts) -> None:
         self.config = config

@@ -1,12 +1,14 @@
 """A synchronous driver for `RouterCore` tests: the core decides, `SimWorker`s (the StepRunner's
 twin, tested against the real runner's behaviour in tests/cpu/engine) execute, reports return.
 No clock, no events: time advances by a fixed tick per round, and each worker runs the oldest
-plan it holds whenever the test says so."""
+plan it holds whenever the test says so (all of its steps, or as many as the test says after
+the core interrupted it)."""
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from stepserve.actors.router_core import Admission, CoreConfig, Outcome, RouterCore, WorkerSlot
@@ -45,6 +47,7 @@ class Harness:
         self.workers = {w: SimWorker(w, lambda shapes: TICK, lambda s: 0.0, incarnation=f"{w}-1") for w in ids}
         self.queues: dict[str, deque] = {w: deque() for w in ids}
         self.sent: list[WorkerPlan] = []
+        self.interrupts: list[tuple[str, int]] = []  # (worker, plan id) the core asked to cut short
         self.outcomes: list[Outcome] = []
         self.now = 0.0
 
@@ -60,11 +63,15 @@ class Harness:
             if ready:
                 self.core.mark_ready(s.request_id, f"embeds-{s.request_id}", self.now)
 
-    def schedule(self):
-        return self.core.schedule(self.now, self.send)
+    def interrupt(self, worker_id: str, plan_id: int) -> None:
+        self.interrupts.append((worker_id, plan_id))
 
-    def execute(self, worker_id: str) -> Outcome:
-        """The worker runs its oldest plan; the core applies the report."""
+    def schedule(self):
+        return self.core.schedule(self.now, self.send, self.interrupt)
+
+    def execute(self, worker_id: str, steps_run: int | None = None) -> Outcome:
+        """The worker runs its oldest plan (only `steps_run` of its steps, if given); the core
+        applies the report."""
         plan, admissions, handles = self.queues[worker_id].popleft()
         resolved = {}
         for a in admissions:
@@ -72,7 +79,7 @@ class Harness:
             if a.resume and state is None:
                 continue  # the state it resumes from was never produced: the worker reports it lost
             resolved[a.spec.request_id] = SimAdmission(a.spec, state)
-        report, outputs, _ = self.workers[worker_id].execute(plan, resolved)
+        report, outputs, _ = self.workers[worker_id].execute(plan, resolved, steps_run)
         for handle, value in zip(handles, outputs):
             handle.value = value
         outcome = self.core.apply(report, self.now)
@@ -81,13 +88,17 @@ class Harness:
             self.core.complete(rid, self.now)
         return outcome
 
-    def round(self) -> bool:
-        """Schedule, then every worker runs one plan. False when nothing is left to do."""
+    def round(self, runs: Callable[[str], bool] = lambda worker_id: True) -> bool:
+        """Schedule, then every worker that `runs` this round runs one plan (an interrupted one
+        stops after its first step). False when nothing is left to do."""
         self.now += TICK
         self.schedule()
         busy = [w for w, q in self.queues.items() if q]
         for w in busy:
-            self.execute(w)
+            if not runs(w):
+                continue
+            plan = self.queues[w][0][0]
+            self.execute(w, 1 if (w, plan.plan_id) in self.interrupts and plan.steps > 1 else None)
         return bool(busy)
 
     def run(self, max_rounds: int = 2000) -> int:

@@ -35,6 +35,7 @@ class FixedPolicy:
 
     name = "fixed"
     steady = False
+    joins_running = True
 
     def __init__(self) -> None:
         self.next = Decision()
@@ -166,6 +167,128 @@ def test_one_step_a_plan_while_something_waits_that_the_worker_has_room_for():
     h.submit(spec("c", steps=20))
     h.schedule()
     assert _stepped(h).steps == 5 and h.status("c") is S.QUEUED
+
+
+def _long_plan(h, *specs, policy_steps=5):
+    """Run `specs` on w0 (one worker, depth 1) until it holds a plan of several steps; returns it."""
+    h.submit(*specs)
+    h.schedule()
+    while h.queues["w0"][0][0].steps == 1:  # the worker's step time is known after its first report
+        _stepped(h)
+        h.schedule()
+    plan = h.queues["w0"][0][0]
+    assert plan.steps == policy_steps and len(h.queues["w0"]) == 1
+    return plan
+
+
+def _finish_all(h):
+    while h.queues["w0"] or h.schedule().plans:
+        _stepped(h)
+
+
+def test_a_ready_arrival_cuts_a_long_plan_short_at_the_next_step():
+    h = Harness(workers=1, batch=4, depth=1, max_plan_s=0.05)
+    plan = _long_plan(h, spec("a", steps=20), spec("b", steps=6))  # 5 steps, ending with "b"
+    assert plan.finish == ("b",)
+    h.now += 0.01  # a step into it
+    h.submit(spec("c", steps=3))
+    assert h.schedule().plans == () and h.interrupts == [("w0", plan.plan_id)]
+    assert h.schedule().plans == () and len(h.interrupts) == 1  # asked once; nothing is planned after it
+    h.now += 0.01
+    h.execute("w0", steps_run=2)
+    # The three steps it did not run are taken back; "b", not finished, is still resident.
+    assert h.core.state("b").status is S.RUNNING and h.core.state("b").workers == ("w0",)
+    assert h.core.state("b").steps_done == 3 and len(h.core.state("b").degrees) == 3
+    joined = h.schedule().plans[0]
+    assert joined.admit == ("c",) and joined.steps == 3 and set(joined.finish) == {"b", "c"}
+    _finish_all(h)
+    for rid, steps in (("a", 20), ("b", 6), ("c", 3)):
+        assert h.status(rid) is S.FINISHED and h.core.state(rid).degrees == (1,) * steps
+
+
+def test_a_cancel_cuts_a_long_plan_short_and_a_cut_drops_what_it_was_to_finish_if_it_ended():
+    h = Harness(workers=1, batch=4, depth=1, max_plan_s=0.05)
+    plan = _long_plan(h, spec("a", steps=20), spec("b", steps=6), spec("c", steps=20))
+    h.now += 0.01
+    assert h.core.cancel("c", h.now)
+    h.schedule()
+    assert h.interrupts == [("w0", plan.plan_id)]
+    # "b" is cancelled too while the cut is under way: the plan was to finish it, so the router
+    # had already let go of it there; the worker still holds it, and is told to drop it.
+    assert h.core.cancel("b", h.now)
+    h.execute("w0", steps_run=1)
+    after = h.schedule().plans[0]
+    assert set(after.drop) == {"b", "c"} and after.stepping == ("a",)
+    _stepped(h)
+    assert set(h.workers["w0"].resident) == {"a"}
+    _finish_all(h)
+    assert h.status("a") is S.FINISHED and set(h.workers["w0"].resident) == set()
+
+
+def test_no_cut_under_a_policy_that_does_not_join_running_batches():
+    h = Harness("static_fcfs", workers=1, batch=4, depth=1, max_plan_s=0.05)
+    plan = _long_plan(h, spec("a", steps=20))
+    h.submit(spec("b", steps=20))
+    h.schedule()
+    assert h.interrupts == []
+    _stepped(h)
+    h.schedule()
+    # "b" cannot join, so it does not hold "a"'s plans to single steps either.
+    assert h.queues["w0"][0][0].steps == 5 and plan.steps == 5 and h.status("b") is S.QUEUED
+
+
+def test_no_cut_with_a_plan_queued_behind_or_less_than_a_step_left():
+    h = Harness(workers=1, batch=4, depth=2, max_plan_s=0.05, lead_s=0.02)
+    plan = _long_plan(h, spec("a", steps=20))
+    h.now += 0.035  # within the lead of its end (0.05): the next plan is decided and queued
+    assert h.schedule().plans and len(h.queues["w0"]) == 2
+    h.submit(spec("b", steps=3))
+    h.schedule()
+    assert h.interrupts == []  # the plan behind it assumes all of its steps
+    h.now += 0.015
+    h.execute("w0")
+    h.schedule()
+    second = h.queues["w0"][0][0]
+    assert second.steps == 5 and h.interrupts == [("w0", second.plan_id)]  # alone now: cut
+    h = Harness(workers=1, batch=4, depth=1, max_plan_s=0.05)
+    _long_plan(h, spec("a", steps=20))
+    h.now += 0.045  # less than a step left
+    h.submit(spec("b", steps=3))
+    h.schedule()
+    assert h.interrupts == []
+
+
+def test_the_least_loaded_worker_with_room_is_cut_one_per_ready_request():
+    h = Harness(workers=3, batch=2, depth=1, max_plan_s=0.05)
+    h.submit(spec("a", steps=20), spec("b", steps=20), spec("c", steps=20))
+    h.schedule()
+    h.now += 0.01
+    for w in ("w0", "w1", "w2"):
+        h.execute(w)
+    h.submit(spec("d", steps=20))  # one worker takes it: full
+    h.schedule()
+    h.now += 0.01
+    for w in ("w0", "w1", "w2"):
+        h.execute(w)
+    h.schedule()
+    assert all(h.queues[w][0][0].steps == 5 for w in ("w0", "w1", "w2"))
+    full = [w for w in ("w0", "w1", "w2") if len(h.queues[w][0][0].stepping) == 2]
+    first, second = [w for w in ("w0", "w1", "w2") if w not in full]  # rank order breaks the tie
+    h.now += 0.01
+    h.submit(spec("e", steps=3))
+    h.schedule()
+    assert len(full) == 1 and h.interrupts == [(first, h.queues[first][0][0].plan_id)]
+    h.submit(spec("f", steps=3), spec("g", steps=3))
+    h.schedule()
+    # One more for "f"; "g" finds no other worker with room.
+    assert [w for w, _ in h.interrupts] == [first, second]
+
+
+def test_a_worker_may_not_cut_a_plan_unasked():
+    h = Harness(workers=1, batch=4, depth=1, max_plan_s=0.05)
+    _long_plan(h, spec("a", steps=20))
+    with pytest.raises(ValueError, match="short unasked"):
+        h.execute("w0", steps_run=2)
 
 
 @pytest.mark.parametrize("max_plan_s, steady", [(0.0, True), (0.05, False)])
@@ -396,7 +519,7 @@ def test_random_runs_keep_invariants(policy, seed):
                 h.submit(s)
         if tick in cancels:
             h.core.cancel(cancels[tick], h.now)
-        h.round()
+        h.round(lambda worker_id: rng.random() < 0.6)  # plans stay in flight across arrivals: cuts happen
         # No request in two places; the snapshot agrees with the workers.
         snapshot = h.core.snapshot(h.now)
         seen = [rid for w in snapshot.workers for rid in w.running]
@@ -409,7 +532,7 @@ def test_random_runs_keep_invariants(policy, seed):
         state = h.core.state(s.request_id)
         assert state.status in (S.FINISHED, S.CANCELLED)
         if state.status is S.FINISHED:
-            assert state.steps_done == s.num_inference_steps
+            assert state.steps_done == len(state.degrees) == s.num_inference_steps
     assert all(not w.resident for w in h.workers.values())
 
 

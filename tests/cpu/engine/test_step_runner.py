@@ -95,6 +95,34 @@ def test_a_plan_of_several_steps_equals_as_many_plans_of_one(tiny_family):
     assert failures(report) == {"a": False} and "steps are left" in report.failed[0].message
 
 
+def test_a_plan_cut_short_keeps_what_it_was_to_finish_and_resumes_exactly(tiny_family):
+    specs = [make_spec("a", steps=6, seed=1), make_spec("b", steps=4, seed=2)]
+    admissions = {s.request_id: admission_for(tiny_family, s) for s in specs}
+    whole, cut = runner(tiny_family), runner(tiny_family)
+    asked = []
+
+    def stop_after_two():  # asked before every step but the first
+        asked.append(len(asked))
+        return len(asked) == 2
+
+    plan = WorkerPlan("w0", admit=("a", "b"), groups=(group("a", "b"),), checkpoint=("a",), finish=("b",), steps=4,
+                      plan_id=9)
+    report, (a_state, b_out) = cut.execute(plan, admissions, stop=stop_after_two)
+    assert report.steps_run == 2 and report.failed == () and report.batch_size == 2
+    assert report.progress == (RequestProgress("a", 2, 6), RequestProgress("b", 2, 4))
+    assert b_out is None and cut.resident == ("a", "b")  # "b" is not done: it stays, unfinished
+    assert a_state["step_index"] == 2  # the checkpoint holds the steps that ran
+    # The rest, in another plan, gives what one uncut plan gives, bit for bit.
+    _, (b_cut,) = cut.execute(WorkerPlan("w0", groups=(group("a", "b"),), finish=("b",), steps=2), {})
+    report, (_, b_whole) = whole.execute(plan, admissions, stop=lambda: False)
+    assert report.steps_run is None
+    np.testing.assert_array_equal(b_cut, b_whole)
+    torch.testing.assert_close(cut.samplers["a"].latents, whole.samplers["a"].latents, rtol=0, atol=0)
+    # A stop asked for on a one-step plan changes nothing: the first step always runs.
+    report, _ = cut.execute(WorkerPlan("w0", groups=(group("a"),)), {}, stop=lambda: True)
+    assert report.steps_run is None and report.progress == (RequestProgress("a", 5, 6),)
+
+
 def test_payloads_follow_plan_outputs_and_a_checkpoint_resumes_exactly(tiny_family):
     r = runner(tiny_family)
     specs = {rid: make_spec(rid, steps=n, seed=seed) for rid, n, seed in (("a", 1, 1), ("b", 3, 2), ("c", 3, 3))}

@@ -142,3 +142,29 @@ def test_inputs_that_cannot_be_had_fail_only_their_request(workers, embeds):
     messages = {f.request_id: f.message for f in report.failed}
     assert messages["refused"] == "text encoding failed: ValueError: the prompt was refused"
     assert messages["lost"].startswith("text encoding failed:") and messages["stale"].startswith("state unavailable:")
+
+
+def test_an_interrupt_ends_a_running_plan_after_its_current_step(workers, embeds):
+    """The control call runs beside the plan (its own concurrency group), so the worker stops
+    at the next step boundary and keeps the request, which then finishes in a later plan."""
+    w0, _ = workers
+    spec = dataclasses.replace(make_video_spec(**UNEVEN), request_id="long", num_inference_steps=200)
+    alone = (StepGroup(("long",), ranks=(0,)),)
+    plan = WorkerPlan("w0", admit=("long",), groups=alone, finish=("long",), steps=200, plan_id=7001)
+    report_ref, output_ref = send(w0, plan, [AdmissionRef(spec, embeds)])
+    time.sleep(0.3)  # it is stepping by now (200 steps take seconds)
+    started = time.perf_counter()
+    ray.get(w0.interrupt.remote(plan.plan_id))  # answered while the plan runs
+    report = ray.get(report_ref, timeout=60)
+    assert time.perf_counter() - started < 2.0
+    assert 1 <= report.steps_run < 200 and report.failed == ()
+    assert report.progress == (RequestProgress("long", report.steps_run, 200),)
+    assert ray.get(output_ref) is None  # not finished: still resident
+    # Another plan's id does not stop this one; the rest of the steps finish it.
+    w0.interrupt.remote(plan.plan_id)
+    left = 200 - report.steps_run
+    rest = WorkerPlan("w0", groups=alone, finish=("long",), steps=left, plan_id=7002)
+    report_ref, output_ref = send(w0, rest)
+    report = ray.get(report_ref, timeout=120)
+    assert report.steps_run is None and report.failed == ()
+    assert ray.get(output_ref).shape[0] == spec.num_frames

@@ -107,6 +107,25 @@ def test_hand_timeline_infinite_lead_pipelines_as_soon_as_there_is_room():
     assert result.rounds == 4
 
 
+@pytest.mark.parametrize("host_cpus", [None, 2.0])
+def test_hand_timeline_an_arrival_cuts_a_long_plan_short(host_cpus):
+    # 1 s a round, plans up to 10 s. A (20 steps) steps once alone [0.1, 1.1] (the worker's step
+    # time is unknown before), then 10 steps from 1.1. B is ready at 2.6, in A's second step of
+    # that plan: the core interrupts it, the step ends at 3.1 and B joins there (not at 11.1).
+    # A and B step twice to 5.1 (B ends), then A 10 steps and 5 more, to 20.1. On a shared host
+    # of two cores nothing slows anything, so the cut job gives the same timeline.
+    result = simulate([request(0, 0.0, 20), request(1, 2.5, 2)], ConstantCost(),
+                      one_worker(1, max_plan_s=10.0, host_cpus=host_cpus))
+    got = timeline(result)
+    assert got[1] == pytest.approx((2.5, 2.6, 3.1, 5.1, 5.6))
+    assert got[0] == pytest.approx((0.0, 0.1, 0.1, 20.1, 20.6))
+    assert result.busy_s == {"w0": pytest.approx(20.0)} and result.rounds == 5
+    # A policy that does not join running batches leaves the plan alone: B starts after A.
+    result = simulate([request(0, 0.0, 20), request(1, 2.5, 2)], ConstantCost(),
+                      replace(one_worker(1, max_plan_s=10.0, host_cpus=host_cpus), policy="static_fcfs"))
+    assert timeline(result)[1][2] == pytest.approx(20.1)
+
+
 def test_an_open_worker_is_asked_again_at_once():
     # A lone request under lead inf: P1 (sent at 0.1) leaves a free slot, so the same decision
     # asks again and sends P2 at 0.1 too; P3 follows P1's report at 1.1. Decisions (policy passes):
@@ -257,6 +276,8 @@ def test_a_policy_that_asks_to_wake_now_with_nothing_to_do_is_an_error():
 
     @register_policy("test_spin_now", SpinConfig)
     class Spin:
+        joins_running = True
+
         def __init__(self, config):
             self.config = config
 

@@ -57,19 +57,30 @@ def test_images_and_videos_finish_and_runs_repeat_exactly_by_seed():
 
 
 class _Recorder:
-    """Wraps each simulated worker's `execute`: when every plan started, on which worker, and
-    for how long, in start order."""
+    """Wraps each simulated worker's `start` and `end`: when every plan started, on which worker,
+    and for how long, in start order."""
 
     def __init__(self, sim: Simulation) -> None:
         self.sim = sim
         self.runs: list[tuple[float, float, str, object, object]] = []  # start, seconds, worker, plan, report
+        self._started: dict[int, tuple[int, float]] = {}  # id(running) -> (its index in runs, start)
         for lane in sim.lanes.values():
-            lane.worker.execute = self._wrap(lane.worker.execute)
+            lane.worker.start = self._wrap_start(lane.worker.start)
+            lane.worker.end = self._wrap_end(lane.worker.end)
 
-    def _wrap(self, execute):
+    def _wrap_start(self, start):
         def recorded(plan, admissions):
-            report, outputs, seconds = execute(plan, admissions)
-            self.runs.append((self.sim.events.now, seconds, plan.worker_id, plan, report))
+            running = start(plan, admissions)
+            self._started[id(running)] = (len(self.runs), self.sim.events.now)
+            self.runs.append(None)
+            return running
+        return recorded
+
+    def _wrap_end(self, end):
+        def recorded(running, steps_run=None):
+            report, outputs, seconds = end(running, steps_run)
+            index, started = self._started.pop(id(running))
+            self.runs[index] = (started, seconds, running.plan.worker_id, running.plan, report)
             return report, outputs, seconds
         return recorded
 

@@ -25,6 +25,7 @@ class Recording:
 
     inner: object
     asked: list = field(default_factory=list)
+    joins_running: bool = True
 
     def plan(self, snapshot, worker_id):
         self.asked.append((worker_id, snapshot))
@@ -37,6 +38,7 @@ class Scripted:
 
     answers: dict
     asked: list = field(default_factory=list)
+    joins_running: bool = True
 
     def plan(self, snapshot, worker_id):
         self.asked.append(worker_id)

@@ -121,6 +121,8 @@ def test_duplicate_name_with_another_class_is_rejected():
 
         @register_policy("continuous", NoConfig)
         class Impostor:
+            joins_running = True
+
             def __init__(self, config):
                 self.config = config
 
@@ -142,6 +144,29 @@ def test_a_class_that_cannot_schedule_is_rejected():
             pass
 
     assert "cannot_schedule" not in policy_names()
+
+
+def test_a_policy_must_say_what_the_router_may_do_around_its_plans():
+    @dataclass(frozen=True)
+    class NoConfig:
+        pass
+
+    with pytest.raises(TypeError, match="must declare joins_running"):
+
+        @register_policy("silent_worker_policy", NoConfig)
+        class Silent:
+            def plan(self, snapshot, worker_id):
+                raise AssertionError("never called")
+
+    with pytest.raises(TypeError, match="must declare steady and joins_running"):
+
+        @register_policy("silent_scheduler", NoConfig)
+        class SilentScheduler:
+            def schedule(self, snapshot):
+                raise AssertionError("never called")
+
+    assert "silent_worker_policy" not in policy_names() and "silent_scheduler" not in policy_names()
+    assert make_policy("continuous").joins_running and not make_policy("static_fcfs").joins_running
 
 
 def test_config_must_be_a_dataclass():
