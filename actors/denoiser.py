@@ -16,7 +16,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 from uuid import uuid4
 
-import numpy as np
 import ray
 import torch
 
@@ -43,8 +42,8 @@ LOST = (
 @dataclass(frozen=True)
 class AdmissionRef:
     """The router's admission bundle: the spec, and an object ref to either the text encoder's
-    (cond, uncond-or-None) numpy embeddings (`resume=False`) or a state another worker exported
-    (`resume=True`)."""
+    (prompt, negative-or-None) embeddings, an `engine.text_encoding.Pair` (`resume=False`), or a
+    state another worker exported (`resume=True`)."""
 
     spec: RequestSpec
     source: Any  # ray.ObjectRef
@@ -120,7 +119,7 @@ class DenoiserWorker:
                 if ref.resume:
                     resolved[rid] = Admission(ref.spec, state=value)
                 else:
-                    resolved[rid] = Admission(ref.spec, conditioning=_conditioning(value))
+                    resolved[rid] = Admission(ref.spec, conditioning=Conditioning.from_numpy(*value))
             except Exception as exc:
                 unresolved[rid] = RequestFailure(rid, f"admission failed: {_reason(exc)}", lost=False)
         return resolved, unresolved
@@ -159,11 +158,3 @@ def _reason(exc: Exception) -> str:
     # A task's own exception, not Ray's wrapper (whose text is the whole remote traceback).
     cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) and exc.cause is not None else exc
     return f"{type(cause).__name__}: {cause}"
-
-
-def _conditioning(embeds: tuple[np.ndarray, np.ndarray | None]) -> Conditioning:
-    cond, uncond = embeds
-    # Copies: arrays from the object store are read-only views of it, and a request keeps its
-    # context for its whole life (and exports it).
-    negative = None if uncond is None else torch.from_numpy(np.array(uncond))
-    return Conditioning(torch.from_numpy(np.array(cond)), negative)

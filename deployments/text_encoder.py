@@ -9,28 +9,26 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 from ray import serve
 
 from stepserve.actors.denoiser import resolve_device
 from stepserve.engine.families import TEXT, ModelSource, load_family
-from stepserve.engine.text_encoding import CachedTextEncoder
+from stepserve.engine.text_encoding import CachedTextEncoder, Pair
 
-Embeddings = tuple[np.ndarray, np.ndarray | None]  # (prompt [1, seq, dim], negative or None)
 Item = tuple[str, str, str | None]  # (model, prompt, negative prompt or None: no CFG)
 
 # Serve writes the "ray.serve" logger to the replica's log, tagged with the request id.
 logger = logging.getLogger("ray.serve")
 
 
-def encode_items(encoder: CachedTextEncoder, items: Sequence[Item]) -> list[Embeddings | Exception]:
+def encode_items(encoder: CachedTextEncoder, items: Sequence[Item]) -> list[Pair | Exception]:
     """One result per item, in order: its embeddings, or the exception encoding it alone raised.
 
     Each model's items are encoded in one batch; if that raises, each item is encoded alone, so
     only the items that fail by themselves get an exception.
     """
-    out: list[Embeddings | Exception | None] = [None] * len(items)
+    out: list[Pair | Exception | None] = [None] * len(items)
     for model in dict.fromkeys(m for m, _, _ in items):
         idx = [i for i, item in enumerate(items) if item[0] == model]
         for i, result in zip(idx, _encode_group(encoder, model, [items[i] for i in idx])):
@@ -38,7 +36,7 @@ def encode_items(encoder: CachedTextEncoder, items: Sequence[Item]) -> list[Embe
     return out
 
 
-def _encode_group(encoder: CachedTextEncoder, model: str, group: Sequence[Item]) -> list[Embeddings | Exception]:
+def _encode_group(encoder: CachedTextEncoder, model: str, group: Sequence[Item]) -> list[Pair | Exception]:
     try:
         return _encode_together(encoder, model, group)
     except Exception as exc:
@@ -51,14 +49,11 @@ def _encode_group(encoder: CachedTextEncoder, model: str, group: Sequence[Item])
     return [_encode_alone(encoder, model, item) for item in group]
 
 
-def _encode_together(encoder: CachedTextEncoder, model: str, group: Sequence[Item]) -> list[Embeddings]:
-    texts = [prompt for _, prompt, _ in group] + [neg for _, _, neg in group if neg is not None]
-    embeds = iter(encoder.encode(model, texts))
-    conds = [next(embeds) for _ in group]
-    return [(cond, next(embeds) if neg is not None else None) for cond, (_, _, neg) in zip(conds, group)]
+def _encode_together(encoder: CachedTextEncoder, model: str, group: Sequence[Item]) -> list[Pair]:
+    return encoder.encode_pairs(model, [(prompt, neg) for _, prompt, neg in group])
 
 
-def _encode_alone(encoder: CachedTextEncoder, model: str, item: Item) -> Embeddings | Exception:
+def _encode_alone(encoder: CachedTextEncoder, model: str, item: Item) -> Pair | Exception:
     try:
         (result,) = _encode_together(encoder, model, [item])
     except Exception as exc:
@@ -77,7 +72,7 @@ class TextEncoder:
         self._encode_batch.set_max_batch_size(max_batch_size)
         self._encode_batch.set_batch_wait_timeout_s(batch_wait_timeout_s)
 
-    async def encode(self, model: str, prompt: str, negative_prompt: str | None) -> Embeddings:
+    async def encode(self, model: str, prompt: str, negative_prompt: str | None) -> Pair:
         """Negative prompt None means no CFG: only the prompt is encoded."""
         result = await self._encode_batch((model, prompt, negative_prompt))
         # serve.batch fails every caller of a batch that raises, but hands a returned exception to
@@ -87,7 +82,7 @@ class TextEncoder:
         return result
 
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.002)
-    async def _encode_batch(self, items: list[Item]) -> list[Embeddings | Exception]:
+    async def _encode_batch(self, items: list[Item]) -> list[Pair | Exception]:
         return encode_items(self.encoder, items)
 
     async def ready(self) -> bool:

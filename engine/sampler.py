@@ -21,22 +21,33 @@ from dataclasses import dataclass
 from typing import Any
 
 import diffusers
+import numpy as np
 import torch
 from diffusers.configuration_utils import FrozenDict
 
-from stepserve.engine.families.base import DiffusionFamily
+from stepserve.engine.families.base import DiffusionFamily, RowConditioning, TextEmbeddings
 from stepserve.policies.types import RequestSpec
 
 
 @dataclass(frozen=True)
 class Conditioning:
-    """Text embeddings for one request: [1, seq, dim] each; negative only when CFG is on."""
+    """A request's text embeddings, one text each ([1, ...] per name); negative only when CFG is on."""
 
-    prompt_embeds: torch.Tensor
-    negative_prompt_embeds: torch.Tensor | None = None
+    prompt: TextEmbeddings
+    negative: TextEmbeddings | None = None
+
+    @classmethod
+    def from_numpy(cls, prompt: dict[str, np.ndarray], negative: dict[str, np.ndarray] | None) -> "Conditioning":
+        """From the text encoder's arrays. Copies: arrays from the object store are read-only views
+        of it, and a request keeps its conditioning for its whole life (and exports it)."""
+        def tensors(arrays: dict[str, np.ndarray]) -> TextEmbeddings:
+            return {name: torch.from_numpy(np.array(array)) for name, array in arrays.items()}
+        return cls(tensors(prompt), None if negative is None else tensors(negative))
 
 
-STATE_FORMAT = 2  # 2: schedulers restore from their instance dict (no set_timesteps)
+# 2: schedulers restore from their instance dict (no set_timesteps); 3: the text context became
+# the per-row conditioning dict.
+STATE_FORMAT = 3
 
 
 class Sampler:
@@ -49,13 +60,15 @@ class Sampler:
         # generator, so a request's result is the same on any device.
         self.generator = torch.Generator("cpu").manual_seed(spec.seed)
         self.latents = family.initial_latents(spec, self.scheduler, self.generator)
-        context = conditioning.prompt_embeds.to(device=family.device, dtype=family.dtype)
+        text = _on(conditioning.prompt, family)
         if self.uses_cfg:
-            if conditioning.negative_prompt_embeds is None:
+            if conditioning.negative is None:
                 raise ValueError(f"request {spec.request_id}: CFG needs negative prompt embeddings")
-            uncond = conditioning.negative_prompt_embeds.to(device=family.device, dtype=family.dtype)
-            context = torch.cat([uncond, context])  # the pipelines' [uncond, cond] order
-        self.context = context
+            uncond = _on(conditioning.negative, family)
+            if uncond.keys() != text.keys():
+                raise ValueError(f"request {spec.request_id}: prompt and negative prompt embeddings differ in kind")
+            text = {name: torch.cat([uncond[name], text[name]]) for name in text}  # the pipelines' [uncond, cond]
+        self.cond = family.row_conditioning(spec, text)
         self.step_index = 0
         self._bind(family)
 
@@ -89,8 +102,8 @@ class Sampler:
 
     # ---- stepping -----------------------------------------------------------------------
 
-    def model_input(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(sample, per-row timesteps, context) for this request's rows of the next forward.
+    def model_input(self) -> tuple[torch.Tensor, torch.Tensor, RowConditioning]:
+        """(sample, per-row timesteps, conditioning) for this request's rows of the next forward.
         The pipelines run CFG as one forward of two rows (SD) or two forwards (Wan); rows are
         independent, so either way gives the same result."""
         if self.done:
@@ -98,7 +111,7 @@ class Sampler:
         t = self.timesteps[self.step_index]
         sample = torch.cat([self.latents] * 2) if self.uses_cfg else self.latents
         sample = self._scale_model_input(self.scheduler, sample, t)
-        return sample, t.reshape(1).expand(self.rows), self.context
+        return sample, t.reshape(1).expand(self.rows), self.cond
 
     def advance(self, noise_pred: torch.Tensor) -> None:
         """Take this request's step from its rows of the forward's output."""
@@ -112,14 +125,14 @@ class Sampler:
     @torch.inference_mode()
     def step(self, family: DiffusionFamily, sp_group: Any = None) -> None:
         """One step on its own: forward (sequence-parallel over `sp_group` if given), advance."""
-        sample, timesteps, context = self.model_input()
-        self.advance(family.denoise(sample, timesteps, context, sp_group=sp_group))
+        sample, timesteps, cond = self.model_input()
+        self.advance(family.denoise(sample, timesteps, cond, sp_group=sp_group))
 
     # ---- moving between workers ---------------------------------------------------------
 
     def state(self, device: str | torch.device = "cpu") -> dict[str, Any]:
         """Everything needed to continue this request elsewhere, as copies on `device` (host
-        memory by default): spec, step, latents, text context, generator position and the
+        memory by default): spec, step, latents, conditioning, generator position and the
         scheduler. Picklable; independent of this sampler afterwards."""
         device = torch.device(device)
         return {
@@ -127,7 +140,7 @@ class Sampler:
             "spec": self.spec,
             "step_index": self.step_index,
             "latents": copy_to(self.latents, device),
-            "context": copy_to(self.context, device),
+            "cond": copy_to(self.cond, device),
             "generator_state": self.generator.get_state(),
             "scheduler": scheduler_state(self.scheduler, device, self.latents.device),
         }
@@ -144,12 +157,17 @@ class Sampler:
         _check_kind(self.spec, family)
         self.step_index = state["step_index"]
         self.latents = copy_to(state["latents"], family.device)
-        self.context = state["context"].to(device=family.device, dtype=family.dtype, copy=True)
+        self.cond = {name: value.to(device=family.device, dtype=family.dtype, copy=True)
+                     for name, value in state["cond"].items()}
         self.generator = torch.Generator("cpu")
         self.generator.set_state(state["generator_state"])
         self.scheduler = restore_scheduler(state["scheduler"], family.device)
         self._bind(family)
         return self
+
+
+def _on(embeddings: TextEmbeddings, family: DiffusionFamily) -> TextEmbeddings:
+    return {name: value.to(device=family.device, dtype=family.dtype) for name, value in embeddings.items()}
 
 
 def _check_kind(spec: RequestSpec, family: DiffusionFamily) -> None:

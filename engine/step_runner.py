@@ -188,12 +188,13 @@ class _PlanRun:
             return
         inputs = [model_input for _, _, model_input in members]
         if len(inputs) == 1:
-            sample, timesteps, context = inputs[0]
+            sample, timesteps, cond = inputs[0]
         else:
-            sample, timesteps, context = (torch.cat(parts) for parts in zip(*inputs))
+            sample, timesteps = (torch.cat([x[i] for x in inputs]) for i in (0, 1))
+            cond = {name: torch.cat([x[2][name] for x in inputs]) for name in inputs[0][2]}
         try:
             process_group = sp_group(group.ranks) if group.ranks and sp_group is not None else None
-            noise_pred = family.denoise(sample, timesteps, context, sp_group=process_group)
+            noise_pred = family.denoise(sample, timesteps, cond, sp_group=process_group)
         except Exception as exc:
             # Over ranks, a forward fails mostly because a partner died or never came: the
             # request's state is then only as good as its last checkpoint.

@@ -10,29 +10,36 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+import torch
 
-from stepserve.engine.families.base import DiffusionFamily
+from stepserve.engine.families.base import DiffusionFamily, RowConditioning
+from stepserve.engine.sampler import Conditioning
+from stepserve.policies.types import RequestKind, RequestSpec
+
+Embeddings = dict[str, np.ndarray]  # one text's `TextEmbeddings`, as float32 arrays [1, ...]
+Pair = tuple[Embeddings, Embeddings | None]  # (prompt, negative prompt or None: no CFG)
 
 
 class CachedTextEncoder:
     def __init__(self, families: Mapping[str, DiffusionFamily], cache_size: int = 1024):
         self.families = dict(families)
         self.cache_size = cache_size
-        self._cache: OrderedDict[tuple[str, str], np.ndarray] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str], Embeddings] = OrderedDict()
         self.hits = 0
         self.misses = 0
 
-    def encode(self, model: str, texts: Sequence[str]) -> list[np.ndarray]:
-        """One [1, seq, dim] float array per text; unseen texts are encoded in one batch."""
+    def encode(self, model: str, texts: Sequence[str]) -> list[Embeddings]:
+        """One embedding per text; unseen texts are encoded in one batch."""
         if model not in self.families:
             raise ValueError(f"model {model!r} has no text encoder here")
         missing = list(dict.fromkeys(t for t in texts if (model, t) not in self._cache))
         self.hits += len(texts) - len(missing)
         self.misses += len(missing)
-        fresh: dict[str, np.ndarray] = {}
+        fresh: dict[str, Embeddings] = {}
         if missing:
-            embeds = self.families[model].encode_text(missing).float().cpu().numpy()
-            fresh = {text: embeds[i : i + 1] for i, text in enumerate(missing)}
+            embeds = {name: value.float().cpu().numpy()
+                      for name, value in self.families[model].encode_text(missing).items()}
+            fresh = {text: {name: value[i : i + 1] for name, value in embeds.items()} for i, text in enumerate(missing)}
         out = []
         for text in texts:
             key = (model, text)
@@ -43,3 +50,52 @@ class CachedTextEncoder:
         while len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)
         return out
+
+    def encode_pairs(self, model: str, pairs: Sequence[tuple[str, str | None]]) -> list[Pair]:
+        """Each (prompt, negative prompt or None) pair's embeddings, all texts in one batch. A
+        negative prompt the family conditions as zeros (`DiffusionFamily.zero_negative`) is not
+        encoded."""
+        family = self.families.get(model)
+        if family is None:
+            raise ValueError(f"model {model!r} has no text encoder here")
+        encoded = [neg for _, neg in pairs if neg is not None and not family.zero_negative(neg)]
+        embeds = iter(self.encode(model, [prompt for prompt, _ in pairs] + encoded))
+        conds = [next(embeds) for _ in pairs]
+        out: list[Pair] = []
+        for cond, (_, neg) in zip(conds, pairs):
+            if neg is None:
+                out.append((cond, None))
+            elif family.zero_negative(neg):
+                out.append((cond, {name: np.zeros_like(value) for name, value in cond.items()}))
+            else:
+                out.append((cond, next(embeds)))
+        return out
+
+
+def encode_conditioning(family: DiffusionFamily, spec: RequestSpec) -> Conditioning:
+    """A request's conditioning encoded in this process, as a worker gets it from the text
+    encoder deployment (tests, profiles and benchmarks that run a family directly)."""
+    (pair,) = encode_pair(family, spec)
+    return Conditioning.from_numpy(*pair)
+
+
+def encode_pair(family: DiffusionFamily, spec: RequestSpec) -> tuple[Pair]:
+    """The text encoder deployment's answer for `spec`, encoded in this process."""
+    negative = spec.negative_prompt if spec.uses_cfg else None
+    return tuple(CachedTextEncoder({spec.model: family}, 0).encode_pairs(spec.model, [(spec.prompt, negative)]))
+
+
+def embed(family: DiffusionFamily, text: str) -> Embeddings:
+    """One text's embeddings, encoded in this process."""
+    return CachedTextEncoder({family.source.name: family}, 0).encode(family.source.name, [text])[0]
+
+
+def conditioning_rows(family: DiffusionFamily, text: Embeddings, rows: int, height: int, width: int,
+                      frames: int = 1) -> RowConditioning:
+    """`rows` rows of one text's conditioning for a forward at that size (profiles time forwards
+    of every batch shape)."""
+    frames = frames if family.kind is RequestKind.T2V else 1
+    spec = RequestSpec("rows", family.source.name, "", width, height, 1, 1.0, 0, kind=family.kind, num_frames=frames)
+    rows_of = {name: torch.from_numpy(value).to(device=family.device, dtype=family.dtype)
+               .expand(rows, *value.shape[1:]).contiguous() for name, value in text.items()}
+    return family.row_conditioning(spec, rows_of)

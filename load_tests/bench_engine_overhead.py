@@ -34,8 +34,8 @@ import torch
 
 from stepserve.deployments.config import AppConfig
 from stepserve.engine.families import ALL_PARTS, DiffusionFamily, ModelSource, load_family
-from stepserve.engine.sampler import Conditioning
 from stepserve.engine.step_runner import Admission, StepRunner
+from stepserve.engine.text_encoding import encode_conditioning
 from stepserve.load_tests.live import check_loopback, run_open_loop
 from stepserve.load_tests.local_app import bench_serve_config, deployed, free_port, local_ray
 from stepserve.load_tests.plots import plot_overhead
@@ -82,8 +82,7 @@ def stepserve_engine(family: DiffusionFamily, spec: RequestSpec) -> np.ndarray:
     one plan per step (as the router writes them: admit with the first, finish with the last),
     and the VAE decoder do for it, without the Ray hops between them."""
     rid, steps = spec.request_id, spec.num_inference_steps
-    cond, uncond = family.encode_text([spec.prompt, spec.negative_prompt]).split(1)
-    admissions = {rid: Admission(spec, conditioning=Conditioning(cond, uncond if spec.uses_cfg else None))}
+    admissions = {rid: Admission(spec, conditioning=encode_conditioning(family, spec))}
     runner = StepRunner("bench", {spec.model: family})
     for step in range(steps):
         first, last = step == 0, step == steps - 1

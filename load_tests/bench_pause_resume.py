@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 
 from stepserve.engine.families import ALL_PARTS, ModelSource, load_family
-from stepserve.engine.sampler import Conditioning
 from stepserve.engine.step_runner import Admission, StepRunner
+from stepserve.engine.text_encoding import encode_conditioning
 from stepserve.load_tests.plots import plot_pause_resume
 from stepserve.policies.types import RequestKind, RequestSpec, StepGroup, WorkerPlan
 
@@ -43,10 +43,9 @@ def run(runner: StepRunner, plan: WorkerPlan, admissions: dict | None = None) ->
 
 
 def measure(runner: StepRunner, family, spec: RequestSpec, repeats: int) -> dict:
-    cond, uncond = family.encode_text([spec.prompt, spec.negative_prompt]).split(1)
     rid = spec.request_id
     step, pause = WorkerPlan("bench", groups=(StepGroup((rid,)),)), WorkerPlan("bench", export=(rid,))
-    run(runner, WorkerPlan("bench", admit=(rid,)), {rid: Admission(spec, Conditioning(cond, uncond))})
+    run(runner, WorkerPlan("bench", admit=(rid,)), {rid: Admission(spec, encode_conditioning(family, spec))})
     run(runner, step)  # warm-up; the multistep history is non-empty from here on
     steps, pauses, resumes, pickles, sizes = [], [], [], [], []
     for _ in range(repeats):

@@ -168,6 +168,9 @@ class Context:
 # -- the model's own work --------------------------------------------------------------------
 
 
+PROMPT = "a photograph of a red fox in the snow"  # what the component timings condition on
+
+
 def first_timestep(family) -> torch.Tensor:
     scheduler = family.make_scheduler()
     scheduler.set_timesteps(20, device=family.device)
@@ -175,9 +178,11 @@ def first_timestep(family) -> torch.Tensor:
 
 
 def measure_denoise(ctx: Context, threads: int) -> list[ProfileRow]:
+    from stepserve.engine.text_encoding import conditioning_rows, embed
+
     family, grid = ctx.family, ctx.grid
     log(f"[denoise] {len(grid.sizes)} sizes x rows {list(grid.rows)}, {threads} thread(s)")
-    context = family.encode_text(["a photograph of a red fox in the snow"])
+    text = embed(family, PROMPT)
     t = first_timestep(family)
     generator = torch.Generator("cpu").manual_seed(0)
     rows_out = []
@@ -188,8 +193,8 @@ def measure_denoise(ctx: Context, threads: int) -> list[ProfileRow]:
             sample = torch.randn(rows, family.latent_channels, side, side, generator=generator)
             sample = sample.to(device=family.device, dtype=family.dtype)
             timesteps = t.reshape(1).expand(rows)
-            ctx_rows = context.expand(rows, -1, -1).contiguous()
-            cases[rows] = (lambda s=sample, ts=timesteps, c=ctx_rows: family.denoise(s, ts, c))
+            cond = conditioning_rows(family, text, rows, size, size)
+            cases[rows] = (lambda s=sample, ts=timesteps, c=cond: family.denoise(s, ts, c))
         medians = interleaved_medians(cases, ctx.watch, grid.warmup, grid.repeats, lambda r: f"{size}px rows {r}")
         rows_out += [ctx.row(DENOISE, v, grid.repeats, size, size, r, f"family.denoise, {threads} thread(s)")
                      for r, v in medians.items()]
@@ -237,11 +242,13 @@ def _probe_sibling(source, threads: int, size: int, rows: int, running, stop, re
 
 
 def _probe_forward(family, size: int, rows: int) -> Callable[[], Any]:
+    from stepserve.engine.text_encoding import conditioning_rows, embed
+
     side = size // family.vae_scale_factor
     sample = torch.randn(rows, family.latent_channels, side, side, generator=torch.Generator("cpu").manual_seed(0))
-    context = family.encode_text(["a photograph of a red fox in the snow"]).expand(rows, -1, -1).contiguous()
+    cond = conditioning_rows(family, embed(family, PROMPT), rows, size, size)
     timesteps = first_timestep(family).reshape(1).expand(rows)
-    return lambda: family.denoise(sample, timesteps, context)
+    return lambda: family.denoise(sample, timesteps, cond)
 
 
 def measure_host_probe(ctx: Context, source, threads: int, cores: int) -> list[ProfileRow]:
@@ -296,13 +303,16 @@ def measure_host_probe(ctx: Context, source, threads: int, cores: int) -> list[P
 def measure_round_bookkeeping(ctx: Context, threads: int) -> list[ProfileRow]:
     from stepserve.engine.sampler import Conditioning
     from stepserve.engine.step_runner import Admission, StepRunner
+    from stepserve.engine.text_encoding import encode_conditioning
     from stepserve.policies.types import RequestSpec, StepGroup, WorkerPlan
 
     family, grid, watch = ctx.family, ctx.grid, ctx.watch
     log(f"[round_overhead] StepRunner.execute minus its forwards: sizes {list(grid.sizes)}, "
         f"batches {list(grid.overhead_batches)}, CFG off/on")
-    cond, uncond = family.encode_text(["a photograph of a red fox in the snow", ""]).split(1)
     steps = grid.warmup + grid.repeats + 2  # nobody finishes while measured
+    size = min(grid.sizes)
+    fox = encode_conditioning(family, RequestSpec("fox", ctx.model, PROMPT, size, size, steps, 7.5, 0))
+    text = {True: fox, False: Conditioning(fox.prompt)}  # by CFG
     out = []
     admission = []
     for size in grid.sizes:
@@ -312,8 +322,8 @@ def measure_round_bookkeeping(ctx: Context, threads: int) -> list[ProfileRow]:
                 runner = StepRunner("profile", {ctx.model: timed})
                 admissions = {}
                 for i in range(batch):
-                    spec = RequestSpec(f"r{i}", ctx.model, "fox", size, size, steps, 7.5 if cfg else 1.0, i)
-                    admissions[spec.request_id] = Admission(spec, Conditioning(cond, uncond if cfg else None))
+                    spec = RequestSpec(f"r{i}", ctx.model, PROMPT, size, size, steps, 7.5 if cfg else 1.0, i)
+                    admissions[spec.request_id] = Admission(spec, text[cfg])
                 ids = tuple(admissions)
                 admission.append(watch.time(lambda: runner.execute(WorkerPlan("profile", admit=ids), admissions))
                                  / batch)

@@ -40,6 +40,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from stepserve.policies.cost_model import (
@@ -144,10 +145,13 @@ def sp_degrees(family, max_degree: int, available: int) -> list[int]:
     return degrees
 
 
-def denoise_cases(family, points: list[Point], rows: tuple[int, ...], context: torch.Tensor, t: torch.Tensor,
+def denoise_cases(family, points: list[Point], rows: tuple[int, ...], text: dict[str, np.ndarray], t: torch.Tensor,
                   sp_group: Any = None) -> dict[tuple[int, int, int, int], Any]:
-    """One forward per (height, width, frames, rows); the inputs are the same in every process
-    (one seeded generator), so the ranks of an SP group make the same call."""
+    """One forward per (height, width, frames, rows), conditioned on `text` (one prompt's
+    embeddings); the inputs are the same in every process (one seeded generator), so the ranks
+    of an SP group make the same call."""
+    from stepserve.engine.text_encoding import conditioning_rows
+
     generator = torch.Generator("cpu").manual_seed(0)
     cases = {}
     for point in points:
@@ -155,8 +159,8 @@ def denoise_cases(family, points: list[Point], rows: tuple[int, ...], context: t
         for r in rows:
             sample = torch.randn(r, *latent, generator=generator).to(family.device)
             timesteps = t.to(family.device).reshape(1).expand(r)
-            ctx_rows = context.to(device=family.device, dtype=family.dtype).expand(r, -1, -1).contiguous()
-            cases[(*point, r)] = (lambda s=sample, ts=timesteps, c=ctx_rows:
+            cond = conditioning_rows(family, text, r, *point)
+            cases[(*point, r)] = (lambda s=sample, ts=timesteps, c=cond:
                                   family.denoise(s, ts, c, sp_group=sp_group))
     return cases
 
@@ -174,7 +178,7 @@ def label(key: tuple[int, int, int, int]) -> str:
 
 
 def sp_rank(rank: int, world: int, port: int, backend: str, source, threads: int, points: list[Point],
-            rows: tuple[int, ...], context, timestep, warmup: int, repeats: int, out_path: str) -> None:
+            rows: tuple[int, ...], text, timestep, warmup: int, repeats: int, out_path: str) -> None:
     """One rank of an SP group: time every case, all ranks in step, and hand rank 0 the times."""
     from stepserve.engine.families import DENOISER, load_family
 
@@ -189,7 +193,7 @@ def sp_rank(rank: int, world: int, port: int, backend: str, source, threads: int
     try:
         group = dist.new_group(list(range(world)))  # passed explicitly, as a worker's SP group is
         family = load_family(source, {DENOISER}, device)
-        cases = denoise_cases(family, points, rows, torch.from_numpy(context), torch.from_numpy(timestep), group)
+        cases = denoise_cases(family, points, rows, text, torch.from_numpy(timestep), group)
         watch = Stopwatch(device)
         times: dict[Any, list[float]] = {key: [] for key in cases}
         for i in range(warmup + repeats):
@@ -215,7 +219,8 @@ def sp_rank(rank: int, world: int, port: int, backend: str, source, threads: int
 
 
 def run_sp_group(degree: int, source, threads: int, device: str, points: list[Point], rows: tuple[int, ...],
-                 context: torch.Tensor, t: torch.Tensor, warmup: int, repeats: int) -> dict[tuple, tuple[float, list]]:
+                 text: dict[str, np.ndarray], t: torch.Tensor, warmup: int,
+                 repeats: int) -> dict[tuple, tuple[float, list]]:
     """Start `degree` ranks, wait for them (killing them past SP_TIMEOUT_S), and return
     {(h, w, frames, rows): (slowest-rank median, per-rank medians)}."""
     import multiprocessing
@@ -232,7 +237,7 @@ def run_sp_group(degree: int, source, threads: int, device: str, points: list[Po
         procs = mp.start_processes(
             sp_rank, nprocs=degree, join=False, start_method="forkserver",
             args=(degree, free_port(), backend, source, threads, points, rows,
-                  context.detach().to("cpu", torch.float32).numpy(), t.detach().cpu().numpy(), warmup, repeats,
+                  text, t.detach().cpu().numpy(), warmup, repeats,
                   out_path),
         )
         deadline = time.monotonic() + SP_TIMEOUT_S
@@ -258,10 +263,12 @@ def run_sp_group(degree: int, source, threads: int, device: str, points: list[Po
 def measure_video_denoise(ctx: Context, source, threads: int, device: str, available: int) -> list[ProfileRow]:
     family, grid = ctx.family, ctx.grid
     points = video_points(family, grid)
-    context = family.encode_text([PROMPT])
+    from stepserve.engine.text_encoding import embed
+
+    text = embed(family, PROMPT)
     t = first_timestep(family)
     log(f"[denoise] SP 1: {len(points)} (size, frames) x rows {list(grid.rows)}, {threads} thread(s), in-process")
-    medians = interleaved_medians(denoise_cases(family, points, grid.rows, context, t), ctx.watch, grid.warmup,
+    medians = interleaved_medians(denoise_cases(family, points, grid.rows, text, t), ctx.watch, grid.warmup,
                                   grid.denoise_repeats, label)
     out = [ctx.row(DENOISE, v, grid.denoise_repeats, h, w, r, f"family.denoise, {threads} thread(s)", frames=f)
            for (h, w, f, r), v in medians.items()]
@@ -275,7 +282,7 @@ def measure_video_denoise(ctx: Context, source, threads: int, device: str, avail
         log(f"[denoise] SP {degree}: {len(fit)} (size, frames) x rows {list(grid.rows)}, {degree} processes x "
             f"{threads} thread(s) over {'nccl' if device.startswith('cuda') else 'gloo'}")
         started = time.perf_counter()
-        results = run_sp_group(degree, source, threads, device, fit, grid.rows, context, t, grid.warmup,
+        results = run_sp_group(degree, source, threads, device, fit, grid.rows, text, t, grid.warmup,
                                grid.denoise_repeats)
         for key, (value, per_rank) in results.items():
             spread = ", ".join(f"{m * 1e3:.3f}" for m in per_rank)

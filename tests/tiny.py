@@ -5,20 +5,21 @@ import torch
 from stepserve.engine.families import ModelSource
 from stepserve.engine.sampler import Conditioning
 from stepserve.engine.step_runner import Admission
+from stepserve.engine.text_encoding import encode_conditioning
 from stepserve.policies.types import RequestSpec
 
 TINY = ModelSource(name="tiny-sd", family="sd15", preset="tiny", seed=0)
+TINY_SDXL = ModelSource(name="tiny-sdxl", family="sdxl", preset="tiny", seed=0)
 
 
 def make_spec(rid: str, steps: int = 6, seed: int = 0, guidance: float = 7.5, size: int = 64, prompt: str = "a red fox",
-              negative: str = "") -> RequestSpec:
-    return RequestSpec(request_id=rid, model="tiny-sd", prompt=prompt, width=size, height=size,
+              negative: str = "", model: str = "tiny-sd") -> RequestSpec:
+    return RequestSpec(request_id=rid, model=model, prompt=prompt, width=size, height=size,
                        num_inference_steps=steps, guidance_scale=guidance, seed=seed, negative_prompt=negative)
 
 
 def conditioning_for(family, spec: RequestSpec) -> Conditioning:
-    cond, uncond = family.encode_text([spec.prompt, spec.negative_prompt]).split(1)
-    return Conditioning(cond, uncond if spec.uses_cfg else None)
+    return encode_conditioning(family, spec)
 
 
 def admission_for(family, spec: RequestSpec) -> Admission:

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from stepserve.engine.families import DENOISER, TEXT, ModelSource, load_family
 from stepserve.engine.sampler import Conditioning, Sampler
+from stepserve.engine.text_encoding import encode_conditioning, encode_pair
 from stepserve.policies.types import RequestKind, RequestSpec
 
 TINY_WAN = ModelSource(name="tiny-wan", family="wan", preset="tiny", seed=0)
@@ -26,8 +27,7 @@ def make_video_spec(rid: str = "v", steps: int = 4, seed: int = 0, guidance: flo
 
 
 def video_conditioning(family, spec) -> Conditioning:
-    cond, uncond = family.encode_text([spec.prompt, spec.negative_prompt]).split(1)
-    return Conditioning(cond, uncond if spec.uses_cfg else None)
+    return encode_conditioning(family, spec)
 
 
 def run_video(family, spec, conditioning, sp_group=None, steps: int | None = None) -> Sampler:
@@ -118,6 +118,5 @@ def sp_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
 
 def video_embeds(family, spec) -> tuple:
     """(prompt, negative or None) numpy arrays, as the text encoder deployment returns them."""
-    conditioning = video_conditioning(family, spec)
-    negative = conditioning.negative_prompt_embeds
-    return conditioning.prompt_embeds.numpy(), None if negative is None else negative.numpy()
+    (pair,) = encode_pair(family, spec)
+    return pair

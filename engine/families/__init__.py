@@ -8,9 +8,10 @@ import torch
 
 from stepserve.engine.families.base import ALL_PARTS, DENOISER, TEXT, VAE, DiffusionFamily, ModelSource
 from stepserve.engine.families.sd15 import SD15Family
+from stepserve.engine.families.sdxl import SDXLFamily
 from stepserve.engine.families.wan import WanFamily
 
-FAMILIES: dict[str, type[DiffusionFamily]] = {"sd15": SD15Family, "wan": WanFamily}
+FAMILIES: dict[str, type[DiffusionFamily]] = {"sd15": SD15Family, "sdxl": SDXLFamily, "wan": WanFamily}
 
 
 def family_class(name: str) -> type[DiffusionFamily]:

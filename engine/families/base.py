@@ -18,6 +18,15 @@ ALL_PARTS = frozenset({TEXT, DENOISER, VAE})
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
+# A batch of texts' embeddings by name, each with the texts along dim 0: "context" [n, seq, dim]
+# (the denoiser's cross-attention input) in every family, and "pooled" [n, dim] in families whose
+# denoiser also takes a pooled text embedding (SDXL, SD3, Flux).
+TextEmbeddings = dict[str, torch.Tensor]
+# One forward's conditioning by name, one row per sample row: the text embeddings of each row
+# ([uncond, cond] under CFG) and whatever else the family's denoiser takes per row (SDXL's
+# micro-conditioning `time_ids`). Requests batched together are concatenated key by key.
+RowConditioning = dict[str, torch.Tensor]
+
 
 @dataclass(frozen=True)
 class ModelSource:
@@ -75,8 +84,14 @@ class DiffusionFamily(ABC):
         """Build or load only `parts` (subset of ALL_PARTS) on `device`."""
 
     @abstractmethod
-    def encode_text(self, texts: Sequence[str]) -> torch.Tensor:
-        """One embedding per text: [len(texts), seq, dim]. Prompts and negative prompts alike."""
+    def encode_text(self, texts: Sequence[str]) -> TextEmbeddings:
+        """Every text's embeddings, in order along dim 0. Prompts and negative prompts alike."""
+
+    def zero_negative(self, text: str) -> bool:
+        """Whether the negative prompt `text` conditions as all-zero embeddings instead of being
+        encoded (SDXL's `force_zeros_for_empty_prompt`: its pipeline does so for no negative
+        prompt, which a request says with an empty one)."""
+        return False
 
     @abstractmethod
     def make_scheduler(self) -> Any:
@@ -84,7 +99,7 @@ class DiffusionFamily(ABC):
 
     @abstractmethod
     def denoise(
-        self, sample: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor, sp_group: Any = None
+        self, sample: torch.Tensor, timesteps: torch.Tensor, cond: RowConditioning, sp_group: Any = None
     ) -> torch.Tensor:
         """One forward over a batch with a per-sample timestep vector; with `sp_group` (a
         torch.distributed group; only where `sequence_parallel`) split over that group's ranks."""
@@ -98,6 +113,11 @@ class DiffusionFamily(ABC):
     @abstractmethod
     def initial_latents(self, spec: RequestSpec, scheduler: Any, generator: torch.Generator) -> torch.Tensor:
         """The starting noise for one request, drawn from `generator` exactly as the pipeline does."""
+
+    def row_conditioning(self, spec: RequestSpec, text: TextEmbeddings) -> RowConditioning:
+        """The request's per-row conditioning from its rows' text embeddings (one row, or
+        [uncond, cond] under CFG): by default the text alone."""
+        return dict(text)
 
     def prepare_scheduler(self, scheduler: Any, num_inference_steps: int) -> None:
         """Set a fresh scheduler's timesteps as the pipeline does before its loop."""

@@ -18,7 +18,9 @@ from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionPipe
 from diffusers.utils.torch_utils import randn_tensor
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
-from stepserve.engine.families.base import ALL_PARTS, DENOISER, TEXT, VAE, DiffusionFamily, ModelSource
+from stepserve.engine.families.base import (
+    ALL_PARTS, DENOISER, TEXT, VAE, DiffusionFamily, ModelSource, RowConditioning, TextEmbeddings,
+)
 from stepserve.engine.tokenizer import byte_level_clip_tokenizer, byte_level_vocab
 from stepserve.policies.types import RequestKind, RequestSpec
 
@@ -146,12 +148,15 @@ class SD15Family(DiffusionFamily):
         self.vae_scale_factor = components["vae_scale_factor"]
         self.latent_channels = self.unet.config.in_channels if self.unet is not None else 4
         # The pipeline object is only a holder for diffusers' own helper methods.
-        self.pipe = StableDiffusionPipeline(
+        self.pipe = self.make_pipeline(components, scheduler)
+        self.pipe.set_progress_bar_config(disable=True)
+
+    def make_pipeline(self, components: dict[str, Any], scheduler: Any) -> Any:
+        return StableDiffusionPipeline(
             vae=self.vae, text_encoder=components.get(TEXT), tokenizer=components.get("tokenizer"),
             unet=self.unet, scheduler=scheduler, safety_checker=None, feature_extractor=None,
             requires_safety_checker=False,
         )
-        self.pipe.set_progress_bar_config(disable=True)
 
     @classmethod
     def load(cls, source: ModelSource, parts: Collection[str], device: str | torch.device) -> "SD15Family":
@@ -159,15 +164,23 @@ class SD15Family(DiffusionFamily):
         if unknown:
             raise ValueError(f"unknown parts {sorted(unknown)}")
         if source.preset is not None:
-            components = build_preset_components(source.preset, source.seed, parts)
+            components = cls.preset_components(source.preset, source.seed, parts)
         else:
-            components = load_folder_components(source.path, parts)
+            components = cls.folder_components(source.path, parts)
         return cls(source, components, torch.device(device))
 
+    @staticmethod
+    def preset_components(preset: str, seed: int, parts: Collection[str]) -> dict[str, Any]:
+        return build_preset_components(preset, seed, parts)
+
+    @staticmethod
+    def folder_components(path: str, parts: Collection[str]) -> dict[str, Any]:
+        return load_folder_components(path, parts)
+
     @torch.inference_mode()
-    def encode_text(self, texts: Sequence[str]) -> torch.Tensor:
+    def encode_text(self, texts: Sequence[str]) -> TextEmbeddings:
         embeds, _ = self.pipe.encode_prompt(list(texts), self.device, 1, False)
-        return embeds
+        return {"context": embeds}
 
     def make_scheduler(self) -> Any:
         return type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
@@ -181,15 +194,15 @@ class SD15Family(DiffusionFamily):
 
     @torch.inference_mode()
     def denoise(
-        self, sample: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor, sp_group: Any = None
+        self, sample: torch.Tensor, timesteps: torch.Tensor, cond: RowConditioning, sp_group: Any = None
     ) -> torch.Tensor:
         if sp_group is not None:
             raise ValueError(f"model {self.source.name!r} (sd15) cannot run sequence-parallel")
-        return self.unet(sample, timesteps, encoder_hidden_states=context, return_dict=False)[0]
+        return self.unet(sample, timesteps, encoder_hidden_states=cond["context"], return_dict=False)[0]
 
     @torch.inference_mode()
     def decode(self, latents: torch.Tensor) -> np.ndarray:
-        latents = latents.to(device=self.device, dtype=self.dtype)
+        latents = latents.to(device=self.device, dtype=self.vae.dtype)
         image = self.vae.decode(latents / self.vae.config.scaling_factor, return_dict=False)[0]
         return self.pipe.image_processor.postprocess(
             image, output_type="np", do_denormalize=[True] * image.shape[0]

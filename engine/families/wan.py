@@ -22,7 +22,9 @@ from diffusers.utils.torch_utils import randn_tensor
 from safetensors.torch import load_file as load_safetensors
 from transformers import AutoTokenizer, UMT5Config, UMT5EncoderModel
 
-from stepserve.engine.families.base import ALL_PARTS, DENOISER, TEXT, VAE, DiffusionFamily, ModelSource
+from stepserve.engine.families.base import (
+    ALL_PARTS, DENOISER, TEXT, VAE, DiffusionFamily, ModelSource, RowConditioning, TextEmbeddings,
+)
 from stepserve.engine.parallel.ulysses import UlyssesWanTransformer
 from stepserve.engine.tokenizer import character_t5_tokenizer, t5_character_vocab
 from stepserve.policies.types import RequestKind, RequestSpec
@@ -261,14 +263,14 @@ class WanFamily(DiffusionFamily):
     # ---- the DiffusionFamily interface --------------------------------------------------
 
     @torch.inference_mode()
-    def encode_text(self, texts: Sequence[str]) -> torch.Tensor:
-        """[len(texts), max_sequence_length, dim]: each prompt's tokens, zero-padded (as the
-        pipeline does, so a text's embedding does not depend on its batch mates)."""
+    def encode_text(self, texts: Sequence[str]) -> TextEmbeddings:
+        """"context" [len(texts), max_sequence_length, dim]: each prompt's tokens, zero-padded (as
+        the pipeline does, so a text's embedding does not depend on its batch mates)."""
         embeds, _ = self.pipe.encode_prompt(
             list(texts), do_classifier_free_guidance=False, max_sequence_length=self.max_sequence_length,
             device=self.device,
         )
-        return embeds
+        return {"context": embeds}
 
     def make_scheduler(self) -> Any:
         return type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
@@ -292,11 +294,11 @@ class WanFamily(DiffusionFamily):
 
     @torch.inference_mode()
     def denoise(
-        self, sample: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor, sp_group: Any = None
+        self, sample: torch.Tensor, timesteps: torch.Tensor, cond: RowConditioning, sp_group: Any = None
     ) -> torch.Tensor:
         """One forward; with `sp_group` (a torch.distributed group) every rank of the group
         passes the same inputs and gets the same full output, the token sequence split among them."""
-        sample = sample.to(self.transformer.dtype)
+        sample, context = sample.to(self.transformer.dtype), cond["context"]
         if sp_group is None:
             return self.transformer(
                 hidden_states=sample, timestep=timesteps, encoder_hidden_states=context, return_dict=False

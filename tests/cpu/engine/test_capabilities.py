@@ -5,6 +5,7 @@ import torch
 
 from stepserve.engine.families import DENOISER, FAMILIES, family_class, load_family
 from stepserve.engine.families.sd15 import SD15Family
+from stepserve.engine.families.sdxl import SDXLFamily
 from stepserve.engine.families.wan import WanFamily
 from stepserve.engine.sampler import Conditioning, Sampler
 from stepserve.policies.types import RequestKind
@@ -20,8 +21,9 @@ def wan():
 
 def test_family_class_looks_up_the_registry():
     assert family_class("sd15") is SD15Family and family_class("wan") is WanFamily
+    assert family_class("sdxl") is SDXLFamily
     assert all(family_class(name) is cls for name, cls in FAMILIES.items())
-    with pytest.raises(ValueError, match="unknown model family 'nope'; known: \\['sd15', 'wan'\\]"):
+    with pytest.raises(ValueError, match="unknown model family 'nope'; known: \\['sd15', 'sdxl', 'wan'\\]"):
         family_class("nope")
 
 
@@ -30,6 +32,7 @@ def test_declared_capabilities():
                 for name, cls in FAMILIES.items()}
     assert declared == {
         "sd15": (RequestKind.T2I, 8, 1, False, False),
+        "sdxl": (RequestKind.T2I, 8, 1, False, False),
         "wan": (RequestKind.T2V, 16, 4, True, True),
     }
 
@@ -40,7 +43,15 @@ def test_sd15_capabilities_match_the_model(tiny_family):
         tiny_family.pipe.check_inputs("a fox", 60, 64, 1)
     sample = torch.zeros(1, 4, 8, 8)
     with pytest.raises(ValueError, match="cannot run sequence-parallel"):
-        tiny_family.denoise(sample, torch.tensor([999]), torch.zeros(1, 77, 32), sp_group=object())
+        tiny_family.denoise(sample, torch.tensor([999]), {"context": torch.zeros(1, 77, 32)}, sp_group=object())
+
+
+def test_sdxl_capabilities_match_the_model(tiny_sdxl):
+    assert tiny_sdxl.vae_scale_factor == SDXLFamily.size_multiple
+    with pytest.raises(ValueError, match="divisible by 8"):
+        tiny_sdxl.pipe.check_inputs("a fox", None, 60, 64, 1)
+    with pytest.raises(ValueError, match="cannot run sequence-parallel"):
+        tiny_sdxl.denoise(torch.zeros(1, 4, 8, 8), torch.tensor([999]), {}, sp_group=object())
 
 
 def test_wan_capabilities_match_the_model(wan):
@@ -54,7 +65,7 @@ def test_wan_capabilities_match_the_model(wan):
 
 
 def test_a_sampler_refuses_a_request_of_another_kind(tiny_family, wan):
-    text = Conditioning(torch.zeros(1, 4, 32), torch.zeros(1, 4, 32))
+    text = Conditioning({"context": torch.zeros(1, 4, 32)}, {"context": torch.zeros(1, 4, 32)})
     with pytest.raises(ValueError, match="request i is t2i, but model 'tiny-wan' generates t2v"):
         Sampler(make_spec("i"), wan, text)
     with pytest.raises(ValueError, match="request v is t2v, but model 'tiny-sd' generates t2i"):

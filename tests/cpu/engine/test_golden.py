@@ -1,5 +1,6 @@
 """A request served inside a mixed continuous batch equals the solo diffusers pipeline."""
 
+import functools
 import pickle
 
 import diffusers
@@ -18,7 +19,7 @@ ATOL = 2e-5  # fp32 CPU; batching changes GEMM blocking only
 def _run(family, arrivals: dict[int, list], rounds: int = 100) -> dict[str, np.ndarray]:
     """Drive a StepRunner like continuous batching does: everyone resident steps each round,
     newcomers join at step boundaries, and a request finishes in the plan of its last step."""
-    runner = StepRunner("w0", {"tiny-sd": family})
+    runner = StepRunner("w0", {family.source.name: family})
     left: dict[str, int] = {}
     done = {}
     for rnd in range(rounds):
@@ -52,19 +53,21 @@ def _image(family, latents: np.ndarray) -> np.ndarray:
     return family.decode(torch.from_numpy(latents))[0]
 
 
-def test_mixed_batch_matches_solo_pipeline(tiny_family):
-    target = make_spec("target", steps=8, seed=42, guidance=7.5, prompt="a lighthouse at dusk", negative="blurry")
+def test_mixed_batch_matches_solo_pipeline(image_family):
+    family = image_family
+    spec = functools.partial(make_spec, model=family.source.name)
+    target = spec("target", steps=8, seed=42, guidance=7.5, prompt="a lighthouse at dusk", negative="blurry")
     others = {
-        0: [make_spec("a", steps=3, seed=1, guidance=5.0)],
-        2: [target, make_spec("b", steps=12, seed=2, guidance=1.0, prompt="no cfg here")],
-        4: [make_spec("c", steps=4, seed=3, guidance=9.0, prompt="late joiner")],
+        0: [spec("a", steps=3, seed=1, guidance=5.0)],  # an empty negative prompt (SDXL: zeros)
+        2: [target, spec("b", steps=12, seed=2, guidance=1.0, prompt="no cfg here")],
+        4: [spec("c", steps=4, seed=3, guidance=9.0, prompt="late joiner")],
     }
-    latents = _run(tiny_family, others)
+    latents = _run(family, others)
     assert set(latents) == {"a", "b", "c", "target"}
-    for spec in [target, others[0][0], others[2][1], others[4][0]]:
-        image = _image(tiny_family, latents[spec.request_id])
-        expected = solo_pipeline_image(tiny_family, spec)
-        np.testing.assert_allclose(image, expected, atol=ATOL, err_msg=spec.request_id)
+    for s in [target, others[0][0], others[2][1], others[4][0]]:
+        image = _image(family, latents[s.request_id])
+        expected = solo_pipeline_image(family, s)
+        np.testing.assert_allclose(image, expected, atol=ATOL, err_msg=s.request_id)
 
 
 def test_batched_forward_differs_by_request(tiny_family):
@@ -84,16 +87,17 @@ def test_non_square_sizes(tiny_family, size):
 
 
 @pytest.mark.parametrize("scheduler", [None, "DPMSolverMultistepScheduler", "EulerAncestralDiscreteScheduler"])
-def test_an_image_moved_between_workers_mid_way_equals_the_solo_pipeline(tiny_family, scheduler):
+def test_an_image_moved_between_workers_mid_way_equals_the_solo_pipeline(image_family, scheduler):
     """An image exported by one worker (latents, scheduler history, generator position, pickled
     as Ray would) and admitted from that state by another ends as the solo pipeline's."""
-    family = tiny_family
+    family = image_family
     original = family.pipe.scheduler
     if scheduler is not None:  # multistep history and stochastic steps must survive the move too
         family.pipe.scheduler = getattr(diffusers, scheduler).from_config(original.config)
     try:
-        spec = make_spec("moved", steps=6, seed=7, guidance=7.5, negative="blurry")
-        first, second = StepRunner("w0", {"tiny-sd": family}), StepRunner("w1", {"tiny-sd": family})
+        spec = make_spec("moved", steps=6, seed=7, guidance=7.5, negative="blurry", model=family.source.name)
+        models = {family.source.name: family}
+        first, second = StepRunner("w0", models), StepRunner("w1", models)
         step = (StepGroup(("moved",)),)
         first.execute(WorkerPlan("w0", admit=("moved",), groups=step), {"moved": admission_for(family, spec)})
         first.execute(WorkerPlan("w0", groups=step), {})

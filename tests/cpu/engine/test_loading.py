@@ -20,20 +20,21 @@ def test_preset_parts_are_seeded_independently(tiny_family):
     assert not torch.equal(next(other_seed.unet.parameters()), next(tiny_family.unet.parameters()))
 
 
-def test_local_safetensors_folder_round_trip(tiny_family, tmp_path):
-    tiny_family.pipe.save_pretrained(tmp_path, safe_serialization=True)
+def test_local_safetensors_folder_round_trip(image_family, tmp_path):
+    image_family.pipe.save_pretrained(tmp_path, safe_serialization=True)
     assert any(f.endswith(".safetensors") for _, _, fs in os.walk(tmp_path) for f in fs)
-    loaded = load_family(ModelSource(name="local", family="sd15", path=str(tmp_path)), ALL_PARTS, "cpu")
+    family = image_family.source.family
+    loaded = load_family(ModelSource(name="local", family=family, path=str(tmp_path)), ALL_PARTS, "cpu")
     spec = make_spec("r", steps=3, seed=5)
     np.testing.assert_allclose(
-        solo_pipeline_image(loaded, spec), solo_pipeline_image(tiny_family, spec), atol=1e-6
+        solo_pipeline_image(loaded, spec), solo_pipeline_image(image_family, spec), atol=1e-6
     )
 
 
-def test_folder_without_safetensors_is_refused(tiny_family, tmp_path):
-    tiny_family.pipe.save_pretrained(tmp_path, safe_serialization=False)
+def test_folder_without_safetensors_is_refused(image_family, tmp_path):
+    image_family.pipe.save_pretrained(tmp_path, safe_serialization=False)
     with pytest.raises(Exception, match="safetensors|\\.safetensors"):
-        load_family(ModelSource(name="bin", family="sd15", path=str(tmp_path)), ALL_PARTS, "cpu")
+        load_family(ModelSource(name="bin", family=image_family.source.family, path=str(tmp_path)), ALL_PARTS, "cpu")
 
 
 def test_missing_folder_is_a_clear_error(tmp_path):
@@ -53,9 +54,10 @@ def test_text_cache_hits_and_equals_direct_encoding(tiny_family):
     first = enc.encode("tiny-sd", ["a cat", ""])
     again = enc.encode("tiny-sd", ["", "a cat"])
     assert enc.misses == 2 and enc.hits == 2
-    np.testing.assert_array_equal(first[0], again[1])
-    direct = tiny_family.encode_text(["a cat"]).numpy()
-    np.testing.assert_allclose(first[0], direct, atol=1e-6)
+    np.testing.assert_array_equal(first[0]["context"], again[1]["context"])
+    direct = tiny_family.encode_text(["a cat"])["context"].numpy()
+    assert first[0].keys() == {"context"}
+    np.testing.assert_allclose(first[0]["context"], direct, atol=1e-6)
     enc.encode("tiny-sd", ["a dog"])  # evicts the least recently used: "" (used before "a cat")
     enc.encode("tiny-sd", ["a cat"])
     assert enc.misses == 3

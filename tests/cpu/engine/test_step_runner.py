@@ -133,7 +133,8 @@ def test_payloads_follow_plan_outputs_and_a_checkpoint_resumes_exactly(tiny_fami
     assert report.failed == () and len(payloads) == 3
     exported, checkpoint, latents = payloads
     assert exported["spec"] == specs["b"] and checkpoint["spec"] == specs["c"]
-    assert all(t.device.type == "cpu" for t in (exported["latents"], checkpoint["latents"], checkpoint["context"]))
+    tensors = (exported["latents"], checkpoint["latents"], checkpoint["cond"]["context"])
+    assert all(t.device.type == "cpu" for t in tensors)
     assert isinstance(latents, np.ndarray) and latents.dtype == np.float32 and latents.shape == (1, 4, 8, 8)
     assert report.progress == tuple(RequestProgress(rid, 1, s.num_inference_steps) for rid, s in specs.items())
     assert r.resident == ("c",)
@@ -158,9 +159,10 @@ def test_failures_are_confined_to_their_requests(tiny_family):
     narrow = make_spec("narrow")  # embeddings the UNet cannot attend to: its forward raises
     admissions = {
         "fresh": admission_for(tiny_family, make_spec("fresh", steps=5)),
-        "no-negative": Admission(cfg, Conditioning(admission_for(tiny_family, cfg).conditioning.prompt_embeds)),
+        "no-negative": Admission(cfg, Conditioning(admission_for(tiny_family, cfg).conditioning.prompt)),
         "other-model": admission_for(tiny_family, dataclasses.replace(make_spec("other-model"), model="big-sd")),
-        "narrow": Admission(narrow, Conditioning(torch.zeros(1, 77, 8), torch.zeros(1, 77, 8))),
+        "narrow": Admission(narrow, Conditioning({"context": torch.zeros(1, 77, 8)},
+                                                 {"context": torch.zeros(1, 77, 8)})),
         "mislabeled": admission_for(tiny_family, make_spec("someone-else")),
         "both": Admission(make_spec("both"), admission_for(tiny_family, make_spec("both")).conditioning,
                           state={"format": 2}),

@@ -31,7 +31,7 @@ def test_registered_and_shapes(wan):
     spec = make_video_spec(frames=9)
     sampler = Sampler(spec, wan, video_conditioning(wan, spec))
     assert sampler.latents.shape == (1, 16, 3, 8, 8) and sampler.latents.dtype == torch.float32
-    assert wan.encode_text(["a", "b c"]).shape == (2, wan.max_sequence_length, 32)
+    assert wan.encode_text(["a", "b c"])["context"].shape == (2, wan.max_sequence_length, 32)
     video = wan.decode(run_video(wan, spec, video_conditioning(wan, spec), steps=None).latents)
     assert video.shape == (1, 9, 64, 64, 3) and 0.0 <= video.min() and video.max() <= 1.0
 
@@ -80,7 +80,7 @@ def test_pause_export_resume_equals_uninterrupted(wan):
     state = paused.state()
     history = state["scheduler"]["attrs"]["model_outputs"]
     assert state["step_index"] == 3 and any(h is not None for h in history)  # UniPC history travels
-    tensors = [state["latents"], state["context"], *[h for h in history if h is not None]]
+    tensors = [state["latents"], state["cond"]["context"], *[h for h in history if h is not None]]
     assert all(t.device.type == "cpu" for t in tensors)
     blob = pickle.dumps(state)
 

@@ -1,0 +1,176 @@
+"""The Stable Diffusion XL family: two CLIP text encoders, UNet2DConditionModel with SDXL's added
+conditioning (the second encoder's pooled embedding and the size micro-conditioning
+`add_time_ids`), AutoencoderKL.
+
+As SD1.5 (whose loading, scheduler, noise and decoding it shares), a diffusers
+`StableDiffusionXLPipeline` is built around whichever components this process loaded, and its own
+`encode_prompt` encodes, so the served result stays equal to the pipeline's. A request's rows carry
+"context" (both encoders' penultimate hidden states, concatenated), "pooled" and "time_ids".
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Collection, Sequence
+
+import diffusers
+import torch
+from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+
+from stepserve.engine.families.base import DENOISER, TEXT, VAE, RowConditioning, TextEmbeddings
+from stepserve.engine.families.sd15 import SD15Family, SD_SCHEDULER, _vae
+from stepserve.engine.tokenizer import byte_level_clip_tokenizer, byte_level_vocab
+from stepserve.policies.types import RequestSpec
+
+TEXT_2 = "text_2"  # the second text encoder, loaded with TEXT
+
+# Tiny: the same classes, small widths (diffusers' own SDXL test sizes, scaled to 32/64 channels).
+# cross_attention_dim = the two encoders' widths; the added embedding takes the pooled projection
+# plus six time ids of addition_time_embed_dim each.
+TINY = dict(
+    text=dict(vocab_size=len(byte_level_vocab()), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=4),
+    text_2=dict(vocab_size=len(byte_level_vocab()), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, projection_dim=32),
+    unet=dict(
+        sample_size=32, layers_per_block=1, block_out_channels=(32, 64),
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        attention_head_dim=(4, 8), transformer_layers_per_block=(1, 1), cross_attention_dim=64,
+        use_linear_projection=True, addition_embed_type="text_time", addition_time_embed_dim=8,
+        projection_class_embeddings_input_dim=32 + 6 * 8, norm_num_groups=8,
+    ),
+    vae=dict(block_out_channels=(8, 16, 32, 32), layers_per_block=1, norm_num_groups=8, sample_size=256,
+             scaling_factor=0.13025),
+)
+
+# Full size: stable-diffusion-xl-base-1.0's published component configs (random weights, for GPU
+# speed runs; never build it in CPU tests).
+FULL = dict(
+    text=dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+              num_attention_heads=12, projection_dim=768, hidden_act="quick_gelu"),
+    text_2=dict(vocab_size=49408, hidden_size=1280, intermediate_size=5120, num_hidden_layers=32,
+                num_attention_heads=20, projection_dim=1280, hidden_act="gelu"),
+    unet=dict(
+        sample_size=128, layers_per_block=2, block_out_channels=(320, 640, 1280),
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+        attention_head_dim=(5, 10, 20), transformer_layers_per_block=(1, 2, 10), cross_attention_dim=2048,
+        use_linear_projection=True, addition_embed_type="text_time", addition_time_embed_dim=256,
+        projection_class_embeddings_input_dim=2816, norm_num_groups=32,
+    ),
+    vae=dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2, norm_num_groups=32, sample_size=1024,
+             scaling_factor=0.13025, force_upcast=True),
+)
+
+PRESETS = {"tiny": TINY, "full": FULL}
+
+
+def _clip_config(cfg: dict) -> CLIPTextConfig:
+    # Token ids follow the byte-level tokenizer: bos 0, eos (= pad) 1.
+    return CLIPTextConfig(max_position_embeddings=77, bos_token_id=0, eos_token_id=1, pad_token_id=1, **cfg)
+
+
+def build_preset_components(preset: str, seed: int, parts: Collection[str]) -> dict[str, Any]:
+    """Random-weight components of the real classes, each seeded on its own (as SD1.5's)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown sdxl preset {preset!r}; known: {sorted(PRESETS)}")
+    cfg = PRESETS[preset]
+    out: dict[str, Any] = {"scheduler": EulerDiscreteScheduler(**SD_SCHEDULER)}
+    builders = {
+        TEXT: lambda: CLIPTextModel(_clip_config(cfg["text"])),
+        TEXT_2: lambda: CLIPTextModelWithProjection(_clip_config(cfg["text_2"])),
+        DENOISER: lambda: UNet2DConditionModel(in_channels=4, out_channels=4, **cfg["unet"]),
+        VAE: lambda: _vae(cfg["vae"]),
+    }
+    wanted = set(parts) | ({TEXT_2} if TEXT in parts else set())
+    for offset, part in enumerate((TEXT, DENOISER, VAE, TEXT_2)):
+        if part in wanted:
+            torch.manual_seed(seed * 1009 + offset)
+            out[part] = builders[part]()
+    if TEXT in parts:
+        out["tokenizer"] = out["tokenizer_2"] = byte_level_clip_tokenizer()
+    out["vae_scale_factor"] = 2 ** (len(cfg["vae"]["block_out_channels"]) - 1)
+    return out
+
+
+def load_folder_components(path: str, parts: Collection[str]) -> dict[str, Any]:
+    """Components from a local diffusers-format SDXL folder; safetensors only, never the hub."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model folder {path!r} does not exist")
+    local = dict(use_safetensors=True, local_files_only=True)
+    index = StableDiffusionXLPipeline.load_config(path)
+    scheduler_cls = getattr(diffusers, index["scheduler"][1])
+    out: dict[str, Any] = {"scheduler": scheduler_cls.from_pretrained(path, subfolder="scheduler"),
+                           "force_zeros_for_empty_prompt": index.get("force_zeros_for_empty_prompt", True)}
+    if TEXT in parts:
+        out["tokenizer"] = CLIPTokenizer.from_pretrained(path, subfolder="tokenizer", local_files_only=True)
+        out["tokenizer_2"] = CLIPTokenizer.from_pretrained(path, subfolder="tokenizer_2", local_files_only=True)
+        out[TEXT] = CLIPTextModel.from_pretrained(path, subfolder="text_encoder", **local)
+        out[TEXT_2] = CLIPTextModelWithProjection.from_pretrained(path, subfolder="text_encoder_2", **local)
+    if DENOISER in parts:
+        out[DENOISER] = UNet2DConditionModel.from_pretrained(path, subfolder="unet", **local)
+    if VAE in parts:
+        out[VAE] = AutoencoderKL.from_pretrained(path, subfolder="vae", **local)
+    vae_config = AutoencoderKL.load_config(path, subfolder="vae")
+    out["vae_scale_factor"] = 2 ** (len(vae_config["block_out_channels"]) - 1)
+    return out
+
+
+class SDXLFamily(SD15Family):
+    # kind, size_multiple (check_inputs: sides divisible by 8), frame_step, no SP, decoded in the
+    # VAE deployment: as SD1.5.
+
+    def __init__(self, source, components: dict[str, Any], device: torch.device):
+        self.force_zeros_for_empty_prompt = components.get("force_zeros_for_empty_prompt", True)
+        super().__init__(source, components, device)
+        if TEXT_2 in components:
+            module = components[TEXT_2].to(device).eval().requires_grad_(False)
+            if module.dtype != self.dtype:
+                module.to(dtype=self.dtype)
+        if self.vae is not None and self.vae.config.force_upcast:
+            # The pipeline upcasts a half-precision VAE for every decode (it overflows in fp16):
+            # keep it in float32 here instead.
+            self.vae.to(dtype=torch.float32)
+
+    def make_pipeline(self, components: dict[str, Any], scheduler: Any) -> Any:
+        return StableDiffusionXLPipeline(
+            vae=self.vae, text_encoder=components.get(TEXT), text_encoder_2=components.get(TEXT_2),
+            tokenizer=components.get("tokenizer"), tokenizer_2=components.get("tokenizer_2"), unet=self.unet,
+            scheduler=scheduler, force_zeros_for_empty_prompt=self.force_zeros_for_empty_prompt,
+            add_watermarker=False,
+        )
+
+    @staticmethod
+    def preset_components(preset: str, seed: int, parts: Collection[str]) -> dict[str, Any]:
+        return build_preset_components(preset, seed, parts)
+
+    @staticmethod
+    def folder_components(path: str, parts: Collection[str]) -> dict[str, Any]:
+        return load_folder_components(path, parts)
+
+    @torch.inference_mode()
+    def encode_text(self, texts: Sequence[str]) -> TextEmbeddings:
+        embeds, _, pooled, _ = self.pipe.encode_prompt(list(texts), device=self.device,
+                                                        do_classifier_free_guidance=False)
+        return {"context": embeds, "pooled": pooled}
+
+    def zero_negative(self, text: str) -> bool:
+        return text == "" and self.force_zeros_for_empty_prompt
+
+    def row_conditioning(self, spec: RequestSpec, text: TextEmbeddings) -> RowConditioning:
+        # `_get_add_time_ids` with the pipeline's defaults: original and target size = the
+        # request's, no crop; the negative rows get the same ids.
+        size = (spec.height, spec.width)
+        time_ids = torch.tensor([list(size + (0, 0) + size)], dtype=text["context"].dtype, device=self.device)
+        return {**text, "time_ids": time_ids.repeat(text["context"].shape[0], 1)}
+
+    @torch.inference_mode()
+    def denoise(
+        self, sample: torch.Tensor, timesteps: torch.Tensor, cond: RowConditioning, sp_group: Any = None
+    ) -> torch.Tensor:
+        if sp_group is not None:
+            raise ValueError(f"model {self.source.name!r} (sdxl) cannot run sequence-parallel")
+        added = {"text_embeds": cond["pooled"], "time_ids": cond["time_ids"]}
+        return self.unet(sample, timesteps, encoder_hidden_states=cond["context"], added_cond_kwargs=added,
+                         return_dict=False)[0]
