@@ -43,5 +43,5 @@ def test_full_size_preset_steps_in_fp16():
     family = load_family(ModelSource(name="sd15", family="sd15", preset="full", dtype="float16"), {DENOISER}, "cuda")
     sample = torch.randn(4, 4, 64, 64, device="cuda", dtype=torch.float16)
     out = family.denoise(sample, torch.tensor([999, 999, 500, 500], device="cuda"),
-                         torch.randn(4, 77, 768, device="cuda", dtype=torch.float16))
+                         {"context": torch.randn(4, 77, 768, device="cuda", dtype=torch.float16)})
     assert out.shape == sample.shape and torch.isfinite(out).all()
