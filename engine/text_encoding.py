@@ -75,14 +75,14 @@ class CachedTextEncoder:
 def encode_conditioning(family: DiffusionFamily, spec: RequestSpec) -> Conditioning:
     """A request's conditioning encoded in this process, as a worker gets it from the text
     encoder deployment (tests, profiles and benchmarks that run a family directly)."""
-    (pair,) = encode_pair(family, spec)
-    return Conditioning.from_numpy(*pair)
+    return Conditioning.from_numpy(*encode_pair(family, spec))
 
 
-def encode_pair(family: DiffusionFamily, spec: RequestSpec) -> tuple[Pair]:
+def encode_pair(family: DiffusionFamily, spec: RequestSpec) -> Pair:
     """The text encoder deployment's answer for `spec`, encoded in this process."""
     negative = spec.negative_prompt if spec.uses_cfg else None
-    return tuple(CachedTextEncoder({spec.model: family}, 0).encode_pairs(spec.model, [(spec.prompt, negative)]))
+    (pair,) = CachedTextEncoder({spec.model: family}, 0).encode_pairs(spec.model, [(spec.prompt, negative)])
+    return pair
 
 
 def embed(family: DiffusionFamily, text: str) -> Embeddings:

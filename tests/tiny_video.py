@@ -118,5 +118,4 @@ def sp_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
 
 def video_embeds(family, spec) -> tuple:
     """(prompt, negative or None) numpy arrays, as the text encoder deployment returns them."""
-    (pair,) = encode_pair(family, spec)
-    return pair
+    return encode_pair(family, spec)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import inspect
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar, Collection, Sequence
 
+import diffusers
 import numpy as np
 import torch
 
@@ -17,6 +19,7 @@ TEXT, DENOISER, VAE = "text", "denoiser", "vae"
 ALL_PARTS = frozenset({TEXT, DENOISER, VAE})
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+LOCAL = dict(use_safetensors=True, local_files_only=True)  # weights from a folder: safetensors only, never the hub
 
 # A batch of texts' embeddings by name, each with the texts along dim 0: "context" [n, seq, dim]
 # (the denoiser's cross-attention input) in every family, and "pooled" [n, dim] in families whose
@@ -26,6 +29,15 @@ TextEmbeddings = dict[str, torch.Tensor]
 # ([uncond, cond] under CFG) and whatever else the family's denoiser takes per row (SDXL's
 # micro-conditioning `time_ids`). Requests batched together are concatenated key by key.
 RowConditioning = dict[str, torch.Tensor]
+
+
+def folder_scheduler(path: str, pipeline_cls: Any) -> Any:
+    """The scheduler a local diffusers folder's model_index names, after checking the folder is
+    there (the first step of every family's folder loader)."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model folder {path!r} does not exist")
+    scheduler_cls = getattr(diffusers, pipeline_cls.load_config(path)["scheduler"][1])
+    return scheduler_cls.from_pretrained(path, subfolder="scheduler")
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,6 @@ served result stays equal to the pipeline's.
 from __future__ import annotations
 
 import importlib.util
-import os
 from typing import Any, Collection, Sequence
 
 import diffusers
@@ -16,10 +15,11 @@ import numpy as np
 import torch
 from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionPipeline, UNet2DConditionModel
 from diffusers.utils.torch_utils import randn_tensor
-from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, PreTrainedTokenizerBase
 
 from stepserve.engine.families.base import (
-    ALL_PARTS, DENOISER, TEXT, VAE, DiffusionFamily, ModelSource, RowConditioning, TextEmbeddings,
+    ALL_PARTS, DENOISER, LOCAL, TEXT, VAE, DiffusionFamily, ModelSource, RowConditioning, TextEmbeddings,
+    folder_scheduler,
 )
 from stepserve.engine.tokenizer import byte_level_clip_tokenizer, byte_level_vocab
 from stepserve.policies.types import RequestKind, RequestSpec
@@ -100,20 +100,23 @@ def build_preset_components(preset: str, seed: int, parts: Collection[str]) -> d
     return out
 
 
-def load_folder_components(path: str, parts: Collection[str]) -> dict[str, Any]:
+# What a diffusers SD folder holds for each part: (component key, subfolder, class).
+FOLDER_LAYOUT = {
+    TEXT: (("tokenizer", "tokenizer", CLIPTokenizer), (TEXT, "text_encoder", CLIPTextModel)),
+    DENOISER: ((DENOISER, "unet", UNet2DConditionModel),),
+    VAE: ((VAE, "vae", AutoencoderKL),),
+}
+
+
+def load_folder_components(path: str, parts: Collection[str], layout: dict[str, tuple] = FOLDER_LAYOUT,
+                           pipeline_cls: Any = StableDiffusionPipeline) -> dict[str, Any]:
     """Components from a local diffusers-format folder; safetensors only, never the hub."""
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"model folder {path!r} does not exist")
-    local = dict(use_safetensors=True, local_files_only=True)
-    scheduler_cls = getattr(diffusers, StableDiffusionPipeline.load_config(path)["scheduler"][1])
-    out: dict[str, Any] = {"scheduler": scheduler_cls.from_pretrained(path, subfolder="scheduler")}
-    if TEXT in parts:
-        out["tokenizer"] = CLIPTokenizer.from_pretrained(path, subfolder="tokenizer", local_files_only=True)
-        out[TEXT] = CLIPTextModel.from_pretrained(path, subfolder="text_encoder", **local)
-    if DENOISER in parts:
-        out[DENOISER] = UNet2DConditionModel.from_pretrained(path, subfolder="unet", **local)
-    if VAE in parts:
-        out[VAE] = AutoencoderKL.from_pretrained(path, subfolder="vae", **local)
+    out: dict[str, Any] = {"scheduler": folder_scheduler(path, pipeline_cls)}
+    for part in parts:
+        for key, subfolder, cls in layout[part]:
+            # Tokenizers have no weights: only their files, from the folder.
+            local = dict(local_files_only=True) if issubclass(cls, PreTrainedTokenizerBase) else LOCAL
+            out[key] = cls.from_pretrained(path, subfolder=subfolder, **local)
     vae_config = AutoencoderKL.load_config(path, subfolder="vae")
     out["vae_scale_factor"] = 2 ** (len(vae_config["block_out_channels"]) - 1)
     return out
@@ -169,13 +172,9 @@ class SD15Family(DiffusionFamily):
             components = cls.folder_components(source.path, parts)
         return cls(source, components, torch.device(device))
 
-    @staticmethod
-    def preset_components(preset: str, seed: int, parts: Collection[str]) -> dict[str, Any]:
-        return build_preset_components(preset, seed, parts)
-
-    @staticmethod
-    def folder_components(path: str, parts: Collection[str]) -> dict[str, Any]:
-        return load_folder_components(path, parts)
+    # Where `load` gets its components; a family built on this one names its own.
+    preset_components = staticmethod(build_preset_components)
+    folder_components = staticmethod(load_folder_components)
 
     @torch.inference_mode()
     def encode_text(self, texts: Sequence[str]) -> TextEmbeddings:

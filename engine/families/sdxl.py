@@ -10,15 +10,14 @@ As SD1.5 (whose loading, scheduler, noise and decoding it shares), a diffusers
 
 from __future__ import annotations
 
-import os
 from typing import Any, Collection, Sequence
 
-import diffusers
 import torch
-from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
+from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
 from stepserve.engine.families.base import DENOISER, TEXT, VAE, RowConditioning, TextEmbeddings
+from stepserve.engine.families import sd15
 from stepserve.engine.families.sd15 import SD15Family, SD_SCHEDULER, _vae
 from stepserve.engine.tokenizer import byte_level_clip_tokenizer, byte_level_vocab
 from stepserve.policies.types import RequestSpec
@@ -94,26 +93,19 @@ def build_preset_components(preset: str, seed: int, parts: Collection[str]) -> d
     return out
 
 
+# SD1.5's folder layout plus the second tokenizer and text encoder, loaded with TEXT.
+FOLDER_LAYOUT = {
+    **sd15.FOLDER_LAYOUT,
+    TEXT: sd15.FOLDER_LAYOUT[TEXT] + (("tokenizer_2", "tokenizer_2", CLIPTokenizer),
+                                      (TEXT_2, "text_encoder_2", CLIPTextModelWithProjection)),
+}
+
+
 def load_folder_components(path: str, parts: Collection[str]) -> dict[str, Any]:
     """Components from a local diffusers-format SDXL folder; safetensors only, never the hub."""
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"model folder {path!r} does not exist")
-    local = dict(use_safetensors=True, local_files_only=True)
+    out = sd15.load_folder_components(path, parts, FOLDER_LAYOUT, StableDiffusionXLPipeline)
     index = StableDiffusionXLPipeline.load_config(path)
-    scheduler_cls = getattr(diffusers, index["scheduler"][1])
-    out: dict[str, Any] = {"scheduler": scheduler_cls.from_pretrained(path, subfolder="scheduler"),
-                           "force_zeros_for_empty_prompt": index.get("force_zeros_for_empty_prompt", True)}
-    if TEXT in parts:
-        out["tokenizer"] = CLIPTokenizer.from_pretrained(path, subfolder="tokenizer", local_files_only=True)
-        out["tokenizer_2"] = CLIPTokenizer.from_pretrained(path, subfolder="tokenizer_2", local_files_only=True)
-        out[TEXT] = CLIPTextModel.from_pretrained(path, subfolder="text_encoder", **local)
-        out[TEXT_2] = CLIPTextModelWithProjection.from_pretrained(path, subfolder="text_encoder_2", **local)
-    if DENOISER in parts:
-        out[DENOISER] = UNet2DConditionModel.from_pretrained(path, subfolder="unet", **local)
-    if VAE in parts:
-        out[VAE] = AutoencoderKL.from_pretrained(path, subfolder="vae", **local)
-    vae_config = AutoencoderKL.load_config(path, subfolder="vae")
-    out["vae_scale_factor"] = 2 ** (len(vae_config["block_out_channels"]) - 1)
+    out["force_zeros_for_empty_prompt"] = index.get("force_zeros_for_empty_prompt", True)
     return out
 
 
@@ -141,13 +133,8 @@ class SDXLFamily(SD15Family):
             add_watermarker=False,
         )
 
-    @staticmethod
-    def preset_components(preset: str, seed: int, parts: Collection[str]) -> dict[str, Any]:
-        return build_preset_components(preset, seed, parts)
-
-    @staticmethod
-    def folder_components(path: str, parts: Collection[str]) -> dict[str, Any]:
-        return load_folder_components(path, parts)
+    preset_components = staticmethod(build_preset_components)
+    folder_components = staticmethod(load_folder_components)
 
     @torch.inference_mode()
     def encode_text(self, texts: Sequence[str]) -> TextEmbeddings:

@@ -23,7 +23,8 @@ from safetensors.torch import load_file as load_safetensors
 from transformers import AutoTokenizer, UMT5Config, UMT5EncoderModel
 
 from stepserve.engine.families.base import (
-    ALL_PARTS, DENOISER, TEXT, VAE, DiffusionFamily, ModelSource, RowConditioning, TextEmbeddings,
+    ALL_PARTS, DENOISER, LOCAL, TEXT, VAE, DiffusionFamily, ModelSource, RowConditioning, TextEmbeddings,
+    folder_scheduler,
 )
 from stepserve.engine.parallel.ulysses import UlyssesWanTransformer
 from stepserve.engine.tokenizer import character_t5_tokenizer, t5_character_vocab
@@ -164,20 +165,15 @@ def _load_diffusers_model(cls: Any, path: str, subfolder: str) -> Any:
 
 def load_folder_components(path: str, parts: Collection[str]) -> dict[str, Any]:
     """Components from a local diffusers-format Wan folder; safetensors only, never the hub."""
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"model folder {path!r} does not exist")
-    local = dict(use_safetensors=True, local_files_only=True)
-    index = WanPipeline.load_config(path)
-    scheduler_cls = getattr(diffusers, index["scheduler"][1])
-    out: dict[str, Any] = {"scheduler": scheduler_cls.from_pretrained(path, subfolder="scheduler")}
+    out: dict[str, Any] = {"scheduler": folder_scheduler(path, WanPipeline)}
     if TEXT in parts:
         # AutoTokenizer: real Wan folders name T5TokenizerFast, which transformers 5 maps to T5Tokenizer.
         out["tokenizer"] = AutoTokenizer.from_pretrained(path, subfolder="tokenizer", local_files_only=True)
-        out[TEXT] = UMT5EncoderModel.from_pretrained(path, subfolder="text_encoder", **local)
+        out[TEXT] = UMT5EncoderModel.from_pretrained(path, subfolder="text_encoder", **LOCAL)
     if DENOISER in parts:
         out[DENOISER] = _load_diffusers_model(WanTransformer3DModel, path, "transformer")
     if VAE in parts:
-        out[VAE] = AutoencoderKLWan.from_pretrained(path, subfolder="vae", **local)
+        out[VAE] = AutoencoderKLWan.from_pretrained(path, subfolder="vae", **LOCAL)
     out["vae_scale_factors"] = _vae_scale_factors(AutoencoderKLWan.load_config(path, subfolder="vae"))
     out["latent_channels"] = WanTransformer3DModel.load_config(path, subfolder="transformer")["in_channels"]
     out["max_sequence_length"] = DEFAULT_MAX_SEQUENCE_LENGTH
