@@ -31,6 +31,7 @@ each of those requests resumes from its last checkpoint, or starts over, on anot
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -438,7 +439,9 @@ class RouterCore:
             self._refresh_workers()
         if not self._with_room:
             return out
-        ready = sum(1 for rid in self._waiting if self._requests[rid].ready)
+        # Counted only as far as could matter, so a long queue is not walked every round.
+        need = len(self._with_room) + len(self._interrupted)
+        ready = sum(1 for _ in itertools.islice((rid for rid in self._waiting if self._requests[rid].ready), need))
         ready -= len(self._interrupted)  # each of those takes one when it reports
         if ready <= 0:
             return out
