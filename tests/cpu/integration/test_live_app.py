@@ -119,6 +119,11 @@ def test_handle_api_and_errors(live_app):
     assert info.value.status == 400 and info.value.param == "size"
     # A client id makes a retry idempotent: the same body joins the request in flight ...
     slow = handle.generate.remote(body(num_inference_steps=60, size="128x128"), "same-id")
+    # Handle calls are not ordered among themselves: wait until the router holds the first.
+    for _ in range(200):
+        if handle.progress.remote("same-id").result():
+            break
+        asyncio.run(asyncio.sleep(0.05))
     retry = handle.generate.remote(body(num_inference_steps=60, size="128x128"), "same-id")
     # ... another body under the same id is refused, and the first holder is unaffected.
     with pytest.raises(APIError) as info:
