@@ -125,12 +125,13 @@ def to_specs(payload: object, config: AppConfig, request_id: str, default_seed: 
         seed = secrets.randbelow(2**31) if default_seed is None else default_seed
     if not 0 <= seed <= MAX_SEED - req.n:
         raise invalid("seed", f"seed must be between 0 and {MAX_SEED - req.n}")
-    width, height = parse_size(req.size, model, family_class(model.family).size_multiple)
+    family = family_class(model.family)
+    width, height = parse_size(req.size, model, family.size_multiple)
     return [
         RequestSpec(
             request_id=request_id if req.n == 1 else f"{request_id}-{i}", model=model.name, prompt=req.prompt,
             negative_prompt=req.negative_prompt or "", width=width, height=height, num_inference_steps=steps,
-            guidance_scale=guidance, seed=seed + i, slo_s=model.slo_s,
+            guidance_scale=guidance, seed=seed + i, slo_s=model.slo_s, cfg=family.classifier_free_guidance,
         )
         for i in range(req.n)
     ]

@@ -55,7 +55,7 @@ class Sampler:
         _check_kind(spec, family)
         self.spec = spec
         self.scheduler = family.make_scheduler()
-        family.prepare_scheduler(self.scheduler, spec.num_inference_steps)
+        family.prepare_scheduler(self.scheduler, spec)
         # The pipelines draw the initial noise (and SD every stochastic step) from one CPU
         # generator, so a request's result is the same on any device.
         self.generator = torch.Generator("cpu").manual_seed(spec.seed)
@@ -174,6 +174,10 @@ def _check_kind(spec: RequestSpec, family: DiffusionFamily) -> None:
     if spec.kind is not family.kind:
         raise ValueError(f"request {spec.request_id} is {spec.kind.value}, but model {family.source.name!r} "
                          f"generates {family.kind.value}")
+    if spec.uses_cfg and not family.classifier_free_guidance:
+        # Its rows would be [uncond, cond] where the model expects one guided row.
+        raise ValueError(f"request {spec.request_id} asks for classifier-free guidance, but model "
+                         f"{family.source.name!r} is guidance-distilled (its spec must say cfg=False)")
 
 
 def scheduler_state(scheduler: Any, device: torch.device, home: torch.device) -> dict[str, Any]:

@@ -52,6 +52,10 @@ class RequestSpec:
     num_frames: int = 1
     fps: int = 16
     slo_s: float | None = None
+    # Whether the model guides by classifier-free guidance (a second, unconditional row under
+    # `guidance_scale` > 1). Guidance-distilled models (Flux) take the scale as an input of one
+    # row instead: the ingress sets this from the family (`DiffusionFamily.classifier_free_guidance`).
+    cfg: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, RequestKind):
@@ -65,8 +69,8 @@ class RequestSpec:
 
     @property
     def uses_cfg(self) -> bool:
-        # Same rule as diffusers' `do_classifier_free_guidance` (SD and Wan pipelines alike).
-        return self.guidance_scale > 1.0
+        # Same rule as diffusers' `do_classifier_free_guidance` (SD, SD3 and Wan pipelines alike).
+        return self.cfg and self.guidance_scale > 1.0
 
     @property
     def rows(self) -> int:

@@ -171,9 +171,13 @@ class Context:
 PROMPT = "a photograph of a red fox in the snow"  # what the component timings condition on
 
 
-def first_timestep(family) -> torch.Tensor:
+def first_timestep(family, size: int = 64) -> torch.Tensor:
+    """The first of 20 timesteps, set as a request's are (flow-matching families shift them by size)."""
+    from stepserve.policies.types import RequestSpec
+
+    spec = RequestSpec("t", family.source.name, PROMPT, size, size, 20, 1.0, 0, kind=family.kind)
     scheduler = family.make_scheduler()
-    scheduler.set_timesteps(20, device=family.device)
+    family.prepare_scheduler(scheduler, spec)
     return scheduler.timesteps[0]
 
 
@@ -311,18 +315,20 @@ def measure_round_bookkeeping(ctx: Context, threads: int) -> list[ProfileRow]:
         f"batches {list(grid.overhead_batches)}, CFG off/on")
     steps = grid.warmup + grid.repeats + 2  # nobody finishes while measured
     size = min(grid.sizes)
-    fox = encode_conditioning(family, RequestSpec("fox", ctx.model, PROMPT, size, size, steps, 7.5, 0))
+    cfg_on = family.classifier_free_guidance
+    fox = encode_conditioning(family, RequestSpec("fox", ctx.model, PROMPT, size, size, steps, 7.5, 0, cfg=cfg_on))
     text = {True: fox, False: Conditioning(fox.prompt)}  # by CFG
     out = []
     admission = []
     for size in grid.sizes:
         for batch in grid.overhead_batches:
-            for cfg in (False, True):
+            for cfg in (False, True) if cfg_on else (False,):  # guidance-distilled models have one row
                 timed = TimedFamily(family, watch)
                 runner = StepRunner("profile", {ctx.model: timed})
                 admissions = {}
                 for i in range(batch):
-                    spec = RequestSpec(f"r{i}", ctx.model, PROMPT, size, size, steps, 7.5 if cfg else 1.0, i)
+                    spec = RequestSpec(f"r{i}", ctx.model, PROMPT, size, size, steps, 7.5 if cfg else 1.0, i,
+                                       cfg=cfg_on)
                     admissions[spec.request_id] = Admission(spec, text[cfg])
                 ids = tuple(admissions)
                 admission.append(watch.time(lambda: runner.execute(WorkerPlan("profile", admit=ids), admissions))

@@ -73,7 +73,7 @@ SP_TIMEOUT_S = 600  # a whole SP group's run; a hung collective must not hang th
 
 @dataclass(frozen=True)
 class VideoProfileGrid:
-    sizes: tuple[int, ...]  # square sides, px (multiples of 16, as `WanFamily.video_shape` needs)
+    sizes: tuple[int, ...]  # square sides, px (rounded up to the family's `size_multiple`)
     frames: tuple[int, ...]  # frame counts (4k + 1, as the pipeline rounds them)
     texts: tuple[int, ...]  # strings per text-encoder call
     max_degree: int  # largest SP degree tried (further capped by cores or GPUs and heads)
@@ -113,7 +113,11 @@ Point = tuple[int, int, int]  # (height, width, frames) as the pipeline generate
 
 def video_points(family, grid: VideoProfileGrid) -> list[Point]:
     points: list[Point] = []
-    for size in grid.sizes:
+    multiple = family.size_multiple  # 16 for Wan 2.1 and A14B, 32 for TI2V-5B
+    sides = dict.fromkeys(-(-size // multiple) * multiple for size in grid.sizes)
+    if tuple(sides) != grid.sizes:
+        log(f"note: sides {list(grid.sizes)} run as {list(sides)} (multiples of {multiple})")
+    for size in sides:
         for frames in grid.frames:
             point = family.video_shape(size, size, frames)  # rejects sizes the pipeline rejects
             if point != (size, size, frames):

@@ -1,11 +1,13 @@
-"""Shared builders for video tests: the tiny Wan model, video specs, the plain-diffusers reference,
-and the worker that `torch.multiprocessing` spawns for sequence-parallel tests."""
+"""Shared builders for video tests: the tiny Wan models, video specs, the plain-diffusers reference,
+and the workers that `torch.multiprocessing` spawns for sequence-parallel tests."""
 
 from __future__ import annotations
 
 import pickle
 import socket
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -16,12 +18,14 @@ from stepserve.engine.text_encoding import encode_conditioning, encode_pair
 from stepserve.policies.types import RequestKind, RequestSpec
 
 TINY_WAN = ModelSource(name="tiny-wan", family="wan", preset="tiny", seed=0)
+TINY_WAN_A14B = ModelSource(name="tiny-wan-a14b", family="wan", preset="tiny-a14b", seed=0)
+TINY_WAN_TI2V = ModelSource(name="tiny-wan-ti2v", family="wan-ti2v", preset="tiny", seed=0)
 
 
 def make_video_spec(rid: str = "v", steps: int = 4, seed: int = 0, guidance: float = 5.0, height: int = 64,
                     width: int = 64, frames: int = 5, prompt: str = "a red fox runs through snow",
-                    negative: str = "") -> RequestSpec:
-    return RequestSpec(request_id=rid, model="tiny-wan", prompt=prompt, width=width, height=height,
+                    negative: str = "", model: str = "tiny-wan") -> RequestSpec:
+    return RequestSpec(request_id=rid, model=model, prompt=prompt, width=width, height=height,
                        num_inference_steps=steps, guidance_scale=guidance, seed=seed, negative_prompt=negative,
                        kind=RequestKind.T2V, num_frames=frames)
 
@@ -78,16 +82,25 @@ def three_head_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return sample, torch.tensor([999, 500]), context
 
 
+@contextmanager
+def gloo_group(rank: int, world_size: int, port: int) -> Iterator[object]:
+    """This process as one rank of a fresh gloo group of `world_size`; yields the group, which
+    callers pass explicitly everywhere."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        yield dist.new_group(list(range(world_size)))
+    finally:
+        dist.destroy_process_group()
+
+
 def sp_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     """One rank of a gloo group: runs the tiny videos sequence-parallel and saves what it got."""
     from diffusers import WanTransformer3DModel
 
     from stepserve.engine.parallel import UlyssesWanTransformer
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    try:
-        group = dist.new_group(list(range(world_size)))  # passed explicitly everywhere below
+    with gloo_group(rank, world_size, port) as group:
         family = load_family(TINY_WAN, {TEXT, DENOISER}, "cpu")
         out: dict[str, torch.Tensor] = {}
         for params in (UNEVEN, EVEN):
@@ -112,8 +125,26 @@ def sp_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
         with torch.inference_mode():
             out["three_heads/sp"] = UlyssesWanTransformer(model, group)(sample, t, context)
         torch.save(out, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+
+
+# Wan 2.2 sequence-parallel cases, CFG on. A14B: 3 steps at t = 999 (high noise), 857 and 600 (low
+# noise), so both transformers run split; 48x48, 9 frames: 27 tokens. TI2V: 32x96, 9 frames, so
+# 3x1x3 = 9 tokens and unequal shards of the per-token timesteps.
+WAN22_SP = {
+    TINY_WAN_A14B: dict(rid="a14b", steps=3, seed=13, height=48, width=48, frames=9, negative="blurry"),
+    TINY_WAN_TI2V: dict(rid="ti2v", steps=3, seed=14, height=32, width=96, frames=9, negative="blurry"),
+}
+
+
+def sp_worker_wan22(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    """One rank of a gloo group: each Wan 2.2 case sequence-parallel, saved by request id."""
+    with gloo_group(rank, world_size, port) as group:
+        out: dict[str, torch.Tensor] = {}
+        for source, params in WAN22_SP.items():
+            family = load_family(source, {TEXT, DENOISER}, "cpu")
+            spec = make_video_spec(model=source.name, **params)
+            out[spec.request_id] = run_video(family, spec, video_conditioning(family, spec), group).latents
+        torch.save(out, Path(out_dir) / f"rank{rank}.pt")
 
 
 def video_embeds(family, spec) -> tuple:

@@ -7,11 +7,20 @@ from typing import Collection
 import torch
 
 from stepserve.engine.families.base import ALL_PARTS, DENOISER, TEXT, VAE, DiffusionFamily, ModelSource
+from stepserve.engine.families.flux import FluxFamily
 from stepserve.engine.families.sd15 import SD15Family
+from stepserve.engine.families.sd3 import SD3Family
 from stepserve.engine.families.sdxl import SDXLFamily
-from stepserve.engine.families.wan import WanFamily
+from stepserve.engine.families.wan import WanFamily, WanTI2VFamily
 
-FAMILIES: dict[str, type[DiffusionFamily]] = {"sd15": SD15Family, "sdxl": SDXLFamily, "wan": WanFamily}
+FAMILIES: dict[str, type[DiffusionFamily]] = {
+    "sd15": SD15Family,
+    "sdxl": SDXLFamily,
+    "sd3": SD3Family,
+    "flux": FluxFamily,
+    "wan": WanFamily,
+    "wan-ti2v": WanTI2VFamily,
+}
 
 
 def family_class(name: str) -> type[DiffusionFamily]:

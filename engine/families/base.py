@@ -31,6 +31,24 @@ TextEmbeddings = dict[str, torch.Tensor]
 RowConditioning = dict[str, torch.Tensor]
 
 
+def cast_module(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast to `dtype` but leave what the model class marks `_keep_in_fp32_modules` at its own
+    precision, as `from_pretrained(torch_dtype=...)` does (T5's feed-forward output, Wan's
+    rope, time embedder and modulation tables)."""
+    if module.dtype == dtype:  # diffusers warns on a no-op cast
+        return
+    keep = getattr(module, "_keep_in_fp32_modules", None) or ()
+    kept = {}
+    if dtype in (torch.float16, torch.bfloat16):
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            if tensor.is_floating_point() and any(k in name.split(".") for k in keep):
+                kept[name] = tensor.data
+    module.to(dtype=dtype)
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        if name in kept:
+            tensor.data = kept[name]
+
+
 def folder_scheduler(path: str, pipeline_cls: Any) -> Any:
     """The scheduler a local diffusers folder's model_index names, after checking the folder is
     there (the first step of every family's folder loader)."""
@@ -83,6 +101,9 @@ class DiffusionFamily(ABC):
     # A finished request is decoded by the worker that holds its latents (with a VAE loaded
     # there), instead of its latents going to a separate VAE deployment.
     decode_on_worker: ClassVar[bool] = False
+    # Guidance by a second, unconditional row per request (`RequestSpec.cfg`); False where the
+    # model is guidance-distilled and takes `guidance_scale` as an input (Flux).
+    classifier_free_guidance: ClassVar[bool] = True
 
     source: ModelSource
     device: torch.device
@@ -131,9 +152,10 @@ class DiffusionFamily(ABC):
         [uncond, cond] under CFG): by default the text alone."""
         return dict(text)
 
-    def prepare_scheduler(self, scheduler: Any, num_inference_steps: int) -> None:
-        """Set a fresh scheduler's timesteps as the pipeline does before its loop."""
-        scheduler.set_timesteps(num_inference_steps, device=self.device)
+    def prepare_scheduler(self, scheduler: Any, spec: RequestSpec) -> None:
+        """Set a fresh scheduler's timesteps for `spec` as the pipeline does before its loop
+        (flow-matching pipelines shift them by the image's size)."""
+        scheduler.set_timesteps(spec.num_inference_steps, device=self.device)
 
     def scale_model_input(self, scheduler: Any, sample: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return scheduler.scale_model_input(sample, t)

@@ -8,7 +8,7 @@ served result stays equal to the pipeline's.
 from __future__ import annotations
 
 import importlib.util
-from typing import Any, Collection, Sequence
+from typing import Any, ClassVar, Collection, Sequence
 
 import diffusers
 import numpy as np
@@ -19,7 +19,7 @@ from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, PreTraine
 
 from stepserve.engine.families.base import (
     ALL_PARTS, DENOISER, LOCAL, TEXT, VAE, DiffusionFamily, ModelSource, RowConditioning, TextEmbeddings,
-    folder_scheduler,
+    cast_module, folder_scheduler,
 )
 from stepserve.engine.tokenizer import byte_level_clip_tokenizer, byte_level_vocab
 from stepserve.policies.types import RequestKind, RequestSpec
@@ -71,13 +71,27 @@ def _text_encoder(cfg: dict) -> CLIPTextModel:
 
 def _vae(cfg: dict) -> AutoencoderKL:
     n = len(cfg["block_out_channels"])
-    return AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=4,
-        down_block_types=("DownEncoderBlock2D",) * n, up_block_types=("UpDecoderBlock2D",) * n, **cfg,
-    )
+    return AutoencoderKL(**{
+        "in_channels": 3, "out_channels": 3, "latent_channels": 4,
+        "down_block_types": ("DownEncoderBlock2D",) * n, "up_block_types": ("UpDecoderBlock2D",) * n, **cfg,
+    })
 
 
-def build_preset_components(preset: str, seed: int, parts: Collection[str]) -> dict[str, Any]:
+def vae_geometry(vae_config: dict) -> dict[str, int]:
+    """The VAE's downscale and latent channels, from its config (what every process needs to
+    know about latents, whichever parts it loaded)."""
+    return {"vae_scale_factor": 2 ** (len(vae_config["block_out_channels"]) - 1),
+            "latent_channels": vae_config.get("latent_channels", 4)}
+
+
+def build_on(preset: str, device: torch.device) -> torch.device:
+    """Where a preset's random weights are initialised: a full preset directly on a CUDA device
+    (initialising a billion host weights is slow; its weights are then deterministic per seed
+    and device type), everything else on the host."""
+    return device if (preset == "full" and device.type == "cuda") else torch.device("cpu")
+
+
+def build_preset_components(preset: str, seed: int, parts: Collection[str], device: torch.device) -> dict[str, Any]:
     """Random-weight components of the real classes. Each component is seeded on its own so a
     process that builds only the UNet gets the same UNet as one that builds everything."""
     if preset not in PRESETS:
@@ -92,12 +106,11 @@ def build_preset_components(preset: str, seed: int, parts: Collection[str]) -> d
     for offset, part in enumerate((TEXT, DENOISER, VAE)):
         if part in parts:
             torch.manual_seed(seed * 1009 + offset)
-            out[part] = builders[part]()
+            with build_on(preset, device):
+                out[part] = builders[part]()
     if TEXT in parts:
         out["tokenizer"] = byte_level_clip_tokenizer()
-    vae_blocks = len(cfg["vae"]["block_out_channels"])
-    out["vae_scale_factor"] = 2 ** (vae_blocks - 1)
-    return out
+    return {**out, **vae_geometry(cfg["vae"])}
 
 
 # What a diffusers SD folder holds for each part: (component key, subfolder, class).
@@ -117,9 +130,7 @@ def load_folder_components(path: str, parts: Collection[str], layout: dict[str, 
             # Tokenizers have no weights: only their files, from the folder.
             local = dict(local_files_only=True) if issubclass(cls, PreTrainedTokenizerBase) else LOCAL
             out[key] = cls.from_pretrained(path, subfolder=subfolder, **local)
-    vae_config = AutoencoderKL.load_config(path, subfolder="vae")
-    out["vae_scale_factor"] = 2 ** (len(vae_config["block_out_channels"]) - 1)
-    return out
+    return {**out, **vae_geometry(AutoencoderKL.load_config(path, subfolder="vae"))}
 
 
 class SD15Family(DiffusionFamily):
@@ -128,28 +139,31 @@ class SD15Family(DiffusionFamily):
     frame_step = 1
     sequence_parallel = False
     decode_on_worker = False  # images decode in the VAE deployment, off the step loop
+    # The component keys that hold torch modules (a family with more text encoders adds theirs).
+    modules: ClassVar[tuple[str, ...]] = (TEXT, DENOISER, VAE)
+    # xformers attention on CUDA where installed (an optional extra): for UNets; DiTs use SDPA.
+    xformers_attention: ClassVar[bool] = True
 
     def __init__(self, source: ModelSource, components: dict[str, Any], device: torch.device):
         self.source = source
         self.device = device
         self.dtype = source.torch_dtype
-        for part in (TEXT, DENOISER, VAE):
-            if part in components:
-                module = components[part].to(device).eval().requires_grad_(False)
-                if module.dtype != self.dtype:  # diffusers warns on a no-op cast
-                    module.to(dtype=self.dtype)
+        for key in self.modules:
+            if key in components:
+                cast_module(components[key].to(device).eval().requires_grad_(False), self.dtype)
         scheduler = components["scheduler"]
         if source.scheduler is not None:
             scheduler_cls = getattr(diffusers, source.scheduler, None)
             if scheduler_cls is None or not hasattr(scheduler_cls, "from_config"):
                 raise ValueError(f"model {source.name!r}: unknown scheduler {source.scheduler!r}")
             scheduler = scheduler_cls.from_config(scheduler.config)
-        self.unet = components.get(DENOISER)
+        self.denoiser = components.get(DENOISER)
         self.vae = components.get(VAE)
-        if self.unet is not None and device.type == "cuda" and importlib.util.find_spec("xformers"):
-            self.unet.enable_xformers_memory_efficient_attention()  # optional GPU extra
+        if self.denoiser is not None and device.type == "cuda" and self.xformers_attention \
+                and importlib.util.find_spec("xformers"):
+            self.denoiser.enable_xformers_memory_efficient_attention()
         self.vae_scale_factor = components["vae_scale_factor"]
-        self.latent_channels = self.unet.config.in_channels if self.unet is not None else 4
+        self.latent_channels = components["latent_channels"]
         # The pipeline object is only a holder for diffusers' own helper methods.
         self.pipe = self.make_pipeline(components, scheduler)
         self.pipe.set_progress_bar_config(disable=True)
@@ -157,7 +171,7 @@ class SD15Family(DiffusionFamily):
     def make_pipeline(self, components: dict[str, Any], scheduler: Any) -> Any:
         return StableDiffusionPipeline(
             vae=self.vae, text_encoder=components.get(TEXT), tokenizer=components.get("tokenizer"),
-            unet=self.unet, scheduler=scheduler, safety_checker=None, feature_extractor=None,
+            unet=self.denoiser, scheduler=scheduler, safety_checker=None, feature_extractor=None,
             requires_safety_checker=False,
         )
 
@@ -166,11 +180,12 @@ class SD15Family(DiffusionFamily):
         unknown = set(parts) - ALL_PARTS
         if unknown:
             raise ValueError(f"unknown parts {sorted(unknown)}")
+        device = torch.device(device)
         if source.preset is not None:
-            components = cls.preset_components(source.preset, source.seed, parts)
+            components = cls.preset_components(source.preset, source.seed, parts, device)
         else:
             components = cls.folder_components(source.path, parts)
-        return cls(source, components, torch.device(device))
+        return cls(source, components, device)
 
     # Where `load` gets its components; a family built on this one names its own.
     preset_components = staticmethod(build_preset_components)
@@ -197,7 +212,7 @@ class SD15Family(DiffusionFamily):
     ) -> torch.Tensor:
         if sp_group is not None:
             raise ValueError(f"model {self.source.name!r} (sd15) cannot run sequence-parallel")
-        return self.unet(sample, timesteps, encoder_hidden_states=cond["context"], return_dict=False)[0]
+        return self.denoiser(sample, timesteps, encoder_hidden_states=cond["context"], return_dict=False)[0]
 
     @torch.inference_mode()
     def decode(self, latents: torch.Tensor) -> np.ndarray:

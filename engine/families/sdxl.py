@@ -70,7 +70,7 @@ def _clip_config(cfg: dict) -> CLIPTextConfig:
     return CLIPTextConfig(max_position_embeddings=77, bos_token_id=0, eos_token_id=1, pad_token_id=1, **cfg)
 
 
-def build_preset_components(preset: str, seed: int, parts: Collection[str]) -> dict[str, Any]:
+def build_preset_components(preset: str, seed: int, parts: Collection[str], device: torch.device) -> dict[str, Any]:
     """Random-weight components of the real classes, each seeded on its own (as SD1.5's)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown sdxl preset {preset!r}; known: {sorted(PRESETS)}")
@@ -86,11 +86,11 @@ def build_preset_components(preset: str, seed: int, parts: Collection[str]) -> d
     for offset, part in enumerate((TEXT, DENOISER, VAE, TEXT_2)):
         if part in wanted:
             torch.manual_seed(seed * 1009 + offset)
-            out[part] = builders[part]()
+            with sd15.build_on(preset, device):
+                out[part] = builders[part]()
     if TEXT in parts:
         out["tokenizer"] = out["tokenizer_2"] = byte_level_clip_tokenizer()
-    out["vae_scale_factor"] = 2 ** (len(cfg["vae"]["block_out_channels"]) - 1)
-    return out
+    return {**out, **sd15.vae_geometry(cfg["vae"])}
 
 
 # SD1.5's folder layout plus the second tokenizer and text encoder, loaded with TEXT.
@@ -113,13 +113,11 @@ class SDXLFamily(SD15Family):
     # kind, size_multiple (check_inputs: sides divisible by 8), frame_step, no SP, decoded in the
     # VAE deployment: as SD1.5.
 
+    modules = SD15Family.modules + (TEXT_2,)
+
     def __init__(self, source, components: dict[str, Any], device: torch.device):
         self.force_zeros_for_empty_prompt = components.get("force_zeros_for_empty_prompt", True)
         super().__init__(source, components, device)
-        if TEXT_2 in components:
-            module = components[TEXT_2].to(device).eval().requires_grad_(False)
-            if module.dtype != self.dtype:
-                module.to(dtype=self.dtype)
         if self.vae is not None and self.vae.config.force_upcast:
             # The pipeline upcasts a half-precision VAE for every decode (it overflows in fp16):
             # keep it in float32 here instead.
@@ -128,7 +126,7 @@ class SDXLFamily(SD15Family):
     def make_pipeline(self, components: dict[str, Any], scheduler: Any) -> Any:
         return StableDiffusionXLPipeline(
             vae=self.vae, text_encoder=components.get(TEXT), text_encoder_2=components.get(TEXT_2),
-            tokenizer=components.get("tokenizer"), tokenizer_2=components.get("tokenizer_2"), unet=self.unet,
+            tokenizer=components.get("tokenizer"), tokenizer_2=components.get("tokenizer_2"), unet=self.denoiser,
             scheduler=scheduler, force_zeros_for_empty_prompt=self.force_zeros_for_empty_prompt,
             add_watermarker=False,
         )
@@ -159,5 +157,5 @@ class SDXLFamily(SD15Family):
         if sp_group is not None:
             raise ValueError(f"model {self.source.name!r} (sdxl) cannot run sequence-parallel")
         added = {"text_embeds": cond["pooled"], "time_ids": cond["time_ids"]}
-        return self.unet(sample, timesteps, encoder_hidden_states=cond["context"], added_cond_kwargs=added,
+        return self.denoiser(sample, timesteps, encoder_hidden_states=cond["context"], added_cond_kwargs=added,
                          return_dict=False)[0]

@@ -2,9 +2,10 @@
 
 Every rank of the group calls the transformer with the same full inputs (latents, timestep,
 text) and gets the same full output; only the video's token sequence is split inside the
-blocks. Everything a Wan block does is token-wise (norms, modulation, feed-forward,
-cross-attention to the text) except self-attention, where the ranks exchange "my tokens, all
-heads" for "all tokens, my heads" with one all-to-all, attend, and exchange back.
+blocks (with it a per-token timestep, as Wan 2.2 TI2V's). Everything a Wan block does is
+token-wise (norms, modulation, feed-forward, cross-attention to the text) except
+self-attention, where the ranks exchange "my tokens, all heads" for "all tokens, my heads"
+with one all-to-all, attend, and exchange back.
 
 Token and head counts that do not divide by the group size are split as evenly as possible and
 exchanged with uneven all-to-alls (gloo and NCCL both support split sizes), so no padding or
@@ -192,12 +193,15 @@ class UlyssesWanTransformer:
                     return_dict=False, **kwargs)
         if self.world_size == 1:
             return model(**call)[0]
-        if timestep.ndim != 1:
-            raise NotImplementedError("per-token timesteps (Wan 2.2 TI2V) are not sequence-parallel yet")
         if getattr(model, "gradient_checkpointing", False) and torch.is_grad_enabled():
             raise NotImplementedError("sequence parallelism here is for inference only")
         layout = self.layout_for(hidden_states)
         part = layout.token_slice
+        if timestep.ndim == 2:
+            # Per-token timesteps [B, tokens] (Wan 2.2 TI2V) split with the tokens: the model then
+            # embeds only this rank's, and their modulation meets this rank's tokens in every
+            # block and in the output norm, all before the gather at `proj_out`.
+            call["timestep"] = timestep[:, part]
 
         def split_rope(module, args, output):
             return tuple(f[:, part] for f in output)

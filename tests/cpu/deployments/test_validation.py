@@ -107,6 +107,20 @@ def test_slo_comes_from_the_model():
     assert to_specs({"prompt": "x", "model": "slow"}, config, "r")[0].slo_s is None
 
 
+def test_guidance_is_classifier_free_only_where_the_family_says_so():
+    config = AppConfig.model_validate({"models": [
+        {"name": "sd3", "family": "sd3", "preset": "tiny", "default_size": "64x64"},
+        {"name": "flux", "family": "flux", "preset": "tiny", "default_size": "64x64", "default_guidance_scale": 3.5},
+    ]})
+    (sd3,) = to_specs({"prompt": "x", "model": "sd3"}, config, "r")
+    (flux,) = to_specs({"prompt": "x", "model": "flux", "negative_prompt": "fog"}, config, "r")
+    assert sd3.cfg and sd3.uses_cfg and sd3.rows == 2
+    # Flux is guidance-distilled: the scale is kept (the model takes it as an input), in one row.
+    assert not flux.cfg and flux.guidance_scale == 3.5 and not flux.uses_cfg and flux.rows == 1
+    with pytest.raises(APIError, match="multiples of 16"):
+        to_specs({"prompt": "x", "model": "flux", "size": "72x72"}, config, "r")
+
+
 def test_unknown_model_is_404():
     err = rejects("model", status=404, model="sdxl")
     assert err.code == "model_not_found"

@@ -1,10 +1,13 @@
 """What a family class declares it can serve agrees with what its loaded models really do."""
 
+import re
+
 import pytest
 import torch
 
 from stepserve.engine.families import DENOISER, FAMILIES, family_class, load_family
 from stepserve.engine.families.sd15 import SD15Family
+from stepserve.engine.families.sd3 import SD3Family
 from stepserve.engine.families.sdxl import SDXLFamily
 from stepserve.engine.families.wan import WanFamily
 from stepserve.engine.sampler import Conditioning, Sampler
@@ -21,19 +24,23 @@ def wan():
 
 def test_family_class_looks_up_the_registry():
     assert family_class("sd15") is SD15Family and family_class("wan") is WanFamily
-    assert family_class("sdxl") is SDXLFamily
+    assert family_class("sdxl") is SDXLFamily and family_class("sd3") is SD3Family
     assert all(family_class(name) is cls for name, cls in FAMILIES.items())
-    with pytest.raises(ValueError, match="unknown model family 'nope'; known: \\['sd15', 'sdxl', 'wan'\\]"):
+    with pytest.raises(ValueError, match=re.escape(f"unknown model family 'nope'; known: {sorted(FAMILIES)}")):
         family_class("nope")
 
 
 def test_declared_capabilities():
-    declared = {name: (cls.kind, cls.size_multiple, cls.frame_step, cls.sequence_parallel, cls.decode_on_worker)
+    declared = {name: (cls.kind, cls.size_multiple, cls.frame_step, cls.sequence_parallel, cls.decode_on_worker,
+                       cls.classifier_free_guidance)
                 for name, cls in FAMILIES.items()}
     assert declared == {
-        "sd15": (RequestKind.T2I, 8, 1, False, False),
-        "sdxl": (RequestKind.T2I, 8, 1, False, False),
-        "wan": (RequestKind.T2V, 16, 4, True, True),
+        "sd15": (RequestKind.T2I, 8, 1, False, False, True),
+        "sdxl": (RequestKind.T2I, 8, 1, False, False, True),
+        "sd3": (RequestKind.T2I, 16, 1, False, False, True),
+        "flux": (RequestKind.T2I, 16, 1, False, False, False),
+        "wan": (RequestKind.T2V, 16, 4, True, True, True),
+        "wan-ti2v": (RequestKind.T2V, 32, 4, True, True, True),
     }
 
 
@@ -52,6 +59,15 @@ def test_sdxl_capabilities_match_the_model(tiny_sdxl):
         tiny_sdxl.pipe.check_inputs("a fox", None, 60, 64, 1)
     with pytest.raises(ValueError, match="cannot run sequence-parallel"):
         tiny_sdxl.denoise(torch.zeros(1, 4, 8, 8), torch.tensor([999]), {}, sp_group=object())
+
+
+def test_sd3_capabilities_match_the_model(tiny_sd3):
+    patch = tiny_sd3.denoiser.config.patch_size
+    assert tiny_sd3.vae_scale_factor * patch == SD3Family.size_multiple
+    with pytest.raises(ValueError, match="divisible by 16"):
+        tiny_sd3.pipe.check_inputs("a fox", None, None, 64 + 8, 64)
+    with pytest.raises(ValueError, match="cannot run sequence-parallel"):
+        tiny_sd3.denoise(torch.zeros(1, 16, 8, 8), torch.tensor([999.0]), {}, sp_group=object())
 
 
 def test_wan_capabilities_match_the_model(wan):

@@ -42,7 +42,7 @@ def _run(family, arrivals: dict[int, list], rounds: int = 100) -> dict[str, np.n
             rid: left[rid] for rid in stepping
         }
         for rid, latents in zip(finish, payloads):
-            assert latents.dtype == np.float32 and latents.shape[:2] == (1, 4)
+            assert latents.dtype == np.float32 and latents.shape[:2] == (1, family.latent_channels)
             done[rid] = latents
             del left[rid]
         assert runner.resident == tuple(left)
@@ -86,14 +86,26 @@ def test_non_square_sizes(tiny_family, size):
     np.testing.assert_allclose(image, solo_pipeline_image(tiny_family, spec), atol=ATOL)
 
 
-@pytest.mark.parametrize("scheduler", [None, "DPMSolverMultistepScheduler", "EulerAncestralDiscreteScheduler"])
-def test_an_image_moved_between_workers_mid_way_equals_the_solo_pipeline(image_family, scheduler):
+# Schedulers a model may be served with instead of its own, by the schedule it was trained on:
+# multistep history, and stochastic steps where the pipeline seeds them (SD's; the flow-matching
+# pipelines pass `step` no generator), must survive a move too.
+FLOW = dict(use_flow_sigmas=True, prediction_type="flow_prediction", flow_shift=3.0)
+ALTERNATIVE_SCHEDULERS = {
+    "noise": [("DPMSolverMultistepScheduler", {}), ("EulerAncestralDiscreteScheduler", {})],
+    "flow": [("DPMSolverMultistepScheduler", FLOW), ("UniPCMultistepScheduler", FLOW)],
+}
+
+
+@pytest.mark.parametrize("alternative", [None, 0, 1])
+def test_an_image_moved_between_workers_mid_way_equals_the_solo_pipeline(image_family, alternative):
     """An image exported by one worker (latents, scheduler history, generator position, pickled
     as Ray would) and admitted from that state by another ends as the solo pipeline's."""
     family = image_family
     original = family.pipe.scheduler
-    if scheduler is not None:  # multistep history and stochastic steps must survive the move too
-        family.pipe.scheduler = getattr(diffusers, scheduler).from_config(original.config)
+    if alternative is not None:
+        schedule = "flow" if isinstance(original, diffusers.FlowMatchEulerDiscreteScheduler) else "noise"
+        name, overrides = ALTERNATIVE_SCHEDULERS[schedule][alternative]
+        family.pipe.scheduler = getattr(diffusers, name).from_config(original.config, **overrides)
     try:
         spec = make_spec("moved", steps=6, seed=7, guidance=7.5, negative="blurry", model=family.source.name)
         models = {family.source.name: family}

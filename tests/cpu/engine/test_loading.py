@@ -14,10 +14,10 @@ from ...tiny import TINY, make_spec, solo_pipeline_image
 
 def test_preset_parts_are_seeded_independently(tiny_family):
     unet_only = load_family(TINY, {DENOISER}, "cpu")
-    for a, b in zip(unet_only.unet.parameters(), tiny_family.unet.parameters()):
+    for a, b in zip(unet_only.denoiser.parameters(), tiny_family.denoiser.parameters()):
         assert torch.equal(a, b)
     other_seed = load_family(ModelSource(name="x", family="sd15", preset="tiny", seed=1), {DENOISER}, "cpu")
-    assert not torch.equal(next(other_seed.unet.parameters()), next(tiny_family.unet.parameters()))
+    assert not torch.equal(next(other_seed.denoiser.parameters()), next(tiny_family.denoiser.parameters()))
 
 
 def test_local_safetensors_folder_round_trip(image_family, tmp_path):

@@ -1,0 +1,193 @@
+"""The Stable Diffusion 3 / 3.5 family: CLIP-L + CLIP-G + T5 text encoders, SD3Transformer2DModel
+(MMDiT), AutoencoderKL with 16 latent channels, a flow-matching Euler scheduler.
+
+As SD1.5 (whose loading and pipeline-as-helper it shares), a diffusers `StableDiffusion3Pipeline`
+is built around whichever components this process loaded, and its own `encode_prompt` encodes,
+so the served result stays equal to the pipeline's. A request's rows carry "context" (both CLIP
+encoders' penultimate states, zero-padded to T5's width, followed by T5's tokens) and "pooled"
+(both CLIP projections). Flow matching needs no noise scaling: a request's timesteps are its
+sigmas times 1000, shifted by the model's schedule (and by its image size where the scheduler
+shifts dynamically), set on its own scheduler.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Collection, Sequence
+
+import numpy as np
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift, retrieve_timesteps
+from diffusers.utils.torch_utils import randn_tensor
+from transformers import CLIPTextModelWithProjection, CLIPTokenizer, T5Config, T5EncoderModel, T5Tokenizer
+
+from stepserve.engine.families import sd15
+from stepserve.engine.families.base import DENOISER, TEXT, VAE, RowConditioning, TextEmbeddings
+from stepserve.engine.families.sd15 import SD15Family, _vae
+from stepserve.engine.families.sdxl import TEXT_2, _clip_config
+from stepserve.engine.tokenizer import byte_level_clip_tokenizer, byte_level_vocab, character_t5_tokenizer, \
+    t5_character_vocab
+from stepserve.policies.types import RequestSpec
+
+TEXT_3 = "text_3"  # the T5 encoder, loaded with TEXT
+MAX_SEQUENCE_LENGTH = 256  # StableDiffusion3Pipeline.__call__'s default T5 length
+
+# SD3-medium's and SD3.5's published scheduler: flow matching, timesteps shifted by 3.
+SD3_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0)
+
+# Tiny: the same classes, small widths, with SD3.5's additions (qk RMS norm, a dual-attention
+# layer). T5 is as wide as both CLIPs together, so the pipeline's zero-padding of the CLIP states
+# to T5's width holds, as in the real model (768 + 1280 < 4096); the positional table covers
+# 512 px (64 latents / patch 2).
+TINY = dict(
+    text=dict(vocab_size=len(byte_level_vocab()), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=4, projection_dim=32),
+    text_2=dict(vocab_size=len(byte_level_vocab()), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, projection_dim=32),
+    text_3=dict(vocab_size=len(t5_character_vocab()), d_model=64, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                relative_attention_num_buckets=8, relative_attention_max_distance=32),
+    transformer=dict(
+        sample_size=32, patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=8,
+        num_attention_heads=4, joint_attention_dim=64, caption_projection_dim=32, pooled_projection_dim=64,
+        pos_embed_max_size=32, dual_attention_layers=(0,), qk_norm="rms_norm",
+    ),
+    vae=dict(block_out_channels=(8, 16, 32, 32), layers_per_block=1, norm_num_groups=8, sample_size=256,
+             latent_channels=16, scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False,
+             use_post_quant_conv=False),
+)
+
+# Full size: stable-diffusion-3.5-medium's published component configs (random weights, for GPU
+# speed runs; never build it in CPU tests): CLIP-L, OpenCLIP bigG, T5-XXL's encoder, the MMDiT-X
+# transformer with dual attention in its first 13 layers, the 16-channel VAE.
+FULL = dict(
+    text=dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+              num_attention_heads=12, projection_dim=768, hidden_act="quick_gelu"),
+    text_2=dict(vocab_size=49408, hidden_size=1280, intermediate_size=5120, num_hidden_layers=32,
+                num_attention_heads=20, projection_dim=1280, hidden_act="gelu"),
+    text_3=dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+                relative_attention_num_buckets=32, relative_attention_max_distance=128),
+    transformer=dict(
+        sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24, attention_head_dim=64,
+        num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536, pooled_projection_dim=2048,
+        pos_embed_max_size=384, dual_attention_layers=tuple(range(13)), qk_norm="rms_norm",
+    ),
+    vae=dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2, norm_num_groups=32, sample_size=1024,
+             latent_channels=16, scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False,
+             use_post_quant_conv=False),
+)
+
+PRESETS = {"tiny": TINY, "full": FULL}
+
+
+def _t5_encoder(cfg: dict) -> T5EncoderModel:
+    # Token ids follow the character-level tokenizer: pad 0, eos 1.
+    config = T5Config(feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+                      **cfg)
+    return T5EncoderModel(config)
+
+
+def build_preset_components(preset: str, seed: int, parts: Collection[str], device: torch.device) -> dict[str, Any]:
+    """Random-weight components of the real classes, each seeded on its own (as SD1.5's)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown sd3 preset {preset!r}; known: {sorted(PRESETS)}")
+    cfg = PRESETS[preset]
+    out: dict[str, Any] = {"scheduler": FlowMatchEulerDiscreteScheduler(**SD3_SCHEDULER)}
+    builders = {
+        TEXT: lambda: CLIPTextModelWithProjection(_clip_config(cfg["text"])),
+        DENOISER: lambda: SD3Transformer2DModel(**cfg["transformer"]),
+        VAE: lambda: _vae(cfg["vae"]),
+        TEXT_2: lambda: CLIPTextModelWithProjection(_clip_config(cfg["text_2"])),
+        TEXT_3: lambda: _t5_encoder(cfg["text_3"]),
+    }
+    wanted = set(parts) | ({TEXT_2, TEXT_3} if TEXT in parts else set())
+    for offset, part in enumerate((TEXT, DENOISER, VAE, TEXT_2, TEXT_3)):
+        if part in wanted:
+            torch.manual_seed(seed * 1009 + offset)
+            with sd15.build_on(preset, device):
+                out[part] = builders[part]()
+    if TEXT in parts:
+        out["tokenizer"] = out["tokenizer_2"] = byte_level_clip_tokenizer()
+        out["tokenizer_3"] = character_t5_tokenizer(MAX_SEQUENCE_LENGTH)
+    return {**out, **sd15.vae_geometry(cfg["vae"])}
+
+
+# What a diffusers SD3 folder holds for each part: (component key, subfolder, class).
+FOLDER_LAYOUT = {
+    TEXT: (("tokenizer", "tokenizer", CLIPTokenizer), (TEXT, "text_encoder", CLIPTextModelWithProjection),
+           ("tokenizer_2", "tokenizer_2", CLIPTokenizer), (TEXT_2, "text_encoder_2", CLIPTextModelWithProjection),
+           # Real folders name T5TokenizerFast, which transformers 5 folds into T5Tokenizer.
+           ("tokenizer_3", "tokenizer_3", T5Tokenizer), (TEXT_3, "text_encoder_3", T5EncoderModel)),
+    DENOISER: ((DENOISER, "transformer", SD3Transformer2DModel),),
+    VAE: sd15.FOLDER_LAYOUT[VAE],
+}
+
+
+def load_folder_components(path: str, parts: Collection[str]) -> dict[str, Any]:
+    """Components from a local diffusers-format SD3 folder; safetensors only, never the hub."""
+    return sd15.load_folder_components(path, parts, FOLDER_LAYOUT, StableDiffusion3Pipeline)
+
+
+class SD3Family(SD15Family):
+    # An image family decoded in the VAE deployment, as SD1.5; the pipeline's `check_inputs`
+    # refuses sides that are not multiples of the VAE's 8x times the transformer's patch of 2.
+    size_multiple = 16
+    modules = SD15Family.modules + (TEXT_2, TEXT_3)
+    xformers_attention = False  # joint attention has its own processors
+
+    def make_pipeline(self, components: dict[str, Any], scheduler: Any) -> Any:
+        return StableDiffusion3Pipeline(
+            transformer=self.denoiser, scheduler=scheduler, vae=self.vae, text_encoder=components.get(TEXT),
+            tokenizer=components.get("tokenizer"), text_encoder_2=components.get(TEXT_2),
+            tokenizer_2=components.get("tokenizer_2"), text_encoder_3=components.get(TEXT_3),
+            tokenizer_3=components.get("tokenizer_3"),
+        )
+
+    preset_components = staticmethod(build_preset_components)
+    folder_components = staticmethod(load_folder_components)
+
+    @torch.inference_mode()
+    def encode_text(self, texts: Sequence[str]) -> TextEmbeddings:
+        embeds, _, pooled, _ = self.pipe.encode_prompt(
+            list(texts), None, None, device=self.device, do_classifier_free_guidance=False,
+            max_sequence_length=MAX_SEQUENCE_LENGTH,
+        )
+        return {"context": embeds, "pooled": pooled}
+
+    def initial_latents(self, spec: RequestSpec, scheduler: Any, generator: torch.Generator) -> torch.Tensor:
+        # As `StableDiffusion3Pipeline.prepare_latents`: plain noise (flow matching starts at sigma 1).
+        shape = (1, self.latent_channels, spec.height // self.vae_scale_factor, spec.width // self.vae_scale_factor)
+        return randn_tensor(shape, generator=generator, device=self.device, dtype=self.dtype)
+
+    def prepare_scheduler(self, scheduler: Any, spec: RequestSpec) -> None:
+        # As the pipeline: a dynamically shifting scheduler shifts by the image's token count.
+        config, kwargs = scheduler.config, {}
+        if config.get("use_dynamic_shifting", None):
+            patch = self.denoiser.config.patch_size
+            tokens = (spec.height // self.vae_scale_factor // patch) * (spec.width // self.vae_scale_factor // patch)
+            kwargs["mu"] = calculate_shift(
+                tokens, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+                config.get("base_shift", 0.5), config.get("max_shift", 1.16),
+            )
+        retrieve_timesteps(scheduler, spec.num_inference_steps, self.device, **kwargs)
+
+    def scale_model_input(self, scheduler: Any, sample: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return sample  # flow matching feeds the latents as they are
+
+    def step_kwargs(self, scheduler: Any, generator: torch.Generator) -> dict[str, Any]:
+        return {}  # the pipeline passes none
+
+    @torch.inference_mode()
+    def denoise(
+        self, sample: torch.Tensor, timesteps: torch.Tensor, cond: RowConditioning, sp_group: Any = None
+    ) -> torch.Tensor:
+        if sp_group is not None:
+            raise ValueError(f"model {self.source.name!r} (sd3) cannot run sequence-parallel")
+        return self.denoiser(hidden_states=sample, timestep=timesteps, encoder_hidden_states=cond["context"],
+                             pooled_projections=cond["pooled"], return_dict=False)[0]
+
+    @torch.inference_mode()
+    def decode(self, latents: torch.Tensor) -> np.ndarray:
+        latents = latents.to(device=self.device, dtype=self.vae.dtype)
+        config = self.vae.config
+        image = self.vae.decode(latents / config.scaling_factor + config.shift_factor, return_dict=False)[0]
+        return self.pipe.image_processor.postprocess(image, output_type="np")
