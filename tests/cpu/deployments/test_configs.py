@@ -1,0 +1,29 @@
+"""Every shipped Serve config is a valid app config, and so is every model example that
+configs/cluster.yaml carries commented out (docs that drift from the schema fail here)."""
+
+import re
+
+import pytest
+import yaml
+
+from stepserve.deployments.config import AppConfig, ModelConfig
+from stepserve.engine.families import FAMILIES
+from stepserve.runtime import CONFIGS, load_serve_config
+
+SHIPPED = sorted(path.name for path in CONFIGS.glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_configs_validate(name, monkeypatch):
+    monkeypatch.setenv("STEPSERVE_API_KEYS", "sk-test")  # cluster.yaml reads its keys from there
+    (app,) = load_serve_config(CONFIGS / name)["applications"]
+    config = AppConfig.model_validate(app["args"])
+    assert config.models and all(model.family in FAMILIES for model in config.models)
+
+
+def test_cluster_model_examples_validate():
+    # The commented `models` entries: "# - name: ..." and their "#   key: value" lines.
+    lines = (CONFIGS / "cluster.yaml").read_text().splitlines()
+    example = [re.sub(r"^(\s*)# ", r"\1", line) for line in lines if re.match(r"^\s*# (- name:|  \w+:)", line)]
+    models = [ModelConfig.model_validate(entry) for entry in yaml.safe_load("\n".join(example))]
+    assert {model.family for model in models} >= {"sdxl", "sd3", "flux", "wan", "wan-ti2v"}
