@@ -125,7 +125,10 @@ def recount() -> None:
     from diffusers import UNet2DConditionModel
     from torch.utils.flop_counter import FlopCounterMode
 
-    from stepserve.engine.families.sd15 import FULL, _text_encoder, _vae
+    from transformers import CLIPTextModel
+
+    from stepserve.engine.families.presets import autoencoder_kl, clip_text_config
+    from stepserve.engine.families.sd15 import FULL
 
     def gflop(fn) -> float:
         with FlopCounterMode(display=False) as mode, torch.no_grad():
@@ -134,8 +137,8 @@ def recount() -> None:
 
     with torch.device("meta"):
         unet = UNet2DConditionModel(in_channels=4, out_channels=4, **FULL["unet"]).eval()
-        vae = _vae(FULL["vae"]).eval()
-        clip = _text_encoder(FULL["text"]).eval()
+        vae = autoencoder_kl(FULL["vae"]).eval()
+        clip = CLIPTextModel(clip_text_config(FULL["text"])).eval()
         context = torch.empty(1, 77, 768)
         for size in SIZES:
             latents = torch.empty(1, 4, size // 8, size // 8)

@@ -235,8 +235,8 @@ def recount() -> None:
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
-    from stepserve.engine.families.sd15 import _vae
-    from stepserve.engine.families.sdxl import FULL, _clip_config
+    from stepserve.engine.families.presets import autoencoder_kl, clip_text_config
+    from stepserve.engine.families.sdxl import FULL
 
     def gflop(fn) -> float:
         with FlopCounterMode(display=False) as mode, torch.no_grad():
@@ -245,9 +245,9 @@ def recount() -> None:
 
     with torch.device("meta"):
         unet = UNet2DConditionModel(in_channels=4, out_channels=4, **FULL["unet"]).eval()
-        vae = _vae(FULL["vae"]).eval()
-        clip_l = CLIPTextModel(_clip_config(FULL["text"])).eval()
-        clip_g = CLIPTextModelWithProjection(_clip_config(FULL["text_2"])).eval()
+        vae = autoencoder_kl(FULL["vae"]).eval()
+        clip_l = CLIPTextModel(clip_text_config(FULL["text"])).eval()
+        clip_g = CLIPTextModelWithProjection(clip_text_config(FULL["text_2"])).eval()
         context = torch.empty(1, 77, 2048)  # both encoders' hidden states, concatenated
         added = {"text_embeds": torch.empty(1, 1280), "time_ids": torch.empty(1, 6)}
         for size in SIZES:

@@ -22,12 +22,15 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 from diffusers.utils.torch_utils import randn_tensor
-from transformers import CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel, T5Tokenizer
+from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5Tokenizer
 
 from stepserve.engine.families import sd15
 from stepserve.engine.families.base import DENOISER, TEXT, VAE, ModelSource, RowConditioning, TextEmbeddings
-from stepserve.engine.families.sd15 import SD15Family, _vae
-from stepserve.engine.families.sdxl import TEXT_2, _clip_config
+from stepserve.engine.families.flow_matching import FlowMatchingImageFamily
+from stepserve.engine.families.presets import (
+    autoencoder_kl, clip_text_config, seeded_parts, t5_encoder, vae_geometry,
+)
+from stepserve.engine.families.sdxl import TEXT_2
 from stepserve.engine.tokenizer import (
     byte_level_clip_tokenizer, byte_level_vocab, character_t5_tokenizer, t5_character_vocab,
 )
@@ -84,35 +87,23 @@ FULL = dict(
 PRESETS = {"tiny": TINY, "full": FULL}
 
 
-def _t5_encoder(cfg: dict) -> T5EncoderModel:
-    # T5 v1.1's gated GELU; token ids follow the character-level tokenizer: pad 0, eos 1.
-    config = T5Config(feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
-                      **cfg)
-    return T5EncoderModel(config)
-
-
 def build_preset_components(preset: str, seed: int, parts: Collection[str], device: torch.device) -> dict[str, Any]:
     """Random-weight components of the real classes, each seeded on its own (as SD1.5's)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown flux preset {preset!r}; known: {sorted(PRESETS)}")
     cfg = PRESETS[preset]
     out: dict[str, Any] = {"scheduler": FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER)}
-    builders = {
-        TEXT: lambda: CLIPTextModel(_clip_config(cfg["text"])),
+    builders = {  # in seed order: SD1.5's parts, then T5 (built with TEXT)
+        TEXT: lambda: CLIPTextModel(clip_text_config(cfg["text"])),
         DENOISER: lambda: FluxTransformer2DModel(**cfg["transformer"]),
-        VAE: lambda: _vae(cfg["vae"]),
-        TEXT_2: lambda: _t5_encoder(cfg["text_2"]),
+        VAE: lambda: autoencoder_kl(cfg["vae"]),
+        TEXT_2: lambda: t5_encoder(cfg["text_2"]),
     }
-    wanted = set(parts) | ({TEXT_2} if TEXT in parts else set())
-    for offset, part in enumerate((TEXT, DENOISER, VAE, TEXT_2)):
-        if part in wanted:
-            torch.manual_seed(seed * 1009 + offset)
-            with sd15.build_on(preset, device):
-                out[part] = builders[part]()
+    out.update(seeded_parts(builders, set(parts) | ({TEXT_2} if TEXT in parts else set()), seed, preset, device))
     if TEXT in parts:
         out["tokenizer"] = byte_level_clip_tokenizer()
         out["tokenizer_2"] = character_t5_tokenizer(cfg["max_sequence_length"])
-    return {**out, **sd15.vae_geometry(cfg["vae"])}
+    return {**out, **vae_geometry(cfg["vae"])}
 
 
 # What a diffusers Flux folder holds for each part: (component key, subfolder, class).
@@ -130,14 +121,12 @@ def load_folder_components(path: str, parts: Collection[str]) -> dict[str, Any]:
     return sd15.load_folder_components(path, parts, FOLDER_LAYOUT, FluxPipeline)
 
 
-class FluxFamily(SD15Family):
+class FluxFamily(FlowMatchingImageFamily):
     # An image family decoded in the VAE deployment, as SD1.5. Sides are multiples of the VAE's
     # 8x times the 2x2 packing (the pipeline would resize others, with a warning);
     # `__init__` checks the weights agree.
-    size_multiple = 16
     classifier_free_guidance = False  # guidance-distilled: the scale is a model input
-    modules = SD15Family.modules + (TEXT_2,)
-    xformers_attention = False  # joint attention has its own processors
+    modules = FlowMatchingImageFamily.modules + (TEXT_2,)
 
     def __init__(self, source: ModelSource, components: dict[str, Any], device: torch.device):
         super().__init__(source, components, device)
@@ -198,12 +187,6 @@ class FluxFamily(SD15Family):
         return randn_tensor(self.latent_shape(spec.height, spec.width), generator=generator, device=self.device,
                             dtype=self.dtype)
 
-    def scale_model_input(self, scheduler: Any, sample: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return sample  # flow matching feeds the latents as they are
-
-    def step_kwargs(self, scheduler: Any, generator: torch.Generator) -> dict[str, Any]:
-        return {}  # the pipeline passes none
-
     @torch.inference_mode()
     def denoise(
         self, sample: torch.Tensor, timesteps: torch.Tensor, cond: RowConditioning, sp_group: Any = None
@@ -226,10 +209,3 @@ class FluxFamily(SD15Family):
         )[0]
         # `_unpack_latents` takes pixel sizes; with a scale factor of 1 it takes these latent ones.
         return FluxPipeline._unpack_latents(out, height, width, 1)
-
-    @torch.inference_mode()
-    def decode(self, latents: torch.Tensor) -> np.ndarray:
-        latents = latents.to(device=self.device, dtype=self.vae.dtype)
-        config = self.vae.config
-        image = self.vae.decode(latents / config.scaling_factor + config.shift_factor, return_dict=False)[0]
-        return self.pipe.image_processor.postprocess(image, output_type="np")

@@ -15,12 +15,13 @@ import numpy as np
 import torch
 from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionPipeline, UNet2DConditionModel
 from diffusers.utils.torch_utils import randn_tensor
-from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, PreTrainedTokenizerBase
+from transformers import CLIPTextModel, CLIPTokenizer, PreTrainedTokenizerBase
 
 from stepserve.engine.families.base import (
     ALL_PARTS, DENOISER, LOCAL, TEXT, VAE, DiffusionFamily, ModelSource, RowConditioning, TextEmbeddings,
     cast_module, folder_scheduler,
 )
+from stepserve.engine.families.presets import autoencoder_kl, clip_text_config, seeded_parts, vae_geometry
 from stepserve.engine.tokenizer import byte_level_clip_tokenizer, byte_level_vocab
 from stepserve.policies.types import RequestKind, RequestSpec
 
@@ -63,34 +64,6 @@ FULL = dict(
 PRESETS = {"tiny": TINY, "full": FULL}
 
 
-def _text_encoder(cfg: dict) -> CLIPTextModel:
-    # Token ids follow the byte-level tokenizer: bos 0, eos (= pad) 1.
-    config = CLIPTextConfig(max_position_embeddings=77, bos_token_id=0, eos_token_id=1, pad_token_id=1, **cfg)
-    return CLIPTextModel(config)
-
-
-def _vae(cfg: dict) -> AutoencoderKL:
-    n = len(cfg["block_out_channels"])
-    return AutoencoderKL(**{
-        "in_channels": 3, "out_channels": 3, "latent_channels": 4,
-        "down_block_types": ("DownEncoderBlock2D",) * n, "up_block_types": ("UpDecoderBlock2D",) * n, **cfg,
-    })
-
-
-def vae_geometry(vae_config: dict) -> dict[str, int]:
-    """The VAE's downscale and latent channels, from its config (what every process needs to
-    know about latents, whichever parts it loaded)."""
-    return {"vae_scale_factor": 2 ** (len(vae_config["block_out_channels"]) - 1),
-            "latent_channels": vae_config.get("latent_channels", 4)}
-
-
-def build_on(preset: str, device: torch.device) -> torch.device:
-    """Where a preset's random weights are initialised: a full preset directly on a CUDA device
-    (initialising a billion host weights is slow; its weights are then deterministic per seed
-    and device type), everything else on the host."""
-    return device if (preset == "full" and device.type == "cuda") else torch.device("cpu")
-
-
 def build_preset_components(preset: str, seed: int, parts: Collection[str], device: torch.device) -> dict[str, Any]:
     """Random-weight components of the real classes. Each component is seeded on its own so a
     process that builds only the UNet gets the same UNet as one that builds everything."""
@@ -99,15 +72,11 @@ def build_preset_components(preset: str, seed: int, parts: Collection[str], devi
     cfg = PRESETS[preset]
     out: dict[str, Any] = {"scheduler": EulerDiscreteScheduler(**SD_SCHEDULER)}
     builders = {
-        TEXT: lambda: _text_encoder(cfg["text"]),
+        TEXT: lambda: CLIPTextModel(clip_text_config(cfg["text"])),
         DENOISER: lambda: UNet2DConditionModel(in_channels=4, out_channels=4, **cfg["unet"]),
-        VAE: lambda: _vae(cfg["vae"]),
+        VAE: lambda: autoencoder_kl(cfg["vae"]),
     }
-    for offset, part in enumerate((TEXT, DENOISER, VAE)):
-        if part in parts:
-            torch.manual_seed(seed * 1009 + offset)
-            with build_on(preset, device):
-                out[part] = builders[part]()
+    out.update(seeded_parts(builders, parts, seed, preset, device))
     if TEXT in parts:
         out["tokenizer"] = byte_level_clip_tokenizer()
     return {**out, **vae_geometry(cfg["vae"])}

@@ -14,17 +14,19 @@ from __future__ import annotations
 
 from typing import Any, Collection, Sequence
 
-import numpy as np
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift, retrieve_timesteps
 from diffusers.utils.torch_utils import randn_tensor
-from transformers import CLIPTextModelWithProjection, CLIPTokenizer, T5Config, T5EncoderModel, T5Tokenizer
+from transformers import CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel, T5Tokenizer
 
 from stepserve.engine.families import sd15
 from stepserve.engine.families.base import DENOISER, TEXT, VAE, RowConditioning, TextEmbeddings
-from stepserve.engine.families.sd15 import SD15Family, _vae
-from stepserve.engine.families.sdxl import TEXT_2, _clip_config
+from stepserve.engine.families.flow_matching import FlowMatchingImageFamily
+from stepserve.engine.families.presets import (
+    autoencoder_kl, clip_text_config, seeded_parts, t5_encoder, vae_geometry,
+)
+from stepserve.engine.families.sdxl import TEXT_2
 from stepserve.engine.tokenizer import byte_level_clip_tokenizer, byte_level_vocab, character_t5_tokenizer, \
     t5_character_vocab
 from stepserve.policies.types import RequestSpec
@@ -79,36 +81,25 @@ FULL = dict(
 PRESETS = {"tiny": TINY, "full": FULL}
 
 
-def _t5_encoder(cfg: dict) -> T5EncoderModel:
-    # Token ids follow the character-level tokenizer: pad 0, eos 1.
-    config = T5Config(feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
-                      **cfg)
-    return T5EncoderModel(config)
-
-
 def build_preset_components(preset: str, seed: int, parts: Collection[str], device: torch.device) -> dict[str, Any]:
     """Random-weight components of the real classes, each seeded on its own (as SD1.5's)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown sd3 preset {preset!r}; known: {sorted(PRESETS)}")
     cfg = PRESETS[preset]
     out: dict[str, Any] = {"scheduler": FlowMatchEulerDiscreteScheduler(**SD3_SCHEDULER)}
-    builders = {
-        TEXT: lambda: CLIPTextModelWithProjection(_clip_config(cfg["text"])),
+    builders = {  # in seed order: SD1.5's parts, then the encoders built with TEXT
+        TEXT: lambda: CLIPTextModelWithProjection(clip_text_config(cfg["text"])),
         DENOISER: lambda: SD3Transformer2DModel(**cfg["transformer"]),
-        VAE: lambda: _vae(cfg["vae"]),
-        TEXT_2: lambda: CLIPTextModelWithProjection(_clip_config(cfg["text_2"])),
-        TEXT_3: lambda: _t5_encoder(cfg["text_3"]),
+        VAE: lambda: autoencoder_kl(cfg["vae"]),
+        TEXT_2: lambda: CLIPTextModelWithProjection(clip_text_config(cfg["text_2"])),
+        TEXT_3: lambda: t5_encoder(cfg["text_3"]),
     }
     wanted = set(parts) | ({TEXT_2, TEXT_3} if TEXT in parts else set())
-    for offset, part in enumerate((TEXT, DENOISER, VAE, TEXT_2, TEXT_3)):
-        if part in wanted:
-            torch.manual_seed(seed * 1009 + offset)
-            with sd15.build_on(preset, device):
-                out[part] = builders[part]()
+    out.update(seeded_parts(builders, wanted, seed, preset, device))
     if TEXT in parts:
         out["tokenizer"] = out["tokenizer_2"] = byte_level_clip_tokenizer()
         out["tokenizer_3"] = character_t5_tokenizer(MAX_SEQUENCE_LENGTH)
-    return {**out, **sd15.vae_geometry(cfg["vae"])}
+    return {**out, **vae_geometry(cfg["vae"])}
 
 
 # What a diffusers SD3 folder holds for each part: (component key, subfolder, class).
@@ -127,12 +118,10 @@ def load_folder_components(path: str, parts: Collection[str]) -> dict[str, Any]:
     return sd15.load_folder_components(path, parts, FOLDER_LAYOUT, StableDiffusion3Pipeline)
 
 
-class SD3Family(SD15Family):
+class SD3Family(FlowMatchingImageFamily):
     # An image family decoded in the VAE deployment, as SD1.5; the pipeline's `check_inputs`
     # refuses sides that are not multiples of the VAE's 8x times the transformer's patch of 2.
-    size_multiple = 16
-    modules = SD15Family.modules + (TEXT_2, TEXT_3)
-    xformers_attention = False  # joint attention has its own processors
+    modules = FlowMatchingImageFamily.modules + (TEXT_2, TEXT_3)
 
     def make_pipeline(self, components: dict[str, Any], scheduler: Any) -> Any:
         return StableDiffusion3Pipeline(
@@ -170,12 +159,6 @@ class SD3Family(SD15Family):
             )
         retrieve_timesteps(scheduler, spec.num_inference_steps, self.device, **kwargs)
 
-    def scale_model_input(self, scheduler: Any, sample: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return sample  # flow matching feeds the latents as they are
-
-    def step_kwargs(self, scheduler: Any, generator: torch.Generator) -> dict[str, Any]:
-        return {}  # the pipeline passes none
-
     @torch.inference_mode()
     def denoise(
         self, sample: torch.Tensor, timesteps: torch.Tensor, cond: RowConditioning, sp_group: Any = None
@@ -184,10 +167,3 @@ class SD3Family(SD15Family):
             raise ValueError(f"model {self.source.name!r} (sd3) cannot run sequence-parallel")
         return self.denoiser(hidden_states=sample, timestep=timesteps, encoder_hidden_states=cond["context"],
                              pooled_projections=cond["pooled"], return_dict=False)[0]
-
-    @torch.inference_mode()
-    def decode(self, latents: torch.Tensor) -> np.ndarray:
-        latents = latents.to(device=self.device, dtype=self.vae.dtype)
-        config = self.vae.config
-        image = self.vae.decode(latents / config.scaling_factor + config.shift_factor, return_dict=False)[0]
-        return self.pipe.image_processor.postprocess(image, output_type="np")

@@ -14,11 +14,12 @@ from typing import Any, Collection, Sequence
 
 import torch
 from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
-from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
 from stepserve.engine.families.base import DENOISER, TEXT, VAE, RowConditioning, TextEmbeddings
 from stepserve.engine.families import sd15
-from stepserve.engine.families.sd15 import SD15Family, SD_SCHEDULER, _vae
+from stepserve.engine.families.presets import autoencoder_kl, clip_text_config, seeded_parts, vae_geometry
+from stepserve.engine.families.sd15 import SD15Family, SD_SCHEDULER
 from stepserve.engine.tokenizer import byte_level_clip_tokenizer, byte_level_vocab
 from stepserve.policies.types import RequestSpec
 
@@ -65,32 +66,22 @@ FULL = dict(
 PRESETS = {"tiny": TINY, "full": FULL}
 
 
-def _clip_config(cfg: dict) -> CLIPTextConfig:
-    # Token ids follow the byte-level tokenizer: bos 0, eos (= pad) 1.
-    return CLIPTextConfig(max_position_embeddings=77, bos_token_id=0, eos_token_id=1, pad_token_id=1, **cfg)
-
-
 def build_preset_components(preset: str, seed: int, parts: Collection[str], device: torch.device) -> dict[str, Any]:
     """Random-weight components of the real classes, each seeded on its own (as SD1.5's)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown sdxl preset {preset!r}; known: {sorted(PRESETS)}")
     cfg = PRESETS[preset]
     out: dict[str, Any] = {"scheduler": EulerDiscreteScheduler(**SD_SCHEDULER)}
-    builders = {
-        TEXT: lambda: CLIPTextModel(_clip_config(cfg["text"])),
-        TEXT_2: lambda: CLIPTextModelWithProjection(_clip_config(cfg["text_2"])),
+    builders = {  # in seed order: SD1.5's parts, then the second encoder (built with TEXT)
+        TEXT: lambda: CLIPTextModel(clip_text_config(cfg["text"])),
         DENOISER: lambda: UNet2DConditionModel(in_channels=4, out_channels=4, **cfg["unet"]),
-        VAE: lambda: _vae(cfg["vae"]),
+        VAE: lambda: autoencoder_kl(cfg["vae"]),
+        TEXT_2: lambda: CLIPTextModelWithProjection(clip_text_config(cfg["text_2"])),
     }
-    wanted = set(parts) | ({TEXT_2} if TEXT in parts else set())
-    for offset, part in enumerate((TEXT, DENOISER, VAE, TEXT_2)):
-        if part in wanted:
-            torch.manual_seed(seed * 1009 + offset)
-            with sd15.build_on(preset, device):
-                out[part] = builders[part]()
+    out.update(seeded_parts(builders, set(parts) | ({TEXT_2} if TEXT in parts else set()), seed, preset, device))
     if TEXT in parts:
         out["tokenizer"] = out["tokenizer_2"] = byte_level_clip_tokenizer()
-    return {**out, **sd15.vae_geometry(cfg["vae"])}
+    return {**out, **vae_geometry(cfg["vae"])}
 
 
 # SD1.5's folder layout plus the second tokenizer and text encoder, loaded with TEXT.

@@ -11,7 +11,8 @@ from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransfo
 from safetensors.torch import load_file as load_safetensors
 
 from stepserve.engine.families import ALL_PARTS, DENOISER, FAMILIES, TEXT, VAE, ModelSource, load_family
-from stepserve.engine.families.flux import FULL, TINY, FluxFamily, _t5_encoder, build_preset_components
+from stepserve.engine.families.flux import FULL, TINY, FluxFamily, build_preset_components
+from stepserve.engine.families.presets import t5_encoder
 from stepserve.engine.sampler import Sampler
 from stepserve.engine.step_runner import StepRunner
 from stepserve.engine.text_encoding import encode_conditioning
@@ -172,7 +173,7 @@ def test_full_preset_has_flux_1_dev_sizes():
     """Sizes only, on the meta device: the full preset is for GPU speed runs."""
     with torch.device("meta"):
         transformer = FluxTransformer2DModel(**FULL["transformer"])
-        t5 = _t5_encoder(FULL["text_2"])
+        t5 = t5_encoder(FULL["text_2"])
     config = transformer.config
     assert 11.5e9 < sum(p.numel() for p in transformer.parameters()) < 12.2e9  # FLUX.1-dev: 11.9B
     assert (len(transformer.transformer_blocks), len(transformer.single_transformer_blocks)) == (19, 38)

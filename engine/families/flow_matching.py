@@ -1,0 +1,35 @@
+"""What the flow-matching image families (SD3, Flux) share on top of SD1.5's loading: how their
+pipelines sample and decode.
+
+Flow matching starts from plain noise at sigma 1 and feeds the latents to the model as they are;
+the pipelines pass `scheduler.step` nothing extra; their VAEs (16 latent channels) shift as well
+as scale the latents. Both denoisers are transformers over 2x2 latent patches, so sides are
+multiples of the VAE's 8x times 2.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from stepserve.engine.families.sd15 import SD15Family
+
+
+class FlowMatchingImageFamily(SD15Family):
+    size_multiple = 16
+    xformers_attention = False  # joint attention has its own processors
+
+    def scale_model_input(self, scheduler: Any, sample: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return sample
+
+    def step_kwargs(self, scheduler: Any, generator: torch.Generator) -> dict[str, Any]:
+        return {}
+
+    @torch.inference_mode()
+    def decode(self, latents: torch.Tensor) -> np.ndarray:
+        latents = latents.to(device=self.device, dtype=self.vae.dtype)
+        config = self.vae.config
+        image = self.vae.decode(latents / config.scaling_factor + config.shift_factor, return_dict=False)[0]
+        return self.pipe.image_processor.postprocess(image, output_type="np")
