@@ -453,7 +453,8 @@ def round_totals(metrics_text: str) -> tuple[float, float]:
 
 
 def send_image(client, model: str, size: int, steps: int, i: int) -> None:
-    """One image request, answered when it is done (CFG on, a prompt never seen before)."""
+    """One image request, answered when it is done (guidance 7.5: CFG on where the model guides by
+    CFG; a prompt never seen before)."""
     body = {"model": model, "prompt": f"profile request {i}-{steps}: a red fox",
             "negative_prompt": f"blurry {i}-{steps}", "size": f"{size}x{size}",
             "num_inference_steps": steps, "guidance_scale": 7.5, "seed": i}
@@ -602,12 +603,15 @@ def run_profile(args: argparse.Namespace) -> int:
     if probe and not device.startswith("cuda") and cores > 1:
         rows += measure_host_probe(ctx, model_config.to_source(), worker_threads, cores)
 
+    # The live requests guide by CFG (2 rows, 2 texts) unless the model is guidance-distilled.
+    cfg = ctx.family.classifier_free_guidance
+    request_rows, guided = (2, "CFG") if cfg else (1, "one guided row")
     live_result = None
     start_local_ray(args.num_cpus)
     try:
         echo = measure_rpc(ctx, app.workers.max_batch_size)
         if live:
-            live_result = measure_live(ctx, serve_config, min(grid.sizes))
+            live_result = measure_live(ctx, serve_config, min(grid.sizes), what=guided)
     finally:
         from ray import serve
 
@@ -618,10 +622,10 @@ def run_profile(args: argparse.Namespace) -> int:
         rows.append(echo)
     else:
         size = live_result.size
-        in_process = ProfiledCostModel(rows).round_seconds([BatchShape(model_config.name, size, size, 2)])
-        text = next(r for r in rows if r.component == TEXT_ENCODE and r.rows == 2).seconds
+        in_process = ProfiledCostModel(rows).round_seconds([BatchShape(model_config.name, size, size, request_rows)])
+        text = next(r for r in rows if r.component == TEXT_ENCODE and r.rows == request_rows).seconds
         decode = next(r for r in rows if r.component == VAE_DECODE and r.height == size).seconds
-        rows += live_rows(ctx, live_result, in_process, text + decode, echo, f"{size}px CFG")
+        rows += live_rows(ctx, live_result, in_process, text + decode, echo, f"{size}px {guided}")
 
     out.parent.mkdir(parents=True, exist_ok=True)
     write_profile(out, rows)
@@ -630,16 +634,16 @@ def run_profile(args: argparse.Namespace) -> int:
     print(format_fit_report(model.fit_report()))
     if live_result is not None:
         size, (lo, hi) = live_result.size, live_result.steps
-        batch = BatchShape(model_config.name, size, size, 2)
+        batch = BatchShape(model_config.name, size, size, request_rows)
         predicted, measured = model.round_seconds([batch]), live_result.per_step_s
-        print(f"live check ({size}px, CFG): per step {measured * 1e3:.2f} ms live vs {predicted * 1e3:.2f} ms "
+        print(f"live check ({size}px, {guided}): per step {measured * 1e3:.2f} ms live vs {predicted * 1e3:.2f} ms "
               f"from the profile ({(predicted - measured) / measured:+.1%})")
         if live_result.worker_round_s is not None:
             fixed_s = model.fit_report()[model_config.name]["round_fixed_ms"] / 1e3
             in_process = model.round_seconds([batch]) - fixed_s
             print(f"  of which the worker's execute: {live_result.worker_round_s * 1e3:.2f} ms live vs "
                   f"{in_process * 1e3:.2f} ms in-process")
-        solo, live_solo = model.solo_seconds(model_config.name, size, size, hi, True), live_result.medians_s[1]
-        print(f"live check ({size}px, CFG, {hi} steps): solo {live_solo * 1e3:.1f} ms live vs {solo * 1e3:.1f} ms "
+        solo, live_solo = model.solo_seconds(model_config.name, size, size, hi, cfg), live_result.medians_s[1]
+        print(f"live check ({size}px, {guided}, {hi} steps): solo {live_solo * 1e3:.1f} ms live vs {solo * 1e3:.1f} ms "
               f"from the profile ({(solo - live_solo) / live_solo:+.1%})")
     return 0

@@ -277,6 +277,19 @@ def test_shipped_profiles_are_monotone(name):
     assert base > model.solo_seconds(model_name, small, small, 20, False)
 
 
+@pytest.mark.parametrize("name", ["tiny-sdxl-cpu", "tiny-sd3-cpu", "tiny-flux-cpu"])
+def test_measured_image_family_profiles_are_complete_and_monotone(name):
+    """The tiny SDXL/SD3/Flux profiles (measured on the 2-core VM, so only loosely bounded): every
+    component measured live included, and more rows, pixels or steps never cost less."""
+    model = load_profile(name)
+    (model_name,) = model.models
+    (entry,) = model.fit_report().values()
+    assert not entry["missing"], entry["missing"]
+    assert entry["components"][DENOISE]["loo_mean_rel_err"] <= 0.10
+    assert_monotone(lambda s, r: model.denoise_seconds(BatchShape(model_name, s, s, r)), (64, 96, 128, 256), QUERY_ROWS)
+    assert model.solo_seconds(model_name, 64, 64, 20, False) < model.solo_seconds(model_name, 64, 64, 40, False)
+
+
 def test_sdxl_h800_keeps_its_published_anchors():
     """derive_sdxl_h800.py's rules, read back through the fitted model: SwiftDiffusion's 2.9 s
     (SDXL alone, Diffusers, H800, 1024 px, 50 steps, CFG) is the solo latency without the PNG
