@@ -63,6 +63,10 @@ class ModelConfig(_Strict):
             raise ValueError(f"unknown family {self.family!r}; known: {sorted(FAMILIES)}")
         if self.min_size > self.max_size:
             raise ValueError("min_size must be <= max_size")
+        limit = family_class(self.family).max_side(self.to_source())
+        if limit is not None and self.max_size > limit:
+            raise ValueError(f"max_size {self.max_size} exceeds the {limit} px sides model {self.name!r} can denoise "
+                             "(its transformer's positional table)")
         if self.default_num_frames > self.max_num_frames or self.default_fps > self.max_fps:
             raise ValueError("default_num_frames/default_fps must not exceed max_num_frames/max_fps")
         return self

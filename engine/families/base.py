@@ -116,6 +116,13 @@ class DiffusionFamily(ABC):
     def load(cls, source: ModelSource, parts: Collection[str], device: str | torch.device) -> "DiffusionFamily":
         """Build or load only `parts` (subset of ALL_PARTS) on `device`."""
 
+    @classmethod
+    def max_side(cls, source: ModelSource) -> int | None:
+        """The largest height or width, in pixels, that the model's weights can denoise (a DiT's
+        learned positional table), read from the preset's or the folder's configs without loading
+        weights; None where nothing bounds it or the folder cannot be read here."""
+        return None
+
     @abstractmethod
     def encode_text(self, texts: Sequence[str]) -> TextEmbeddings:
         """Every text's embeddings, in order along dim 0. Prompts and negative prompts alike."""

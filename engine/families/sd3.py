@@ -12,16 +12,17 @@ shifts dynamically), set on its own scheduler.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Collection, Sequence
 
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift, retrieve_timesteps
 from diffusers.utils.torch_utils import randn_tensor
 from transformers import CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel, T5Tokenizer
 
 from stepserve.engine.families import sd15
-from stepserve.engine.families.base import DENOISER, TEXT, VAE, RowConditioning, TextEmbeddings
+from stepserve.engine.families.base import DENOISER, TEXT, VAE, ModelSource, RowConditioning, TextEmbeddings
 from stepserve.engine.families.flow_matching import FlowMatchingImageFamily
 from stepserve.engine.families.presets import (
     autoencoder_kl, clip_text_config, seeded_parts, t5_encoder, vae_geometry,
@@ -133,6 +134,22 @@ class SD3Family(FlowMatchingImageFamily):
 
     preset_components = staticmethod(build_preset_components)
     folder_components = staticmethod(load_folder_components)
+
+    @classmethod
+    def max_side(cls, source: ModelSource) -> int | None:
+        # The transformer's positional table covers `pos_embed_max_size` patches a side; beyond
+        # that its forward raises.
+        if source.preset is not None:
+            if source.preset not in PRESETS:
+                return None  # loading says which presets exist
+            transformer, vae = PRESETS[source.preset]["transformer"], PRESETS[source.preset]["vae"]
+        elif os.path.isdir(source.path):
+            transformer = SD3Transformer2DModel.load_config(source.path, subfolder="transformer")
+            vae = AutoencoderKL.load_config(source.path, subfolder="vae")
+        else:
+            return None  # a folder only the workers' nodes hold
+        patches = transformer.get("pos_embed_max_size", 96) * transformer.get("patch_size", 2)
+        return patches * vae_geometry(vae)["vae_scale_factor"]
 
     @torch.inference_mode()
     def encode_text(self, texts: Sequence[str]) -> TextEmbeddings:

@@ -27,3 +27,13 @@ def test_cluster_model_examples_validate():
     example = [re.sub(r"^(\s*)# ", r"\1", line) for line in lines if re.match(r"^\s*# (- name:|  \w+:)", line)]
     models = [ModelConfig.model_validate(entry) for entry in yaml.safe_load("\n".join(example))]
     assert {model.family for model in models} >= {"sdxl", "sd3", "flux", "wan", "wan-ti2v"}
+
+
+def test_max_size_must_fit_a_dit_positional_table(tmp_path):
+    # tiny-sd3's table covers 32 patches of 2 latents of 8 px a side: 512 px.
+    assert ModelConfig(name="m", family="sd3", preset="tiny", max_size=512).max_size == 512
+    with pytest.raises(ValueError, match="max_size 1024 exceeds the 512 px sides model 'm' can denoise"):
+        ModelConfig(name="m", family="sd3", preset="tiny", max_size=1024)
+    assert FAMILIES["sd3"].max_side(ModelConfig(name="m", family="sd3", preset="full").to_source()) == 6144
+    # A folder on another node cannot be read at config load: the limit is then unknown, not an error.
+    assert ModelConfig(name="m", family="sd3", path=str(tmp_path / "elsewhere"), max_size=8192).max_size == 8192

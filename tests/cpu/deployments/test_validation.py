@@ -109,7 +109,7 @@ def test_slo_comes_from_the_model():
 
 def test_guidance_is_classifier_free_only_where_the_family_says_so():
     config = AppConfig.model_validate({"models": [
-        {"name": "sd3", "family": "sd3", "preset": "tiny", "default_size": "64x64"},
+        {"name": "sd3", "family": "sd3", "preset": "tiny", "default_size": "64x64", "max_size": 512},
         {"name": "flux", "family": "flux", "preset": "tiny", "default_size": "64x64", "default_guidance_scale": 3.5},
     ]})
     (sd3,) = to_specs({"prompt": "x", "model": "sd3"}, config, "r")
