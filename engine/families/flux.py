@@ -87,7 +87,8 @@ FULL = dict(
 PRESETS = {"tiny": TINY, "full": FULL}
 
 
-def build_preset_components(preset: str, seed: int, parts: Collection[str], device: torch.device) -> dict[str, Any]:
+def build_preset_components(preset: str, seed: int, parts: Collection[str], device: torch.device,
+                            dtype: torch.dtype) -> dict[str, Any]:
     """Random-weight components of the real classes, each seeded on its own (as SD1.5's)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown flux preset {preset!r}; known: {sorted(PRESETS)}")
@@ -99,7 +100,8 @@ def build_preset_components(preset: str, seed: int, parts: Collection[str], devi
         VAE: lambda: autoencoder_kl(cfg["vae"]),
         TEXT_2: lambda: t5_encoder(cfg["text_2"]),
     }
-    out.update(seeded_parts(builders, set(parts) | ({TEXT_2} if TEXT in parts else set()), seed, preset, device))
+    wanted = set(parts) | ({TEXT_2} if TEXT in parts else set())
+    out.update(seeded_parts(builders, wanted, seed, preset, device, dtype))
     if TEXT in parts:
         out["tokenizer"] = byte_level_clip_tokenizer()
         out["tokenizer_2"] = character_t5_tokenizer(cfg["max_sequence_length"])

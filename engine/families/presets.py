@@ -1,9 +1,11 @@
 """What the random-weight presets are built from: the real model classes at configured sizes,
-each part under a seed of its own, on the host or (full sizes) directly on the GPU."""
+each part under a seed of its own, on the host or (full sizes) directly on the GPU in the
+serving dtype."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -40,22 +42,57 @@ def vae_geometry(vae_config: dict) -> dict[str, int]:
             "latent_channels": vae_config.get("latent_channels", 4)}
 
 
+def is_full(preset: str) -> bool:
+    """Full presets ("full", "full-a14b"...) are published sizes, for GPU speed runs."""
+    return preset.startswith("full")
+
+
 def build_on(preset: str, device: torch.device) -> torch.device:
-    """Where a preset's random weights are initialised: a full preset directly on a CUDA device
-    (initialising a billion host weights is slow; its weights are then deterministic per seed
-    and device type), everything else on the host."""
-    return device if (preset == "full" and device.type == "cuda") else torch.device("cpu")
+    """Where a preset's random weights are initialised: a full preset directly on the serving
+    device unless that is the host (initialising billions of host weights is slow), everything
+    else on the host."""
+    return device if (is_full(preset) and device.type != "cpu") else torch.device("cpu")
+
+
+@contextmanager
+def created_as(dtype: torch.dtype) -> Iterator[None]:
+    """The process-wide default dtype set to `dtype` for one model's construction, so its floating
+    tensors are created in it (as transformers' `from_config(torch_dtype=...)` does it)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def keep_fp32(module: Any) -> None:
+    """What the class marks `_keep_in_fp32_modules` back to float32, as loading a half-precision
+    checkpoint with `from_pretrained(torch_dtype=...)` leaves it."""
+    keep = getattr(module, "_keep_in_fp32_modules", None) or ()
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        if tensor.is_floating_point() and any(k in name.split(".") for k in keep):
+            tensor.data = tensor.data.float()
 
 
 def seeded_parts(builders: Mapping[str, Callable[[], Any]], wanted: Collection[str], seed: int, preset: str,
-                 device: torch.device) -> dict[str, Any]:
+                 device: torch.device, dtype: torch.dtype = torch.float32,
+                 float32_parts: Collection[str] = ()) -> dict[str, Any]:
     """The `wanted` parts of `builders`, each built under seed * 1009 + its position in
     `builders`, so a process that builds only the denoiser gets the same denoiser as one that
-    builds everything. A family adds new parts at the end: earlier parts keep their seeds."""
+    builds everything. A family adds new parts at the end: earlier parts keep their seeds.
+
+    Full presets are built in the serving `dtype` from the start (FLUX.1-dev or Wan 2.2 A14B in
+    float32 would not fit one GPU before a cast), but for `float32_parts` (VAEs a family runs in
+    float32); their weights are then deterministic per seed, device type and dtype. Tiny presets
+    are built on the host in float32 and cast when loaded: the same weights everywhere.
+    """
     out = {}
     for offset, (part, build) in enumerate(builders.items()):
         if part in wanted:
             torch.manual_seed(seed * 1009 + offset)
-            with build_on(preset, device):
+            built_in = dtype if is_full(preset) and part not in float32_parts else torch.float32
+            with build_on(preset, device), created_as(built_in):
                 out[part] = build()
+            keep_fp32(out[part])
     return out

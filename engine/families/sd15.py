@@ -64,7 +64,8 @@ FULL = dict(
 PRESETS = {"tiny": TINY, "full": FULL}
 
 
-def build_preset_components(preset: str, seed: int, parts: Collection[str], device: torch.device) -> dict[str, Any]:
+def build_preset_components(preset: str, seed: int, parts: Collection[str], device: torch.device,
+                            dtype: torch.dtype) -> dict[str, Any]:
     """Random-weight components of the real classes. Each component is seeded on its own so a
     process that builds only the UNet gets the same UNet as one that builds everything."""
     if preset not in PRESETS:
@@ -76,7 +77,7 @@ def build_preset_components(preset: str, seed: int, parts: Collection[str], devi
         DENOISER: lambda: UNet2DConditionModel(in_channels=4, out_channels=4, **cfg["unet"]),
         VAE: lambda: autoencoder_kl(cfg["vae"]),
     }
-    out.update(seeded_parts(builders, parts, seed, preset, device))
+    out.update(seeded_parts(builders, parts, seed, preset, device, dtype))
     if TEXT in parts:
         out["tokenizer"] = byte_level_clip_tokenizer()
     return {**out, **vae_geometry(cfg["vae"])}
@@ -151,7 +152,7 @@ class SD15Family(DiffusionFamily):
             raise ValueError(f"unknown parts {sorted(unknown)}")
         device = torch.device(device)
         if source.preset is not None:
-            components = cls.preset_components(source.preset, source.seed, parts, device)
+            components = cls.preset_components(source.preset, source.seed, parts, device, source.torch_dtype)
         else:
             components = cls.folder_components(source.path, parts)
         return cls(source, components, device)

@@ -82,7 +82,8 @@ FULL = dict(
 PRESETS = {"tiny": TINY, "full": FULL}
 
 
-def build_preset_components(preset: str, seed: int, parts: Collection[str], device: torch.device) -> dict[str, Any]:
+def build_preset_components(preset: str, seed: int, parts: Collection[str], device: torch.device,
+                            dtype: torch.dtype) -> dict[str, Any]:
     """Random-weight components of the real classes, each seeded on its own (as SD1.5's)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown sd3 preset {preset!r}; known: {sorted(PRESETS)}")
@@ -96,7 +97,7 @@ def build_preset_components(preset: str, seed: int, parts: Collection[str], devi
         TEXT_3: lambda: t5_encoder(cfg["text_3"]),
     }
     wanted = set(parts) | ({TEXT_2, TEXT_3} if TEXT in parts else set())
-    out.update(seeded_parts(builders, wanted, seed, preset, device))
+    out.update(seeded_parts(builders, wanted, seed, preset, device, dtype))
     if TEXT in parts:
         out["tokenizer"] = out["tokenizer_2"] = byte_level_clip_tokenizer()
         out["tokenizer_3"] = character_t5_tokenizer(MAX_SEQUENCE_LENGTH)

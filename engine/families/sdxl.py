@@ -66,7 +66,8 @@ FULL = dict(
 PRESETS = {"tiny": TINY, "full": FULL}
 
 
-def build_preset_components(preset: str, seed: int, parts: Collection[str], device: torch.device) -> dict[str, Any]:
+def build_preset_components(preset: str, seed: int, parts: Collection[str], device: torch.device,
+                            dtype: torch.dtype) -> dict[str, Any]:
     """Random-weight components of the real classes, each seeded on its own (as SD1.5's)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown sdxl preset {preset!r}; known: {sorted(PRESETS)}")
@@ -78,7 +79,9 @@ def build_preset_components(preset: str, seed: int, parts: Collection[str], devi
         VAE: lambda: autoencoder_kl(cfg["vae"]),
         TEXT_2: lambda: CLIPTextModelWithProjection(clip_text_config(cfg["text_2"])),
     }
-    out.update(seeded_parts(builders, set(parts) | ({TEXT_2} if TEXT in parts else set()), seed, preset, device))
+    wanted = set(parts) | ({TEXT_2} if TEXT in parts else set())
+    # The VAE decodes in float32 (force_upcast), so it is built in it.
+    out.update(seeded_parts(builders, wanted, seed, preset, device, dtype, float32_parts={VAE}))
     if TEXT in parts:
         out["tokenizer"] = out["tokenizer_2"] = byte_level_clip_tokenizer()
     return {**out, **vae_geometry(cfg["vae"])}

@@ -17,8 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from contextlib import contextmanager
-from typing import Any, ClassVar, Collection, Iterator, Mapping, Sequence
+from typing import Any, ClassVar, Collection, Mapping, Sequence
 
 import diffusers
 import numpy as np
@@ -33,6 +32,7 @@ from stepserve.engine.families.base import (
     ALL_PARTS, DENOISER, LOCAL, TEXT, VAE, DiffusionFamily, ModelSource, RowConditioning, TextEmbeddings,
     cast_module, folder_scheduler,
 )
+from stepserve.engine.families.presets import seeded_parts
 from stepserve.engine.parallel.ulysses import UlyssesWanTransformer
 from stepserve.engine.tokenizer import character_t5_tokenizer, t5_character_vocab
 from stepserve.policies.types import RequestKind, RequestSpec
@@ -152,62 +152,26 @@ def _vae_scale_factors(vae_config: dict) -> tuple[int, int]:
     return int(vae_config.get("scale_factor_temporal") or 4), int(vae_config.get("scale_factor_spatial") or 8)
 
 
-@contextmanager
-def _created_as(dtype: torch.dtype) -> Iterator[None]:
-    """The process-wide default dtype set to `dtype` for one model's construction, so its floating
-    tensors are created in it (as transformers' `from_config(torch_dtype=...)` does it)."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
-
-
-def _keep_fp32(module: torch.nn.Module) -> None:
-    """What the class marks `_keep_in_fp32_modules` back to float32, as loading a half-precision
-    checkpoint with `from_pretrained(torch_dtype=...)` leaves it."""
-    keep = getattr(module, "_keep_in_fp32_modules", None) or ()
-    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-        if tensor.is_floating_point() and any(k in name.split(".") for k in keep):
-            tensor.data = tensor.data.float()
-
-
 def build_preset_components(preset: str, seed: int, parts: Collection[str], device: torch.device,
                             presets: Mapping[str, dict] = PRESETS,
                             dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """Random-weight components of the real classes, each seeded on its own so a process that
-    builds only the transformer gets the same transformer as one that builds everything.
-
-    Full presets ("full*") are built directly on `device` unless it is the host (initialising
-    billions of weights on the host is slow), and in the serving `dtype` from the start (Wan 2.2
-    A14B's two transformers take 57 GB each in float32, so a float32 build then a cast would not
-    fit one GPU); their weights are then deterministic per seed, device type and dtype. Tiny
-    presets are built on the host in float32 and cast when loaded: the same weights everywhere.
-    """
+    """Random-weight components of the real classes, each seeded on its own and full presets
+    built in the serving dtype (`presets.seeded_parts`); Wan 2.2 A14B's second transformer is
+    loaded with the DENOISER part."""
     if preset not in presets:
         raise ValueError(f"unknown wan preset {preset!r}; known: {sorted(presets)}")
     cfg = presets[preset]
-    full = preset.startswith("full")
-    build_on = device if (full and device.type != "cpu") else torch.device("cpu")
     out: dict[str, Any] = {"scheduler": UniPCMultistepScheduler(**cfg["scheduler"])}
-    builders = {
+    builders = {  # in seed order: Wan 2.1's parts keep their seeds
         TEXT: lambda: _text_encoder(cfg["text"]),
         DENOISER: lambda: WanTransformer3DModel(**cfg["transformer"]),
         VAE: lambda: AutoencoderKLWan(**cfg["vae"]),
-        TRANSFORMER_2: lambda: WanTransformer3DModel(**cfg[TRANSFORMER_2]),
     }
-    # (component, the part that loads it); seeds by position, so Wan 2.1's stay as they were.
-    components = [(TEXT, TEXT), (DENOISER, DENOISER), (VAE, VAE)]
     if TRANSFORMER_2 in cfg:
-        components.append((TRANSFORMER_2, DENOISER))
-    for offset, (key, part) in enumerate(components):
-        if part in parts:
-            torch.manual_seed(seed * 1009 + offset)
-            # The VAE runs in float32 whatever the serving dtype (see WanFamily.__init__).
-            with build_on, _created_as(dtype if full and key != VAE else torch.float32):
-                out[key] = builders[key]()
-            _keep_fp32(out[key])
+        builders[TRANSFORMER_2] = lambda: WanTransformer3DModel(**cfg[TRANSFORMER_2])
+    wanted = set(parts) | ({TRANSFORMER_2} if DENOISER in parts else set())
+    # The VAE runs in float32 whatever the serving dtype (see WanFamily.__init__).
+    out.update(seeded_parts(builders, wanted, seed, preset, device, dtype, float32_parts={VAE}))
     if TEXT in parts:
         out["tokenizer"] = character_t5_tokenizer(cfg["max_sequence_length"])
     out["vae_scale_factors"] = _vae_scale_factors(cfg["vae"])

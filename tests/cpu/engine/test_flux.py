@@ -47,7 +47,7 @@ def _pipeline_latents(family, request) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def schnell_like():
     """Tiny Flux without the guidance embedding, on schnell's published (unshifted) scheduler."""
-    components = build_preset_components("tiny", 0, ALL_PARTS, torch.device("cpu"))
+    components = build_preset_components("tiny", 0, ALL_PARTS, torch.device("cpu"), torch.float32)
     torch.manual_seed(1)
     components[DENOISER] = FluxTransformer2DModel(**{**TINY["transformer"], "guidance_embeds": False})
     components["scheduler"] = FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=False)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from stepserve.engine.families import ALL_PARTS, DENOISER, ModelSource, load_family
+from stepserve.engine.families import ALL_PARTS, DENOISER, FAMILIES, TEXT, VAE, ModelSource, load_family
 from stepserve.engine.text_encoding import CachedTextEncoder
 
 from ...tiny import TINY, make_spec, solo_pipeline_image
@@ -65,3 +65,21 @@ def test_text_cache_hits_and_equals_direct_encoding(tiny_family):
     assert enc.misses == 4
     with pytest.raises(ValueError, match="no text encoder"):
         enc.encode("unknown", ["x"])
+
+
+@pytest.mark.parametrize("name", ["sd15", "sdxl", "sd3", "flux"])
+def test_full_presets_are_created_in_the_serving_dtype(name):
+    """On the meta device (sizes and dtypes, no memory): a full preset is created in bfloat16, not
+    built in float32 and cast (FLUX.1-dev with T5-XXL would not fit a GPU before the cast). What a
+    class keeps in float32 (T5's feed-forward output) stays so, and SDXL's VAE, which decodes in
+    float32, is built in it."""
+    parts = FAMILIES[name].preset_components("full", 0, ALL_PARTS, torch.device("meta"), torch.bfloat16)
+    modules = {key: value for key, value in parts.items() if isinstance(value, torch.nn.Module)}
+    assert {DENOISER, TEXT, VAE} <= set(modules)
+    for key, module in modules.items():
+        keep = getattr(module, "_keep_in_fp32_modules", None) or ()
+        for param_name, param in module.named_parameters():
+            fp32 = (name == "sdxl" and key == VAE) or any(k in param_name.split(".") for k in keep)
+            assert param.device.type == "meta"
+            assert param.dtype == (torch.float32 if fp32 else torch.bfloat16), (key, param_name)
+    assert torch.get_default_dtype() == torch.float32  # restored after each part
