@@ -423,7 +423,9 @@ class LiveResult:
     steps: tuple[int, int]
     medians_s: tuple[float, float]
     samples: int
-    worker_round_s: float | None  # mean worker `execute` time per round, from the router's metrics
+    # The workers' `execute` time per step of the measured requests (router metrics: all plans'
+    # execute seconds over the steps the requests ran; a steady plan runs several steps).
+    worker_step_s: float | None
 
     @property
     def per_step_s(self) -> float:
@@ -435,10 +437,10 @@ class LiveResult:
         return self.medians_s[0] - self.steps[0] * self.per_step_s
 
     @property
-    def round_residual_s(self) -> float | None:
-        """Per round, what the live loop adds around the worker's own execute: the router's
-        plan and bookkeeping and the Ray round trip."""
-        return None if self.worker_round_s is None else self.per_step_s - self.worker_round_s
+    def step_residual_s(self) -> float | None:
+        """Per step, what the live loop adds around the worker's own execute: the router's
+        plan and bookkeeping and the Ray round trip where pipelining does not hide them."""
+        return None if self.worker_step_s is None else self.per_step_s - self.worker_step_s
 
 
 def round_totals(metrics_text: str) -> tuple[float, float]:
@@ -509,13 +511,14 @@ def measure_live(ctx: Context, serve_config: dict, size: int, send: Callable = s
         serve.delete(config["applications"][0].get("name", "stepserve"))
     medians = (statistics.median(latencies[lo]), statistics.median(latencies[hi]))
     rounds = after[1] - before[1]
-    worker_round = (after[0] - before[0]) / rounds if rounds else None
-    result = LiveResult(size, (lo, hi), medians, grid.live_repeats, worker_round)
+    steps_run = grid.live_repeats * (lo + hi)
+    worker_step = (after[0] - before[0]) / steps_run if rounds else None
+    result = LiveResult(size, (lo, hi), medians, grid.live_repeats, worker_step)
     log(f"  median latency: {lo} step(s) {medians[0] * 1e3:.1f} ms, {hi} steps {medians[1] * 1e3:.1f} ms; "
         f"per step {result.per_step_s * 1e3:.2f} ms, intercept {result.intercept_s * 1e3:.1f} ms")
-    if worker_round is not None:
-        log(f"  worker execute per round (router metrics, {rounds:.0f} rounds): {worker_round * 1e3:.2f} ms; "
-            f"the live loop adds {result.round_residual_s * 1e3:.2f} ms per round around it")
+    if worker_step is not None:
+        log(f"  worker execute per step (router metrics, {steps_run} steps in {rounds:.0f} plans): "
+            f"{worker_step * 1e3:.2f} ms; the live loop adds {result.step_residual_s * 1e3:.2f} ms per step around it")
     return result
 
 
@@ -540,7 +543,7 @@ def live_rows(ctx: Context, live: LiveResult, in_process_step_s: float, model_wo
     lo, hi = live.steps
     rows.append(ctx.row(REQUEST_OVERHEAD, max(0.0, overhead), live.samples,
                         note=f"live app over HTTP, solo {what} requests at {lo} and {hi} steps: "
-                             "latency intercept minus text_encode(2) and decode"))
+                             "latency intercept minus its text encoding and decode"))
     return rows
 
 
@@ -633,15 +636,15 @@ def run_profile(args: argparse.Namespace) -> int:
     log(f"wrote {len(rows)} rows to {out} in {time.perf_counter() - started:.0f} s")
     print(format_fit_report(model.fit_report()))
     if live_result is not None:
-        size, (lo, hi) = live_result.size, live_result.steps
+        size, hi = live_result.size, live_result.steps[1]
         batch = BatchShape(model_config.name, size, size, request_rows)
         predicted, measured = model.round_seconds([batch]), live_result.per_step_s
         print(f"live check ({size}px, {guided}): per step {measured * 1e3:.2f} ms live vs {predicted * 1e3:.2f} ms "
               f"from the profile ({(predicted - measured) / measured:+.1%})")
-        if live_result.worker_round_s is not None:
+        if live_result.worker_step_s is not None:
             fixed_s = model.fit_report()[model_config.name]["round_fixed_ms"] / 1e3
             in_process = model.round_seconds([batch]) - fixed_s
-            print(f"  of which the worker's execute: {live_result.worker_round_s * 1e3:.2f} ms live vs "
+            print(f"  of which the worker's execute: {live_result.worker_step_s * 1e3:.2f} ms live vs "
                   f"{in_process * 1e3:.2f} ms in-process")
         solo, live_solo = model.solo_seconds(model_config.name, size, size, hi, cfg), live_result.medians_s[1]
         print(f"live check ({size}px, {guided}, {hi} steps): solo {live_solo * 1e3:.1f} ms live vs {solo * 1e3:.1f} ms "

@@ -51,7 +51,7 @@ def test_live_rows_charge_what_a_live_step_costs_beyond_the_in_process_one():
     ctx = Context("m", "cpu", None, QUICK, Stopwatch("cpu"), "measured today")
     echo = ctx.row(ROUND_OVERHEAD, 0.0015, 200, note="Ray actor round trip")
     # 1 step 0.120 s, 11 steps 0.320 s: 20 ms a step, intercept 100 ms.
-    live = LiveResult(64, (1, 11), (0.120, 0.320), 5, worker_round_s=0.025)
+    live = LiveResult(64, (1, 11), (0.120, 0.320), 5, worker_step_s=0.025)
     fixed, request = live_rows(ctx, live, in_process_step_s=0.012, model_work_s=0.030, echo=echo, what="64px CFG")
     # Not "minus the worker's execute" (25 ms: more than a pipelined step): minus the in-process step.
     assert fixed.component == ROUND_OVERHEAD and abs(fixed.seconds - 0.008) < 1e-9 and "live app" in fixed.source
