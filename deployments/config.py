@@ -6,6 +6,7 @@ Pydantic lives here, at the edge; everything below receives plain frozen datacla
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -20,6 +21,27 @@ from stepserve.policies.types import RequestKind
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
+
+
+def check_size(text: str, model: "ModelConfig", multiple: int) -> tuple[int, int]:
+    """(width, height) of a "WxH" size that `model` accepts, sides multiples of `multiple` (its
+    family's `size_multiple`); ValueError saying what is wrong. Requests and the configured
+    `default_size` are held to the same rules."""
+    match = SIZE.match(text)
+    if not match:
+        raise ValueError(f"size must look like '512x512' or be 'auto', got {text!r}")
+    width, height = int(match.group(1)), int(match.group(2))
+    for side in (width, height):
+        if side % multiple:
+            raise ValueError(f"width and height must be multiples of {multiple}, got {text}")
+        if not model.min_size <= side <= model.max_size:
+            raise ValueError(f"{model.name} accepts sides from {model.min_size} to {model.max_size} px, got {text}")
+    if width * height > model.max_pixels:
+        raise ValueError(f"{text} exceeds {model.name}'s limit of {model.max_pixels} pixels")
+    return width, height
 
 
 class ModelConfig(_Strict):
@@ -63,6 +85,10 @@ class ModelConfig(_Strict):
             raise ValueError(f"unknown family {self.family!r}; known: {sorted(FAMILIES)}")
         if self.min_size > self.max_size:
             raise ValueError("min_size must be <= max_size")
+        try:  # else every request without a size would be refused
+            check_size(self.default_size, self, family_class(self.family).size_multiple)
+        except ValueError as exc:
+            raise ValueError(f"default_size: {exc}") from None
         limit = family_class(self.family).max_side(self.to_source())
         if limit is not None and self.max_size > limit:
             raise ValueError(f"max_size {self.max_size} exceeds the {limit} px sides model {self.name!r} can denoise "

@@ -11,13 +11,12 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from stepserve.deployments.config import AppConfig, LimitsConfig, ModelConfig
+from stepserve.deployments.config import AppConfig, LimitsConfig, ModelConfig, check_size
 from stepserve.deployments.errors import APIError, invalid
 from stepserve.deployments.protocol import ImageGenerationRequest
 from stepserve.engine.families import family_class
 from stepserve.policies.types import RequestSpec
 
-SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
 MAX_SEED = 2**63 - 1
 # C0 controls but tab, LF and CR: invisible, never part of a real prompt, and NUL cuts text short
 # wherever it reaches C strings (native libraries, log pipelines).
@@ -46,19 +45,10 @@ def parse_body(payload: object, schema: type[Body]) -> Body:
 
 def parse_size(size: str | None, model: ModelConfig, multiple: int) -> tuple[int, int]:
     """`multiple`: the family's `size_multiple` (its VAE downscale, times its patch size for DiTs)."""
-    text = model.default_size if size in (None, "auto") else size
-    match = SIZE.match(text)
-    if not match:
-        raise invalid("size", f"size must look like '512x512' or be 'auto', got {size!r}")
-    width, height = int(match.group(1)), int(match.group(2))
-    for side in (width, height):
-        if side % multiple:
-            raise invalid("size", f"width and height must be multiples of {multiple}, got {text}")
-        if not model.min_size <= side <= model.max_size:
-            raise invalid("size", f"{model.name} accepts sides from {model.min_size} to {model.max_size} px, got {text}")
-    if width * height > model.max_pixels:
-        raise invalid("size", f"{text} exceeds {model.name}'s limit of {model.max_pixels} pixels")
-    return width, height
+    try:
+        return check_size(model.default_size if size in (None, "auto") else size, model, multiple)
+    except ValueError as exc:
+        raise invalid("size", str(exc)) from None
 
 
 def check_prompts(req: Any, limits: LimitsConfig) -> None:

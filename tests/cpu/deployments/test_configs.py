@@ -37,3 +37,14 @@ def test_max_size_must_fit_a_dit_positional_table(tmp_path):
     assert FAMILIES["sd3"].max_side(ModelConfig(name="m", family="sd3", preset="full").to_source()) == 6144
     # A folder on another node cannot be read at config load: the limit is then unknown, not an error.
     assert ModelConfig(name="m", family="sd3", path=str(tmp_path / "elsewhere"), max_size=8192).max_size == 8192
+
+
+@pytest.mark.parametrize("family, default_size, problem", [
+    ("wan-ti2v", "48x48", "multiples of 32"),  # TI2V-5B's sides
+    ("sd3", "72x72", "multiples of 16"),
+    ("sd15", "2048x2048", "sides from 64 to 512 px"),
+])
+def test_default_size_must_be_one_the_model_accepts(family, default_size, problem):
+    # Else every request that leaves out `size` would get a 400.
+    with pytest.raises(ValueError, match=f"default_size: .*{problem}"):
+        ModelConfig(name="m", family=family, preset="tiny", default_size=default_size, max_size=512)

@@ -50,7 +50,7 @@ def test_bad_sizes(size):
 
 def test_pixel_budget():
     config = AppConfig.model_validate({"models": [{"name": "m", "preset": "tiny", "max_size": 512,
-                                                   "max_pixels": 256 * 256}]})
+                                                   "max_pixels": 256 * 256, "default_size": "256x256"}]})
     with pytest.raises(APIError, match="pixels"):
         to_specs({"prompt": "x", "size": "512x256"}, config, "r")
 
