@@ -124,7 +124,6 @@ def recount() -> None:
     import torch
     from diffusers import UNet2DConditionModel
     from torch.utils.flop_counter import FlopCounterMode
-
     from transformers import CLIPTextModel
 
     from stepserve.engine.families.presets import autoencoder_kl, clip_text_config

@@ -31,18 +31,23 @@ TextEmbeddings = dict[str, torch.Tensor]
 RowConditioning = dict[str, torch.Tensor]
 
 
+def kept_in_fp32(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The floating parameters and buffers, by name, of what the model class marks
+    `_keep_in_fp32_modules` (T5's feed-forward output, Wan's rope, time embedder and modulation
+    tables): `from_pretrained(torch_dtype=...)` leaves them in float32."""
+    keep = getattr(module, "_keep_in_fp32_modules", None) or ()
+    return {name: tensor for name, tensor in [*module.named_parameters(), *module.named_buffers()]
+            if tensor.is_floating_point() and any(k in name.split(".") for k in keep)}
+
+
 def cast_module(module: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Cast to `dtype` but leave what the model class marks `_keep_in_fp32_modules` at its own
-    precision, as `from_pretrained(torch_dtype=...)` does (T5's feed-forward output, Wan's
-    rope, time embedder and modulation tables)."""
+    """Cast to `dtype` but leave what `kept_in_fp32` names at its own precision, as
+    `from_pretrained(torch_dtype=...)` does."""
     if module.dtype == dtype:  # diffusers warns on a no-op cast
         return
-    keep = getattr(module, "_keep_in_fp32_modules", None) or ()
     kept = {}
     if dtype in (torch.float16, torch.bfloat16):
-        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-            if tensor.is_floating_point() and any(k in name.split(".") for k in keep):
-                kept[name] = tensor.data
+        kept = {name: tensor.data for name, tensor in kept_in_fp32(module).items()}
     module.to(dtype=dtype)
     for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
         if name in kept:

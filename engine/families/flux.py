@@ -195,8 +195,7 @@ class FluxFamily(FlowMatchingImageFamily):
     ) -> torch.Tensor:
         """One forward over unpacked latents [B, C, h, w] of one image size: packed into 2x2 patch
         tokens for the transformer, its output unpacked again."""
-        if sp_group is not None:
-            raise ValueError(f"model {self.source.name!r} (flux) cannot run sequence-parallel")
+        self.refuse_sequence_parallel(sp_group)
         batch, channels, height, width = sample.shape
         context = cond["context"]
         tokens = FluxPipeline._pack_latents(sample, batch, channels, height, width)

@@ -12,6 +12,8 @@ import torch
 from diffusers import AutoencoderKL
 from transformers import CLIPTextConfig, T5Config, T5EncoderModel
 
+from stepserve.engine.families.base import kept_in_fp32
+
 
 def clip_text_config(cfg: dict) -> CLIPTextConfig:
     # Token ids follow the byte-level tokenizer: bos 0, eos (= pad) 1.
@@ -67,12 +69,10 @@ def created_as(dtype: torch.dtype) -> Iterator[None]:
 
 
 def keep_fp32(module: Any) -> None:
-    """What the class marks `_keep_in_fp32_modules` back to float32, as loading a half-precision
-    checkpoint with `from_pretrained(torch_dtype=...)` leaves it."""
-    keep = getattr(module, "_keep_in_fp32_modules", None) or ()
-    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-        if tensor.is_floating_point() and any(k in name.split(".") for k in keep):
-            tensor.data = tensor.data.float()
+    """What the class keeps in float32 (`base.kept_in_fp32`) back to float32, as loading a
+    half-precision checkpoint with `from_pretrained(torch_dtype=...)` leaves it."""
+    for tensor in kept_in_fp32(module).values():
+        tensor.data = tensor.data.float()
 
 
 def seeded_parts(builders: Mapping[str, Callable[[], Any]], wanted: Collection[str], seed: int, preset: str,

@@ -176,12 +176,17 @@ class SD15Family(DiffusionFamily):
         latents = randn_tensor(shape, generator=generator, device=self.device, dtype=self.dtype)
         return latents * scheduler.init_noise_sigma
 
+    def refuse_sequence_parallel(self, sp_group: Any) -> None:
+        """These families declare `sequence_parallel = False`, so the step runner never passes a
+        group; one that comes anyway is an error, not a silent single-process forward."""
+        if sp_group is not None:
+            raise ValueError(f"model {self.source.name!r} ({self.source.family}) cannot run sequence-parallel")
+
     @torch.inference_mode()
     def denoise(
         self, sample: torch.Tensor, timesteps: torch.Tensor, cond: RowConditioning, sp_group: Any = None
     ) -> torch.Tensor:
-        if sp_group is not None:
-            raise ValueError(f"model {self.source.name!r} (sd15) cannot run sequence-parallel")
+        self.refuse_sequence_parallel(sp_group)
         return self.denoiser(sample, timesteps, encoder_hidden_states=cond["context"], return_dict=False)[0]
 
     @torch.inference_mode()

@@ -181,7 +181,6 @@ class SD3Family(FlowMatchingImageFamily):
     def denoise(
         self, sample: torch.Tensor, timesteps: torch.Tensor, cond: RowConditioning, sp_group: Any = None
     ) -> torch.Tensor:
-        if sp_group is not None:
-            raise ValueError(f"model {self.source.name!r} (sd3) cannot run sequence-parallel")
+        self.refuse_sequence_parallel(sp_group)
         return self.denoiser(hidden_states=sample, timestep=timesteps, encoder_hidden_states=cond["context"],
                              pooled_projections=cond["pooled"], return_dict=False)[0]

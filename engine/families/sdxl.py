@@ -148,8 +148,7 @@ class SDXLFamily(SD15Family):
     def denoise(
         self, sample: torch.Tensor, timesteps: torch.Tensor, cond: RowConditioning, sp_group: Any = None
     ) -> torch.Tensor:
-        if sp_group is not None:
-            raise ValueError(f"model {self.source.name!r} (sdxl) cannot run sequence-parallel")
+        self.refuse_sequence_parallel(sp_group)
         added = {"text_embeds": cond["pooled"], "time_ids": cond["time_ids"]}
         return self.denoiser(sample, timesteps, encoder_hidden_states=cond["context"], added_cond_kwargs=added,
                          return_dict=False)[0]
