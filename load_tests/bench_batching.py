@@ -25,7 +25,7 @@ from stepserve.load_tests.local_app import bench_serve_config, deployed, free_po
 from stepserve.load_tests.metrics import Summary, summarize
 from stepserve.load_tests.plots import plot_batching
 from stepserve.load_tests.records import RequestRecord
-from stepserve.load_tests.server_metrics import run_means, scrape
+from stepserve.load_tests.server_metrics import histogram_totals, run_means, scrape_text, stage_means, stage_totals
 from stepserve.load_tests.workload import PoissonWorkload, ScheduledRequest, generate
 from stepserve.runtime import default_config_path, load_serve_config
 
@@ -66,6 +66,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 class PolicyRun:
     records: list[RequestRecord]
     server: dict[str, dict[str, float | None]]  # router histograms over the measured run
+    # Per kind ("image", "video"), the mean seconds of each stage a finished request went through
+    # (`stage_means`: router.text_encode, router.queue, router.denoise, ...); kinds never served are left out.
+    stages: dict[str, dict[str, float | None]]
 
 
 def run_policy(base_config: dict[str, Any], port: int, policy: str, warmup: list[ScheduledRequest],
@@ -78,10 +81,14 @@ def run_policy(base_config: dict[str, Any], port: int, policy: str, warmup: list
             failed = [r for r in warm if not r.ok]
             if failed:
                 raise RuntimeError(f"{policy}: warm-up failed ({len(failed)} of {len(warm)}): {failed[0].error}")
-        before = asyncio.run(scrape(url))
+        before = asyncio.run(scrape_text(url))
         deadline = requests[-1].offset_s + request_timeout_s
         records = asyncio.run(run_open_loop(url, requests, request_timeout_s, deadline))
-        return PolicyRun(records, run_means(before, asyncio.run(scrape(url))))
+        after = asyncio.run(scrape_text(url))
+        stages = {kind: stage_means(stage_totals(before, kind), stage_totals(after, kind))
+                  for kind in ("image", "video")}
+        return PolicyRun(records, run_means(histogram_totals(before), histogram_totals(after)),
+                         {kind: means for kind, means in stages.items() if means})
 
 
 def by_steps(records: list[RequestRecord]) -> dict[int, Summary]:

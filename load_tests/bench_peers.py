@@ -4,13 +4,16 @@ The peers (load_tests/peers.py) are Ray Serve's Stable Diffusion example pattern
 stepserve's own weights and replica layout: one pipeline call per request (`per_request`), or
 per `@serve.batch` group (`batched`). Each system is deployed in turn on one lean local Ray and
 driven open-loop with the same request lists (one per rate and repeat, Poisson, the workload's
-mix and SLOs), one after another. Per point: P50/P95/P99, throughput, SLO attainment, the load
-generator's send lag, the CPU seconds of every Ray process (the whole server: proxy, replicas,
-raylet, GCS) per request, and for stepserve the queue wait and the per-stage timeline of an
-image (ingress, text encoding, queue, steps, decode) from its /metrics. Once per system: the idle
-CPU of the whole app, per process. Once per run: the idle CPU of Ray and Serve with no app
-deployed (the floor every system's idle includes), and a bare in-process pipeline call per step
-count, the floor any server adds its hops to.
+mix and SLOs). The systems take turns per repeat, in reverse order every other repeat
+(A B C, C B A, ...): the VM's speed drifts by tens of percent within an hour, and back-to-back
+repeats of one system would hand that drift to the comparison. Per point: P50/P95/P99,
+throughput, SLO attainment, the load generator's send lag, the CPU seconds of every Ray process (the whole
+server: proxy, replicas, raylet, GCS) per request, and for stepserve the queue wait and the
+per-stage timeline of an image (ingress, text encoding, queue, steps, decode) from its /metrics.
+Once per system and repeat: the idle CPU of the whole app, per process (the median repeat is
+reported). Once per run: the idle CPU of Ray and Serve with no app deployed (the floor every
+system's idle includes), and a bare in-process pipeline call per step count, the floor any
+server adds its hops to.
 
     python -m stepserve.load_tests.bench_peers --out docs/results/peers
 """
@@ -35,6 +38,7 @@ from ray import serve
 
 from stepserve.deployments.config import AppConfig
 from stepserve.engine.families import ALL_PARTS, load_family
+from stepserve.host_cpu import ray_process_cpu
 from stepserve.load_tests.live import run_open_loop, wait_ready
 from stepserve.load_tests.local_app import bench_serve_config, deployed, free_port, local_ray, log
 from stepserve.load_tests.metrics import percentile, summarize
@@ -81,34 +85,6 @@ def peer_config(base: dict[str, Any], port: int, mode: str, batch_wait_s: float)
                  "ingress_num_cpus": app.ingress.num_cpus},
     }]
     return config
-
-
-def ray_process_cpu() -> dict[int, tuple[str, float]]:
-    """pid -> (process title, CPU seconds so far) of every Ray process on this machine (the
-    server), not this one (the load generator and Ray's driver)."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    out = {}
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read()
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # ended meanwhile
-        if b"ray::" in cmdline or b"/ray/" in cmdline:
-            out[int(pid)] = (_title(cmdline), (int(fields[11]) + int(fields[12])) / ticks)
-    return out
-
-
-def _title(cmdline: bytes) -> str:
-    """A Ray process's name: its actor (`ray::ServeReplica:stepserve:Router`, without the method
-    it runs now) or its program (`raylet`, `log_monitor.py`)."""
-    args = [arg.decode(errors="replace") for arg in cmdline.split(b"\0") if arg]
-    name = next((arg for arg in args if arg.startswith("ray::") or "/ray/" in arg), args[0])
-    return name.split(".", 1)[0].strip() if name.startswith("ray::") else name.rsplit("/", 1)[-1]
 
 
 def ray_cpu_seconds() -> float:
@@ -187,6 +163,15 @@ def run_system(name: str, config: dict[str, Any], loads: dict[tuple[float, int],
     return {"system": name, "idle_cores": idle["cores"], "idle_processes": idle["processes"], "points": points}
 
 
+def merge_runs(name: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One system's deployments (one per repeat) as one result: every point, and the idle
+    reading of the median repeat (each repeat's idle cores are kept too)."""
+    idle = statistics.median_low([run["idle_cores"] for run in runs])
+    median_run = next(run for run in runs if run["idle_cores"] == idle)
+    return {"system": name, "idle_cores": idle, "idle_cores_runs": [run["idle_cores"] for run in runs],
+            "idle_processes": median_run["idle_processes"], "points": [p for run in runs for p in run["points"]]}
+
+
 def medians(points: list[dict[str, Any]], key: str) -> dict[float, float | None]:
     """Per rate, the median of `key` over the repeats (None when a repeat has none)."""
     by_rate: dict[float, list] = {}
@@ -227,10 +212,14 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(2.0)
         floor = idle_cpu()
         log(f"idle with no app: {floor['cores']:.3f} cores")
-        for name in args.systems:
-            config = (bench_serve_config(base, port) if name == "stepserve"
-                      else peer_config(base, port, name, args.batch_wait))
-            systems.append(run_system(name, config, loads, args, spec, cost))
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.systems}
+        for repeat in range(args.repeats):
+            for name in (args.systems if repeat % 2 == 0 else args.systems[::-1]):
+                config = (bench_serve_config(base, port) if name == "stepserve"
+                          else peer_config(base, port, name, args.batch_wait))
+                mine = {key: requests for key, requests in loads.items() if key[1] == repeat}
+                runs[name].append(run_system(name, config, mine, args, spec, cost))
+        systems = [merge_runs(name, system_runs) for name, system_runs in runs.items()]
     for system in systems:
         system["idle_above_floor_cores"] = system["idle_cores"] - floor["cores"]
         system["capacity_at_90_slo_rps"] = capacity_at(system["points"])

@@ -45,22 +45,19 @@ def run_means(before: Mapping[str, float], after: Mapping[str, float]) -> dict[s
     return out
 
 
-async def scrape(base_url: str) -> dict[str, float]:
-    return histogram_totals(await scrape_text(base_url))
-
-
 # An image request's stages (actors/metrics.py, deployments/ingress.py): ingress, then router.
 STAGE_HISTOGRAMS = {"stepserve_ingress_stage_seconds": "ingress", "stepserve_request_stage_seconds": "router"}
 
 
-def stage_totals(exposition: str) -> dict[str, float]:
-    """`<where>.<stage>_sum` / `_count` of each image stage, e.g. `router.queue_sum`."""
+def stage_totals(exposition: str, kind: str = "image") -> dict[str, float]:
+    """`<where>.<stage>_sum` / `_count` of each stage of one kind of request ("image" or
+    "video"), e.g. `router.queue_sum`; the ingress's stages are image stages."""
     totals: dict[str, float] = {}
     for family in text_string_to_metric_families(exposition):
         for sample in family.samples:
             name, _, suffix = sample.name.rpartition("_")
             where = STAGE_HISTOGRAMS.get(name)
-            if where is None or suffix not in ("sum", "count") or sample.labels.get("kind", "image") != "image":
+            if where is None or suffix not in ("sum", "count") or sample.labels.get("kind", "image") != kind:
                 continue
             key = f"{where}.{sample.labels['stage']}_{suffix}"
             totals[key] = totals.get(key, 0.0) + sample.value

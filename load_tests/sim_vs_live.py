@@ -34,7 +34,7 @@ import platform
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -108,6 +108,9 @@ class Comparison:
     # (live, simulated) per kind; only when the workload has both images and videos.
     kinds: dict[str, tuple[Summary, Summary]] = field(default_factory=dict)
     request_kinds: dict[int, str] = field(default_factory=dict)  # workload index -> "image" | "video"
+    # Per kind served, the mean seconds of each router stage (text_encode, queue, denoise, step,
+    # decode), live (the router's stage histogram) and simulated: where the two part ways.
+    stages: dict[str, dict[str, tuple[float | None, float | None]]] = field(default_factory=dict)
 
     def summaries(self, kind: str | None = None) -> tuple[Summary, Summary]:
         return (self.live, self.sim) if kind is None else self.kinds[kind]
@@ -131,9 +134,19 @@ class Comparison:
         return all(self.within(tolerance, k) for k in self.held(min_requests)) and not self.live.failed
 
 
+def stage_pairs(live: Mapping[str, Mapping[str, float | None]], sim: Callable[[str], Mapping[str, float | None]]
+                ) -> dict[str, dict[str, tuple[float | None, float | None]]]:
+    """(live, simulated) mean of each router stage, per kind the live router served. `live` is
+    `PolicyRun.stages` (keys such as "router.queue"), `sim(kind)` the simulator's `stage_means`."""
+    return {kind: {stage: (means.get(f"router.{stage}"), simulated)
+                   for stage, simulated in sim(kind).items()}
+            for kind, means in live.items()}
+
+
 def make_comparison(policy: str, rate: float, requests: Sequence[ScheduledRequest], live_records: list[RequestRecord],
                     sim_records: list[RequestRecord], sim_busy_s: Mapping[str, float] | None,
-                    server: dict[str, Any]) -> Comparison:
+                    server: dict[str, Any],
+                    stages: dict[str, dict[str, tuple[float | None, float | None]]] | None = None) -> Comparison:
     """Both runs summarized, as a whole and, when the requests mix images and videos, per kind
     (per-kind summaries carry no busy fraction: the workers are shared)."""
     kinds = {r.index: kind_of(r) for r in requests}
@@ -143,7 +156,7 @@ def make_comparison(policy: str, rate: float, requests: Sequence[ScheduledReques
         per_kind = {kind: (summarize(live_split.get(kind, [])), summarize(sim_split.get(kind, [])))
                     for kind in KINDS if kind in live_split or kind in sim_split}
     return Comparison(policy, rate, summarize(live_records, None, rate), summarize(sim_records, sim_busy_s, rate),
-                      live_records, sim_records, server, per_kind, kinds)
+                      live_records, sim_records, server, per_kind, kinds, stages or {})
 
 
 def profile_commands(config: Path, out: Path, requests: Sequence[ScheduledRequest]) -> list[tuple[list[str], Path]]:
@@ -256,7 +269,7 @@ def compare(args: argparse.Namespace) -> list[Comparison]:
                                   replace(sim_config, policy=policy, policy_options=options))
                 sim_records = with_workload_slos(result.records(), requests)
                 out.append(make_comparison(policy, rate, requests, live.records, sim_records, result.busy_s,
-                                           live.server))
+                                           live.server, stage_pairs(live.stages, result.stage_means)))
     return out
 
 
@@ -266,6 +279,10 @@ def _pct(value: float | None) -> str:
 
 def _s(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1e3:.1f}"
 
 
 def _label(c: Comparison, kind: str | None) -> str:
@@ -293,6 +310,10 @@ def print_table(comparisons: list[Comparison], tolerance: float, min_requests: i
             print(f"{_label(c, kind):<13}{c.rate:>6g}{f'{live.ok}/{live.count}':>9}{_s(live.latency_p50_s):>10}"
                   f"{_s(sim.latency_p50_s):>9}{_pct(c.error('latency_p50_s', kind)):>8}{_s(live.latency_p95_s):>10}"
                   f"{_s(sim.latency_p95_s):>9}{_pct(c.error('latency_p95_s', kind)):>8}  {verdict}")
+    for c in comparisons:
+        for kind, pairs in c.stages.items():
+            cells = "  ".join(f"{stage} {_ms(live)}/{_ms(sim)}" for stage, (live, sim) in pairs.items())
+            print(f"{c.policy} @ {c.rate:g} req/s, {kind} stages, ms live/sim: {cells}")
 
 
 STATS = ("latency_p50_s", "latency_p95_s", "latency_p99_s", "latency_mean_s")
@@ -311,6 +332,8 @@ def run_report(c: Comparison, tolerance: float, min_requests: int = MIN_KIND_REQ
         "held": ["all" if k is None else k for k in held],
         "error": {stat: c.error(stat) for stat in STATS},
         "live": asdict(c.live), "sim": asdict(c.sim), "live_server": c.server,
+        "stages_s": {kind: {stage: {"live": live, "sim": sim} for stage, (live, sim) in pairs.items()}
+                     for kind, pairs in c.stages.items()},
         "kinds": {kind: {"held": kind in held, "within": c.within(tolerance, kind),
                          "error": {stat: c.error(stat, kind) for stat in STATS},
                          "live": asdict(live), "sim": asdict(sim)}

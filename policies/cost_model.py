@@ -17,7 +17,8 @@ CSV schema (one for every device), one row per measured point:
 
     model,device,component,height,width,rows,frames,latency_ms,samples,source,sp_degree
 
-- `component`: denoise | round_overhead | text_encode | vae_decode | request_overhead | host_probe
+- `component`: denoise | round_overhead | text_encode | vae_decode | request_overhead | host_probe |
+  host_idle | router_cpu
 - `rows`: batch rows of one denoiser forward (2 per CFG request, 1 otherwise) for denoise and
   for the per-group part of round_overhead; the number of texts for text_encode; for
   host_probe, how many copies of one fixed forward ran at once on the host; 1 otherwise.
@@ -27,6 +28,13 @@ CSV schema (one for every device), one row per measured point:
   ratio; a device with one worker per accelerator needs none.
 - round_overhead rows with height = width = 0 are the fixed cost of one round (the RPC that
   carries the plan and the report); rows with a shape are the per-group sampler bookkeeping.
+- host_idle and router_cpu say what else takes CPU on a host that runs the whole app (a CPU
+  box), measured around `stepserve profile`'s live check: host_idle is the CPU milliseconds per
+  wall second the idle app and everything else on the machine burn (Serve's controller, proxy
+  and replicas, Ray's daemons, the OS), router_cpu the router process's CPU per denoising step
+  (applying a report, deciding, sending the next plan: a decision per step where plans are one
+  step, next to nothing inside a steady plan), which runs beside the worker's next step.
+  Neither is a latency; both are optional (a GPU profile needs neither).
 - `frames`: 1 for images; a video's frame count (its work per row scales with pixels x frames).
 - `sp_degree`: for denoise, how many workers ran the forward with sequence parallelism (Ulysses
   all-to-all); 1 otherwise. Each degree is fitted on its own, so communication's share (large
@@ -53,7 +61,10 @@ TEXT_ENCODE = "text_encode"
 VAE_DECODE = "vae_decode"
 REQUEST_OVERHEAD = "request_overhead"
 HOST_PROBE = "host_probe"
-COMPONENTS = (DENOISE, ROUND_OVERHEAD, TEXT_ENCODE, VAE_DECODE, REQUEST_OVERHEAD, HOST_PROBE)
+HOST_IDLE = "host_idle"
+ROUTER_CPU = "router_cpu"
+COMPONENTS = (DENOISE, ROUND_OVERHEAD, TEXT_ENCODE, VAE_DECODE, REQUEST_OVERHEAD, HOST_PROBE, HOST_IDLE, ROUTER_CPU)
+HOST_COMPONENTS = (HOST_PROBE, HOST_IDLE, ROUTER_CPU)  # what the host does besides the model: optional
 
 CSV_COLUMNS = ("model", "device", "component", "height", "width", "rows", "frames", "latency_ms", "samples", "source",
                "sp_degree")
@@ -473,9 +484,10 @@ class _ModelCosts:
             ROUND_OVERHEAD, [((r.pixels / MEGA, float(r.rows)), r.seconds) for r in by_component[ROUND_OVERHEAD]
                              if r.height > 0]
         )
-        overheads = sorted(r.seconds for r in by_component[REQUEST_OVERHEAD])
-        self.request_overhead = overheads[len(overheads) // 2] if overheads else 0.0
-        self.missing = [c for c in COMPONENTS if not by_component[c] and c != HOST_PROBE]
+        self.request_overhead = _median_seconds(by_component[REQUEST_OVERHEAD])
+        self.host_idle_cores = _median_seconds(by_component[HOST_IDLE])  # CPU seconds per second
+        self.router_cpu = _median_seconds(by_component[ROUTER_CPU])
+        self.missing = [c for c in COMPONENTS if not by_component[c] and c not in HOST_COMPONENTS]
         self.host_slowdowns = _host_slowdowns(by_component[HOST_PROBE])
         self._cache: dict[tuple, float] = {}
 
@@ -524,6 +536,12 @@ class _ModelCosts:
         if key not in self._cache:
             self._cache[key] = max(0.0, self._need(self._vae, VAE_DECODE)((pixels / MEGA,)))
         return self._cache[key]
+
+
+def _median_seconds(rows: list[ProfileRow]) -> float:
+    """The (upper) median of the rows' seconds; 0.0 for none."""
+    values = sorted(r.seconds for r in rows)
+    return values[len(values) // 2] if values else 0.0
 
 
 def _host_slowdowns(probes: list[ProfileRow]) -> dict[int, float]:
@@ -637,6 +655,16 @@ class ProfiledCostModel:
         share = (busy - lo) / (hi - lo)
         return max(1.0, measured[lo] + share * (measured[hi] - measured[lo]))
 
+    def host_idle_cores(self) -> float:
+        """Cores the rest of a CPU host keeps busy with the app idle (0 when never measured). One
+        host, one app: the largest any model's profile measured."""
+        return max(costs.host_idle_cores for costs in self._models.values())
+
+    def router_cpu_seconds(self) -> float:
+        """The router's CPU per denoising step, beside the workers' steps (0 when never measured);
+        one router for every model: the largest measured."""
+        return max(costs.router_cpu for costs in self._models.values())
+
     def solo_seconds(self, model: str, height: int, width: int, steps: int, cfg: bool, frames: int = 1) -> float:
         """The prompt (and, with CFG, the negative prompt) encoded in one call, `steps` rounds of
         one batch alone on one worker (a video at SP degree 1), one decode, and the fixed
@@ -675,6 +703,8 @@ class ProfiledCostModel:
                 "components": components,
                 "round_fixed_ms": costs.round_fixed * 1000,
                 "request_overhead_ms": costs.request_overhead * 1000,
+                "host_idle_cores": costs.host_idle_cores,
+                "router_cpu_ms": costs.router_cpu * 1000,
                 "missing": costs.missing,
                 "host_slowdown": {str(k): v for k, v in costs.host_slowdowns.items()},
                 "sources": costs.sources,
@@ -689,6 +719,8 @@ def format_fit_report(report: dict) -> str:
         lines.append(f"{model} ({entry['device']}): round fixed {entry['round_fixed_ms']:.3f} ms, "
                      f"request overhead {entry['request_overhead_ms']:.3f} ms"
                      + (f", missing {entry['missing']}" if entry["missing"] else "")
+                     + (f", host idle {entry['host_idle_cores']:.3f} cores" if entry["host_idle_cores"] else "")
+                     + (f", router {entry['router_cpu_ms']:.2f} ms CPU a step" if entry["router_cpu_ms"] else "")
                      + "".join(f", {k} busy cores: {v:.2f}x slower" for k, v in entry["host_slowdown"].items()))
         for component, fit in entry["components"].items():
             if fit["loo_mean_rel_err"] is None:

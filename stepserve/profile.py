@@ -23,6 +23,11 @@ What is measured, each the median of interleaved repeats after a warm-up:
   requests with two step counts; the latency line's intercept minus the measured text-encode
   and decode is what a request pays beyond its model work (HTTP, Serve and Ray hops, the
   text-encoder batch wait, admission).
+- host_idle and router_cpu (with the live requests, where /proc shows the app's processes): the
+  CPU this whole machine burns per second while the warm app sits idle (IDLE_S seconds), and
+  the router process's CPU per denoising step (the slope of its CPU per solo request over the
+  two step counts). Neither is on a request's path; the simulator charges both to a shared CPU
+  host, where they take cores from the workers.
 
 Threads follow the config: the denoiser with `workers.torch_threads`, the encoder and decoder
 with their own, so the numbers are what each deployment would see.
@@ -46,11 +51,14 @@ from typing import Any
 
 import torch
 
+from stepserve.host_cpu import machine_busy_s, process_cpu_s, ray_process_cpu
 from stepserve.policies.cost_model import (
     DENOISE,
+    HOST_IDLE,
     HOST_PROBE,
     REQUEST_OVERHEAD,
     ROUND_OVERHEAD,
+    ROUTER_CPU,
     TEXT_ENCODE,
     VAE_DECODE,
     BatchShape,
@@ -228,6 +236,7 @@ class TimedFamily:
         return out
 
 
+IDLE_S = 5.0  # seconds the warm live app is left alone to read the host's idle CPU
 PROBE_ROUNDS = 20  # interleaved rounds of the host probe (each: alone, 1 copy beside, ...)
 
 
@@ -426,6 +435,11 @@ class LiveResult:
     # The workers' `execute` time per step of the measured requests (router metrics: all plans'
     # execute seconds over the steps the requests ran; a steady plan runs several steps).
     worker_step_s: float | None
+    # What else takes CPU on this host (None where /proc does not show the app's processes):
+    # cores the whole machine keeps busy while the app is idle, and the router process's median
+    # CPU seconds over one solo request at each of the two step counts.
+    idle_cores: float | None = None
+    router_cpu_medians_s: tuple[float, float] | None = None
 
     @property
     def per_step_s(self) -> float:
@@ -441,6 +455,17 @@ class LiveResult:
         """Per step, what the live loop adds around the worker's own execute: the router's
         plan and bookkeeping and the Ray round trip where pipelining does not hide them."""
         return None if self.worker_step_s is None else self.per_step_s - self.worker_step_s
+
+    @property
+    def router_step_cpu_s(self) -> float | None:
+        """The router's CPU per denoising step: the slope of its per-request CPU over the two
+        step counts (its per-request work, submit to response, is in the intercept and so in
+        request_overhead). A plan per step (GenServe) costs a decision per step; a steady plan
+        of many steps next to nothing (never below 0: noise)."""
+        if self.router_cpu_medians_s is None:
+            return None
+        (lo, hi), (c_lo, c_hi) = self.steps, self.router_cpu_medians_s
+        return max(0.0, (c_hi - c_lo) / (hi - lo))
 
 
 def round_totals(metrics_text: str) -> tuple[float, float]:
@@ -484,6 +509,8 @@ def measure_live(ctx: Context, serve_config: dict, size: int, send: Callable = s
     run_app(config, http=True)
     lo, hi = grid.live_steps
     latencies: dict[int, list[float]] = {lo: [], hi: []}
+    router = f"ray::ServeReplica:{config['applications'][0].get('name', 'stepserve')}:Router"
+    router_cpu: dict[int, list[float]] = {lo: [], hi: []}
     try:
         with httpx.Client(base_url=url, timeout=300.0, trust_env=False) as client:
             deadline = time.monotonic() + 300
@@ -497,15 +524,20 @@ def measure_live(ctx: Context, serve_config: dict, size: int, send: Callable = s
                     raise TimeoutError(f"{url}/ready never answered 200")
                 time.sleep(0.5)
             log(f"  solo requests {size}x{size}, {what}, steps {lo} and {hi}, {grid.live_repeats} each")
-            before = (0.0, 0.0)
+            before, idle_cores, router_pid = (0.0, 0.0), None, None
             for i in range(1 + grid.live_repeats):  # the first pair warms every replica
                 if i == 1:
+                    idle_cores = measure_idle_cores()
                     before = round_totals(client.get("/metrics").text)
+                    router_pid = next((pid for pid, (title, _) in ray_process_cpu().items() if title == router), None)
                 for steps in ((lo, hi) if i % 2 else (hi, lo)):
-                    start = time.perf_counter()
+                    cpu_before, start = process_cpu_s(router_pid) if router_pid else None, time.perf_counter()
                     send(client, ctx.model, size, steps, i)
                     if i:
                         latencies[steps].append(time.perf_counter() - start)
+                        cpu_after = process_cpu_s(router_pid) if router_pid else None
+                        if cpu_before is not None and cpu_after is not None:
+                            router_cpu[steps].append(cpu_after - cpu_before)
             after = round_totals(client.get("/metrics").text)
     finally:
         serve.delete(config["applications"][0].get("name", "stepserve"))
@@ -513,13 +545,27 @@ def measure_live(ctx: Context, serve_config: dict, size: int, send: Callable = s
     rounds = after[1] - before[1]
     steps_run = grid.live_repeats * (lo + hi)
     worker_step = (after[0] - before[0]) / steps_run if rounds else None
-    result = LiveResult(size, (lo, hi), medians, grid.live_repeats, worker_step)
+    router_seen = bool(router_cpu[lo] and router_cpu[hi])  # /proc shows the app: it runs on this host
+    result = LiveResult(size, (lo, hi), medians, grid.live_repeats, worker_step, idle_cores if router_seen else None,
+                        (statistics.median(router_cpu[lo]), statistics.median(router_cpu[hi])) if router_seen else None)
     log(f"  median latency: {lo} step(s) {medians[0] * 1e3:.1f} ms, {hi} steps {medians[1] * 1e3:.1f} ms; "
         f"per step {result.per_step_s * 1e3:.2f} ms, intercept {result.intercept_s * 1e3:.1f} ms")
     if worker_step is not None:
         log(f"  worker execute per step (router metrics, {steps_run} steps in {rounds:.0f} plans): "
             f"{worker_step * 1e3:.2f} ms; the live loop adds {result.step_residual_s * 1e3:.2f} ms per step around it")
+    if result.router_cpu_medians_s is not None:
+        c_lo, c_hi = result.router_cpu_medians_s
+        log(f"  host: {idle_cores:.3f} cores busy with the app idle; router CPU a request {c_lo * 1e3:.1f} ms "
+            f"({lo} step(s)), {c_hi * 1e3:.1f} ms ({hi} steps): {result.router_step_cpu_s * 1e3:.2f} ms a step")
     return result
+
+
+def measure_idle_cores(seconds: float = IDLE_S) -> float:
+    """Cores this whole machine keeps busy over `seconds` while the app (deployed, warm) and
+    this process wait: the Serve controller, proxy and replicas, Ray's daemons, the OS."""
+    busy, started = machine_busy_s(), time.monotonic()
+    time.sleep(seconds)
+    return (machine_busy_s() - busy) / (time.monotonic() - started)
 
 
 def live_rows(ctx: Context, live: LiveResult, in_process_step_s: float, model_work_s: float, echo: ProfileRow,
@@ -544,6 +590,13 @@ def live_rows(ctx: Context, live: LiveResult, in_process_step_s: float, model_wo
     rows.append(ctx.row(REQUEST_OVERHEAD, max(0.0, overhead), live.samples,
                         note=f"live app over HTTP, solo {what} requests at {lo} and {hi} steps: "
                              "latency intercept minus its text encoding and decode"))
+    if live.idle_cores is not None:
+        rows.append(ctx.row(HOST_IDLE, live.idle_cores, 1,
+                            note=f"CPU ms per wall second of the whole machine, live app idle for {IDLE_S:g} s"))
+    if live.router_step_cpu_s is not None:
+        rows.append(ctx.row(ROUTER_CPU, live.router_step_cpu_s, live.samples,
+                            note=f"router process CPU per step: slope over solo {what} requests at {lo} and {hi} "
+                                 "steps"))
     return rows
 
 

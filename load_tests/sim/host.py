@@ -13,6 +13,11 @@ share for threads of equal weight), divided by the host's slowdown with min(n, c
 busy cores slow each other through shared caches and memory bandwidth, and a VM's vCPUs may be
 hyperthread siblings (the profile's host_probe rows measure it; 1.4-2.2x on the 2-core VM).
 When a job ends or starts, every other job's speed changes.
+
+The rest of the machine is a `background` of cores' worth of demand that never ends (what the
+idle app and the OS burn, the profile's host_idle): it counts as that fraction of one more
+job, so n jobs advance at min(1, c / (n + background)). It takes nothing from a lone job on a
+box with a core to spare, but slows every job once the cores are all wanted.
 """
 
 from __future__ import annotations
@@ -29,10 +34,14 @@ _EPS = 1e-9
 
 
 class SharedHost:
-    def __init__(self, cpus: float, events: EventQueue, slowdown: Callable[[int], float] | None = None) -> None:
+    def __init__(self, cpus: float, events: EventQueue, slowdown: Callable[[int], float] | None = None,
+                 background: float = 0.0) -> None:
         if not cpus > 0:
             raise ValueError(f"host cpus must be > 0, got {cpus}")
+        if not background >= 0:
+            raise ValueError(f"host background must be >= 0 cores, got {background}")
         self.cpus = cpus
+        self.background = background
         self.events = events
         self.slowdown = slowdown or (lambda busy: 1.0)
         self._cores = max(1, math.floor(cpus))
@@ -53,7 +62,7 @@ class SharedHost:
         if not n:
             return 0.0
         if n not in self._speeds:
-            self._speeds[n] = min(1.0, self.cpus / n) / self.slowdown(min(n, self._cores))
+            self._speeds[n] = min(1.0, self.cpus / (n + self.background)) / self.slowdown(min(n, self._cores))
         return self._speeds[n]
 
     def run(self, work_s: float, callback: Callable[..., None], *args: Any) -> int | None:

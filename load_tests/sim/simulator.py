@@ -24,11 +24,13 @@ What it models, in the live system's order (actors/router.py, deployments/):
 
 With `host_cpus` set, every timed piece of work (request overhead, text encoding, worker plans,
 decoding) is single-threaded CPU work on one `SharedHost` of that many cores, so they slow each
-other down as they do when a whole app shares a CPU box; without it, each has a device of its
-own and takes exactly its profiled time.
+other down as they do when a whole app shares a CPU box; so is the router's CPU for each step a
+worker reports (the profile's router_cpu, off every request's path: it overlaps the worker's
+next step), over a background of what the idle app burns (host_idle). Without it, each has a
+device of its own and takes exactly its profiled time, and the router's work is free.
 
 Decisions and state moves are instantaneous in simulated time: the router's decision time is
-measured (wall clock) but not charged, nor is the plan/report RPC beyond the cost model's
+measured (wall clock) but on no request's path, nor is the plan/report RPC beyond the cost model's
 per-round overhead, nor pausing or moving a video (GenServe measures both under 1 ms against
 steps of hundreds, Table 7). Worker faults are not modelled.
 """
@@ -48,7 +50,7 @@ from stepserve.load_tests.records import RequestRecord, record_of
 from stepserve.load_tests.sim.events import EventQueue
 from stepserve.load_tests.sim.host import SharedHost
 from stepserve.load_tests.sim.services import DecoderService, TextEncoderService, TextEncoderSpec
-from stepserve.load_tests.sim.worker import SimAdmission, SimState, SimWorker
+from stepserve.load_tests.sim.worker import SimAdmission, SimWorker
 from stepserve.load_tests.workload import ScheduledRequest
 from stepserve.policies import make_policy, needs_costs
 from stepserve.policies.cost_model import BatchShape
@@ -115,6 +117,7 @@ class RequestTrace:
     admit_s: float | None  # first admitted on a worker
     worker_id: str | None  # the worker (first of the SP group) it last ran on
     finish_s: float | None  # last denoising step reported
+    stored_s: float | None  # decoded (image) or stored (video): the router's last stage ends
     completion_s: float | None  # the response is complete
     deadline_s: float | None  # arrival + slo_s
     status: str  # finished | rejected | failed | unfinished
@@ -159,6 +162,21 @@ class SimResult:
     def summary(self, offered_rps: float | None = None, kind: str | None = None) -> Summary:
         return summarize(self.records(kind), self.busy_s, offered_rps)
 
+    def stage_means(self, kind: str) -> dict[str, float | None]:
+        """Mean seconds of each stage of the finished requests of one kind ("image" or "video"),
+        cut as the live router's `stepserve_request_stage_seconds` cuts them: text_encode (submit
+        to embeddings), queue (to first admission), denoise (to the last step), step (denoise /
+        steps), decode (to the decoded image or the stored video)."""
+        done = [t for t in self.traces if t.kind == kind and t.status == "finished"]
+        stages = {
+            "text_encode": [t.ready_s - t.submit_s for t in done],
+            "queue": [t.admit_s - t.ready_s for t in done],
+            "denoise": [t.finish_s - t.admit_s for t in done],
+            "step": [(t.finish_s - t.admit_s) / t.steps for t in done],
+            "decode": [t.stored_s - t.finish_s for t in done],
+        }
+        return {stage: sum(values) / len(values) if values else None for stage, values in stages.items()}
+
 
 class _Handle:
     """What `send` hands the core: filled with the output when the plan has run."""
@@ -172,14 +190,14 @@ class _Handle:
 class _Pending:
     """Mutable per-request state while the run goes on; frozen into a RequestTrace at the end."""
 
-    __slots__ = ("request", "spec", "texts", "submit_s", "ready_s", "finish_s", "completion_s", "status",
+    __slots__ = ("request", "spec", "texts", "submit_s", "ready_s", "finish_s", "stored_s", "completion_s", "status",
                  "worker_id", "state")
 
     def __init__(self, request: ScheduledRequest, spec: RequestSpec) -> None:
         self.request = request
         self.spec = spec
         self.texts = (spec.prompt, spec.negative_prompt) if spec.uses_cfg else (spec.prompt,)
-        self.submit_s = self.ready_s = self.finish_s = self.completion_s = None
+        self.submit_s = self.ready_s = self.finish_s = self.stored_s = self.completion_s = None
         self.worker_id: str | None = None
         self.status = "unfinished"
         self.state = None  # the core's last word on it, kept when the core forgets it
@@ -223,7 +241,11 @@ class Simulation:
         self.cost = cost
         self.events = EventQueue()
         self.host = None if config.host_cpus is None else SharedHost(
-            config.host_cpus, self.events, getattr(cost, "host_slowdown", None))
+            config.host_cpus, self.events, getattr(cost, "host_slowdown", None),
+            cost.host_idle_cores() if hasattr(cost, "host_idle_cores") else 0.0)
+        # The router's CPU per step reported: beside the worker's next step, but on a shared
+        # host it takes a core too.
+        self._router_cpu_s = cost.router_cpu_seconds() if self.host and hasattr(cost, "router_cpu_seconds") else 0.0
         self._run_work = self._delay if self.host is None else self.host.run
         policy = make_policy(config.policy, dict(config.policy_options), cost if needs_costs(config.policy) else None)
         worker_ids = [f"w{i}" for i in range(config.workers)]
@@ -315,6 +337,7 @@ class Simulation:
         """Its output is decoded (image) or stored (video): the core finishes and forgets it, as
         the router does once the result is handed over."""
         rid = entry.spec.request_id
+        entry.stored_s = self.events.now
         self.core.complete(rid, self.events.now)
         entry.state = self.core.state(rid)
         self.core.forget(rid)
@@ -437,6 +460,8 @@ class Simulation:
         queued = current.queued
         report, outputs, _ = lane.worker.end(current.running, current.steps)
         now = self.events.now
+        if self._router_cpu_s and current.steps:
+            self.host.run(self._router_cpu_s * current.steps, _nothing)
         lane.busy_s += now - current.started  # on a shared host a plan takes longer than its profiled time
         for handle, value in zip(queued.handles, outputs):
             handle.value = value
@@ -486,10 +511,15 @@ class Simulation:
             model=spec.model, width=spec.width, height=spec.height, frames=spec.num_frames,
             steps=spec.num_inference_steps, cfg=spec.uses_cfg, request_class=request.request_class,
             arrival_s=request.offset_s, submit_s=entry.submit_s, ready_s=entry.ready_s, admit_s=admit,
-            worker_id=entry.worker_id, finish_s=entry.finish_s, completion_s=entry.completion_s,
+            worker_id=entry.worker_id, finish_s=entry.finish_s, stored_s=entry.stored_s,
+            completion_s=entry.completion_s,
             deadline_s=None if request.slo_s is None else request.offset_s + request.slo_s, status=entry.status,
             pauses=pauses, degrees=degrees,
         )
+
+
+def _nothing() -> None:
+    """The end of work that only takes CPU from the others (the router's per-step work)."""
 
 
 def _spec_of(request: ScheduledRequest, rid: str, slo_s: float | None) -> RequestSpec:

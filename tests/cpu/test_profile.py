@@ -1,7 +1,11 @@
 """`stepserve profile --quick` measures tiny-sd on this CPU and writes a CSV the cost model loads."""
 
+import os
 import subprocess
 import sys
+import time
+
+import pytest
 
 from stepserve.policies.cost_model import (
     DENOISE,
@@ -59,3 +63,41 @@ def test_live_rows_charge_what_a_live_step_costs_beyond_the_in_process_one():
     # A live step no dearer than in-process: the bare round trip stands; a negative intercept is 0.
     fixed, request = live_rows(ctx, live, in_process_step_s=0.021, model_work_s=0.2, echo=echo, what="64px CFG")
     assert fixed is echo and request.seconds == 0.0
+
+
+def test_live_rows_record_the_host_when_the_live_check_read_it():
+    from dataclasses import replace
+
+    from stepserve.policies.cost_model import HOST_IDLE, ROUTER_CPU, ProfiledCostModel
+    from stepserve.profile import QUICK, Context, LiveResult, Stopwatch, live_rows
+
+    ctx = Context("m", "cpu", None, QUICK, Stopwatch("cpu"), "measured today")
+    echo = ctx.row(ROUND_OVERHEAD, 0.0015, 200, note="Ray actor round trip")
+    # The router spent 20 ms of CPU on a 1-step request and 53 ms on an 11-step one: 3.3 ms a step.
+    live = LiveResult(64, (1, 11), (0.120, 0.320), 5, worker_step_s=0.025, idle_cores=0.15,
+                      router_cpu_medians_s=(0.020, 0.053))
+    rows = live_rows(ctx, live, in_process_step_s=0.012, model_work_s=0.030, echo=echo, what="64px CFG")
+    assert [r.component for r in rows] == [ROUND_OVERHEAD, "request_overhead", HOST_IDLE, ROUTER_CPU]
+    assert rows[2].latency_ms == pytest.approx(150.0) and rows[3].latency_ms == pytest.approx(3.3)
+    model = ProfiledCostModel(rows + [ctx.row("denoise", 0.01, 1, 64, 64, 2)])
+    assert model.host_idle_cores() == pytest.approx(0.15) and model.router_cpu_seconds() == pytest.approx(0.0033)
+    # A steady plan: the router's CPU does not grow with the steps (noise below is 0, not negative).
+    assert replace(live, router_cpu_medians_s=(0.020, 0.019)).router_step_cpu_s == 0.0
+    # Processes /proc could not show (a remote cluster): no host rows.
+    bare = live_rows(ctx, replace(live, idle_cores=None, router_cpu_medians_s=None), 0.012, 0.030, echo, "64px CFG")
+    assert [r.component for r in bare] == [ROUND_OVERHEAD, "request_overhead"]
+
+
+def test_the_idle_reading_is_the_whole_machine_over_the_window():
+    from stepserve.profile import measure_idle_cores
+
+    # A process spinning for the whole window is a core busy: the reading sees it.
+    busy = "import time\nt = time.monotonic()\nwhile time.monotonic() - t < 3: pass"
+    spin = subprocess.Popen([sys.executable, "-c", busy])
+    try:
+        time.sleep(0.5)  # past the interpreter's start
+        cores = measure_idle_cores(1.0)
+    finally:
+        spin.kill()
+        spin.wait()
+    assert 0.8 <= cores <= (os.cpu_count() or 1)

@@ -25,7 +25,7 @@ def test_means_over_a_run_sum_workers_and_exclude_earlier_observations():
     assert means["queue_wait_s"] == {"count": 0, "mean": None}
 
 
-def test_stage_means_cover_images_only_and_the_run_only():
+def test_stage_means_cover_one_kind_and_the_run_only():
     from stepserve.actors.router_core import RequestState
     from stepserve.load_tests.server_metrics import stage_means, stage_totals
     from stepserve.policies.types import RequestKind, RequestStatus
@@ -36,9 +36,12 @@ def test_stage_means_cover_images_only_and_the_run_only():
 
     metrics = RouterMetrics()
     finished(RequestKind.T2I, admit=1.0)  # before the run
-    before = stage_totals(metrics.exposition().decode())
+    before = metrics.exposition().decode()
     finished(RequestKind.T2I, admit=2.0)
     finished(RequestKind.T2V, admit=0.5)  # videos are not an image's stages
-    means = stage_means(before, stage_totals(metrics.exposition().decode()))
+    after = metrics.exposition().decode()
+    means = stage_means(stage_totals(before), stage_totals(after))
     assert means["router.queue"] == pytest.approx(1.5) and means["router.step"] == pytest.approx(0.5)
     assert means["router.text_encode"] == pytest.approx(0.5) and means["router.decode"] == pytest.approx(0.5)
+    videos = stage_means(stage_totals(before, "video"), stage_totals(after, "video"))
+    assert videos["router.queue"] == pytest.approx(0.0) and videos["router.denoise"] == pytest.approx(2.5)

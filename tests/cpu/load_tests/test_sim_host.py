@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 
 from stepserve.load_tests.sim import SimConfig, TextEncoderSpec, simulate
@@ -107,3 +109,52 @@ def test_busy_cores_slow_each_other():
     host.run(1.0, lambda: done.append(events.now))
     events.run()
     assert done[-1] == pytest.approx(2.5)
+
+
+def test_a_background_slows_jobs_only_once_the_cores_are_all_wanted():
+    # 0.5 cores of background on 2: a lone job has a core to itself, two share 2 / 2.5.
+    events = EventQueue()
+    host = SharedHost(2, events, background=0.5)
+    done: list[float] = []
+    host.run(1.0, lambda: done.append(events.now))
+    events.run()
+    host.run(1.0, lambda: done.append(events.now))
+    host.run(1.0, lambda: done.append(events.now))
+    events.run()
+    assert done == pytest.approx([1.0, 2.25, 2.25])
+    with pytest.raises(ValueError, match="background"):
+        SharedHost(2, EventQueue(), background=-0.1)
+
+
+@dataclass(frozen=True)
+class HostCost(ConstantCost):
+    """A profile that measured the host: the idle app's cores and the router's CPU per step."""
+
+    idle_cores: float = 0.0
+    router_cpu_s: float = 0.0
+
+    def host_idle_cores(self) -> float:
+        return self.idle_cores
+
+    def router_cpu_seconds(self) -> float:
+        return self.router_cpu_s
+
+
+def test_the_router_cpu_per_step_competes_for_a_shared_host_only():
+    # One request of two 1 s steps, a plan each (one at a time); the router spends 0.5 s of CPU
+    # on each report. On one core its work on the first report halves the second step's speed
+    # until it is done (1 s), then the step's last 0.5 s runs alone: 2.5 s in all. With a core
+    # each, or on devices of their own, the steps take 2 s.
+    cost = HostCost(encode_s=0.0, decode_s=0.0, router_cpu_s=0.5)
+    one_core, two_cores, devices = (simulate([request(0, 0.0, 2)], cost, config(1, cpus)) for cpus in (1, 2, None))
+    assert one_core.rounds == 2
+    assert [r.traces[0].finish_s - r.traces[0].admit_s for r in (one_core, two_cores, devices)] == \
+        pytest.approx([2.5, 2.0, 2.0])
+
+
+def test_the_idle_app_slows_two_workers_on_two_cores():
+    # The _two_workers case on 2 cores with 0.5 cores of idle app: each 1 s round takes 1.25 s.
+    requests = [request(0, 0.0, 2, guidance=1.0), request(1, 0.0, 2, guidance=1.0)]
+    quiet, busy = (simulate(requests, HostCost(decode_s=0.0, idle_cores=idle), config(2, 2)) for idle in (0.0, 0.5))
+    assert [t.finish_s - t.admit_s for t in quiet.traces] == pytest.approx([2.0, 2.0])
+    assert [t.finish_s - t.admit_s for t in busy.traces] == pytest.approx([2.5, 2.5])

@@ -192,3 +192,17 @@ def test_the_simulated_twin_of_the_video_workload_runs_and_compares():
     assert set(c.kinds) == {"image", "video"} and all(live.ok == live.count for live, _ in c.kinds.values())
     assert c.kinds["video"][0].count == sum(r.is_video for r in requests) > 0
     assert c.agrees(0.0, min_requests=1)
+    # Its router stages, cut as the live router's stage histogram cuts them, add up to each
+    # request's time from submit to stored; a video decodes on its worker, inside its last plan.
+    for kind in ("image", "video"):
+        done = [t for t in result.traces if t.kind == kind]
+        stages = result.stage_means(kind)
+        total = sum(stages[s] for s in ("text_encode", "queue", "denoise", "decode"))
+        assert total == pytest.approx(sum(t.stored_s - t.submit_s for t in done) / len(done))
+        assert stages["step"] == pytest.approx(sum((t.finish_s - t.admit_s) / t.steps for t in done) / len(done))
+    assert result.stage_means("video")["decode"] == 0.0 < result.stage_means("image")["decode"]
+    # Paired with what the live router served (its keys carry the "router." prefix).
+    pairs = svl.stage_pairs({"image": {"router.queue": 0.25}}, result.stage_means)
+    assert list(pairs) == ["image"] and list(pairs["image"]) == ["text_encode", "queue", "denoise", "step", "decode"]
+    assert pairs["image"]["queue"] == (0.25, result.stage_means("image")["queue"])
+    assert pairs["image"]["decode"][0] is None

@@ -317,3 +317,19 @@ def test_host_slowdown_from_the_probe_rows(linear_model):
     assert model.round_seconds([shape]) == pytest.approx(linear_model.round_seconds([shape]))
     with pytest.raises(ProfileError, match="alone"):
         ProfiledCostModel(linear_profile() + probes[1:])
+
+
+def test_host_idle_and_router_cpu_are_optional_host_readings(linear_model):
+    assert linear_model.host_idle_cores() == 0.0 and linear_model.router_cpu_seconds() == 0.0  # never measured
+    other = [r for r in linear_profile("n") if r.component != cm.HOST_IDLE]
+    model = ProfiledCostModel(linear_profile() + other + [
+        row(cm.HOST_IDLE, 150.0), row(cm.ROUTER_CPU, 3.0), row(cm.HOST_IDLE, 120.0, model="n"),
+        row(cm.ROUTER_CPU, 4.5, model="n")])
+    # One host and one router serve every model: the largest reading of any model's profile.
+    assert model.host_idle_cores() == pytest.approx(0.15) and model.router_cpu_seconds() == pytest.approx(0.0045)
+    report = model.fit_report()[M]
+    assert report["host_idle_cores"] == pytest.approx(0.15) and report["router_cpu_ms"] == pytest.approx(3.0)
+    assert not {"host_idle", "router_cpu"} & set(linear_model.fit_report()[M]["missing"])
+    assert "host idle 0.150 cores, router 3.00 ms CPU a step" in cm.format_fit_report(model.fit_report())
+    # Neither is a latency: a request's solo time does not change.
+    assert model.solo_seconds(M, 64, 64, 20, True) == pytest.approx(linear_model.solo_seconds(M, 64, 64, 20, True))
