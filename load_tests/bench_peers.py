@@ -245,9 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     for system in systems:
         for rate in args.rates:
             runs = [p for p in system["points"] if p["rate"] == rate]
-            print(f"{system['system']:<13}{rate:>6g}{'; '.join(_ms(p['latency_p50_s']) for p in runs):>16}"
-                  f"{'; '.join(_ms(p['latency_p95_s']) for p in runs):>16}"
-                  f"{'; '.join(_pct(p['slo_attainment']) for p in runs):>10}"
+            print(f"{system['system']:<13}{rate:>6g} {'; '.join(_ms(p['latency_p50_s']) for p in runs):>15}"
+                  f" {'; '.join(_ms(p['latency_p95_s']) for p in runs):>15}"
+                  f" {'; '.join(_pct(p['slo_attainment']) for p in runs):>9}"
                   f"{statistics.median(p['cpu_per_request_s'] for p in runs) * 1000:>12.0f}")
         print(f"{system['system']:<13} capacity at 90% SLO: {system['capacity_at_90_slo_rps']} req/s; "
               f"idle {system['idle_cores']:.3f} cores, {system['idle_above_floor_cores']:.3f} above Ray and Serve "
