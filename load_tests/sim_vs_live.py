@@ -294,8 +294,8 @@ def print_table(comparisons: list[Comparison], tolerance: float, min_requests: i
           f"±{tolerance:.0%})")
     if any(c.kinds for c in comparisons):
         print(f"a video's latency ends at the answer to its long poll, when it completed; images and videos are "
-              f"held to the bar apart when at least {min_requests} of them completed live; 'agrees' on a run's first row is the "
-              f"run's verdict")
+              f"held to the bar apart when at least {min_requests} of them completed live; 'agrees' on a run's "
+              f"first row is the run's verdict")
     print(f"{'policy':<13}{'req/s':>6}{'ok':>9}{'live P50':>10}{'sim P50':>9}{'err':>8}"
           f"{'live P95':>10}{'sim P95':>9}{'err':>8}  agrees")
     for c in comparisons:

@@ -245,7 +245,8 @@ class Simulation:
             cost.host_idle_cores() if hasattr(cost, "host_idle_cores") else 0.0)
         # The router's CPU per step reported: beside the worker's next step, but on a shared
         # host it takes a core too.
-        self._router_cpu_s = cost.router_cpu_seconds() if self.host and hasattr(cost, "router_cpu_seconds") else 0.0
+        on_host = self.host is not None and hasattr(cost, "router_cpu_seconds")
+        self._router_cpu_s = cost.router_cpu_seconds() if on_host else 0.0
         self._run_work = self._delay if self.host is None else self.host.run
         policy = make_policy(config.policy, dict(config.policy_options), cost if needs_costs(config.policy) else None)
         worker_ids = [f"w{i}" for i in range(config.workers)]
