@@ -15,6 +15,13 @@ from transformers import CLIPTextConfig, T5Config, T5EncoderModel
 from stepserve.engine.families.base import kept_in_fp32
 
 
+def preset_config(presets: Mapping[str, dict], preset: str, family: str) -> dict:
+    """A family's preset by name; ValueError naming the ones it has."""
+    if preset not in presets:
+        raise ValueError(f"unknown {family} preset {preset!r}; known: {sorted(presets)}")
+    return presets[preset]
+
+
 def clip_text_config(cfg: dict) -> CLIPTextConfig:
     # Token ids follow the byte-level tokenizer: bos 0, eos (= pad) 1.
     return CLIPTextConfig(max_position_embeddings=77, bos_token_id=0, eos_token_id=1, pad_token_id=1, **cfg)

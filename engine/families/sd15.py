@@ -21,7 +21,9 @@ from stepserve.engine.families.base import (
     ALL_PARTS, DENOISER, LOCAL, TEXT, VAE, DiffusionFamily, ModelSource, RowConditioning, TextEmbeddings,
     cast_module, folder_scheduler,
 )
-from stepserve.engine.families.presets import autoencoder_kl, clip_text_config, seeded_parts, vae_geometry
+from stepserve.engine.families.presets import (
+    autoencoder_kl, clip_text_config, preset_config, seeded_parts, vae_geometry,
+)
 from stepserve.engine.tokenizer import byte_level_clip_tokenizer, byte_level_vocab
 from stepserve.policies.types import RequestKind, RequestSpec
 
@@ -68,9 +70,7 @@ def build_preset_components(preset: str, seed: int, parts: Collection[str], devi
                             dtype: torch.dtype) -> dict[str, Any]:
     """Random-weight components of the real classes. Each component is seeded on its own so a
     process that builds only the UNet gets the same UNet as one that builds everything."""
-    if preset not in PRESETS:
-        raise ValueError(f"unknown sd15 preset {preset!r}; known: {sorted(PRESETS)}")
-    cfg = PRESETS[preset]
+    cfg = preset_config(PRESETS, preset, "sd15")
     out: dict[str, Any] = {"scheduler": EulerDiscreteScheduler(**SD_SCHEDULER)}
     builders = {
         TEXT: lambda: CLIPTextModel(clip_text_config(cfg["text"])),

@@ -25,7 +25,7 @@ from stepserve.engine.families import sd15
 from stepserve.engine.families.base import DENOISER, TEXT, VAE, ModelSource, RowConditioning, TextEmbeddings
 from stepserve.engine.families.flow_matching import FlowMatchingImageFamily
 from stepserve.engine.families.presets import (
-    autoencoder_kl, clip_text_config, seeded_parts, t5_encoder, vae_geometry,
+    autoencoder_kl, clip_text_config, preset_config, seeded_parts, t5_encoder, vae_geometry,
 )
 from stepserve.engine.families.sdxl import TEXT_2
 from stepserve.engine.tokenizer import byte_level_clip_tokenizer, byte_level_vocab, character_t5_tokenizer, \
@@ -85,9 +85,7 @@ PRESETS = {"tiny": TINY, "full": FULL}
 def build_preset_components(preset: str, seed: int, parts: Collection[str], device: torch.device,
                             dtype: torch.dtype) -> dict[str, Any]:
     """Random-weight components of the real classes, each seeded on its own (as SD1.5's)."""
-    if preset not in PRESETS:
-        raise ValueError(f"unknown sd3 preset {preset!r}; known: {sorted(PRESETS)}")
-    cfg = PRESETS[preset]
+    cfg = preset_config(PRESETS, preset, "sd3")
     out: dict[str, Any] = {"scheduler": FlowMatchEulerDiscreteScheduler(**SD3_SCHEDULER)}
     builders = {  # in seed order: SD1.5's parts, then the encoders built with TEXT
         TEXT: lambda: CLIPTextModelWithProjection(clip_text_config(cfg["text"])),

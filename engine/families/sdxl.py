@@ -18,7 +18,9 @@ from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokeniz
 
 from stepserve.engine.families.base import DENOISER, TEXT, VAE, RowConditioning, TextEmbeddings
 from stepserve.engine.families import sd15
-from stepserve.engine.families.presets import autoencoder_kl, clip_text_config, seeded_parts, vae_geometry
+from stepserve.engine.families.presets import (
+    autoencoder_kl, clip_text_config, preset_config, seeded_parts, vae_geometry,
+)
 from stepserve.engine.families.sd15 import SD15Family, SD_SCHEDULER
 from stepserve.engine.tokenizer import byte_level_clip_tokenizer, byte_level_vocab
 from stepserve.policies.types import RequestSpec
@@ -69,9 +71,7 @@ PRESETS = {"tiny": TINY, "full": FULL}
 def build_preset_components(preset: str, seed: int, parts: Collection[str], device: torch.device,
                             dtype: torch.dtype) -> dict[str, Any]:
     """Random-weight components of the real classes, each seeded on its own (as SD1.5's)."""
-    if preset not in PRESETS:
-        raise ValueError(f"unknown sdxl preset {preset!r}; known: {sorted(PRESETS)}")
-    cfg = PRESETS[preset]
+    cfg = preset_config(PRESETS, preset, "sdxl")
     out: dict[str, Any] = {"scheduler": EulerDiscreteScheduler(**SD_SCHEDULER)}
     builders = {  # in seed order: SD1.5's parts, then the second encoder (built with TEXT)
         TEXT: lambda: CLIPTextModel(clip_text_config(cfg["text"])),

@@ -42,6 +42,12 @@ def test_missing_folder_is_a_clear_error(tmp_path):
         load_family(ModelSource(name="nope", family="sd15", path=str(tmp_path / "nope")), ALL_PARTS, "cpu")
 
 
+@pytest.mark.parametrize("family", ["sd15", "sdxl", "sd3", "flux"])
+def test_an_unknown_preset_names_the_known_ones(family):
+    with pytest.raises(ValueError, match=rf"unknown {family} preset 'huge'; known: \[.*'tiny'"):
+        load_family(ModelSource(name="x", family=family, preset="huge"), ALL_PARTS, "cpu")
+
+
 def test_model_source_needs_exactly_one_origin():
     with pytest.raises(ValueError, match="exactly one"):
         ModelSource(name="x", family="sd15")
