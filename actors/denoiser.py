@@ -6,7 +6,8 @@ sequence-parallel with other workers of the same `SPWorld`. `interrupt` runs in 
 group of its own (`CONTROL`), beside a running plan, so the router can cut a plan of several
 steps short at its next step boundary. Latents stay on the worker between
 steps: they leave only as an exported or checkpointed state (host memory, handed on as an
-object ref), a finished image's latents, or a finished video's frames.
+object ref), a finished image's latents (its PNG when the worker decodes images), or a finished
+video's frames.
 """
 
 from __future__ import annotations
@@ -56,21 +57,23 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def worker_parts(source: ModelSource) -> set[str]:
-    """A family whose requests decode where they were denoised loads its VAE here too."""
-    return {DENOISER, VAE} if family_class(source.family).decode_on_worker else {DENOISER}
+def worker_parts(source: ModelSource, decode_images: bool = False) -> set[str]:
+    """A model whose requests decode where they were denoised loads its VAE here too: a video
+    family's always, an image model's when the worker decodes images."""
+    decodes = decode_images or family_class(source.family).decode_on_worker
+    return {DENOISER, VAE} if decodes else {DENOISER}
 
 
 class DenoiserWorker:
     def __init__(self, worker_id: str, models: Sequence[ModelSource], device: str = "auto",
-                 torch_threads: int | None = None):
+                 torch_threads: int | None = None, decode_images: bool = False):
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.device = resolve_device(device)
-        families = {m.name: load_family(m, worker_parts(m), self.device) for m in models}
+        families = {m.name: load_family(m, worker_parts(m, decode_images), self.device) for m in models}
         # New on every process start: a restarted actor has lost every resident request.
         self.incarnation = uuid4().hex
-        self.runner = StepRunner(worker_id, families, self.incarnation)
+        self.runner = StepRunner(worker_id, families, self.incarnation, decode_images)
         self.sp_world: SPWorld | None = None
         self._interrupted = 0  # the plan id the router last asked to cut short
 

@@ -20,6 +20,7 @@ class WorkerPoolSpec:
     num_gpus: float = 0
     device: str = "auto"
     torch_threads: int | None = None
+    decode_images: bool = False  # a finished image leaves its worker as a PNG (`vae_decoder.on_workers`)
 
 
 def start_workers(spec: WorkerPoolSpec, models: Sequence[ModelSource],
@@ -41,5 +42,5 @@ def start_workers(spec: WorkerPoolSpec, models: Sequence[ModelSource],
             # A crashed worker comes back (reloading its models); the router resumes what it held.
             name=names[worker_id], num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, max_restarts=-1,
             max_concurrency=1,
-        ).remote(worker_id, list(models), spec.device, spec.torch_threads)
+        ).remote(worker_id, list(models), spec.device, spec.torch_threads, spec.decode_images)
     return workers, names

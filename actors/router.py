@@ -4,7 +4,8 @@ It owns the denoiser workers and runs one scheduling task (schedule / execute / 
 whole pool: the core decides and sends plans, the workers run them, their reports come back)
 and one report loop per worker (reports are applied in plan order). It asks the text encoder
 for embeddings while a request waits and hands workers only object refs; a denoised image's
-latents go by reference to the VAE decoder, a video's frames to the job store. A plain class:
+latents go by reference to the VAE decoder (or, with no decoder, its worker already decoded it
+and its PNG comes back), a video's frames to the job store. A plain class:
 `build_app` deploys it as a single-replica Serve deployment, so Serve health-checks and
 restarts it; the workers it owns share its fate, the job store does not.
 """
@@ -61,7 +62,7 @@ class Router:
     # public method is async too: Serve runs sync methods in a thread pool, and the core must
     # only ever be touched from the event loop.
     async def __init__(self, models: Sequence[ModelSource], pool: WorkerPoolSpec, spec: RouterSpec,
-                       text_encoder: Any, decoder: Any, store: Any, name: str = "stepserve"):
+                       text_encoder: Any, decoder: Any | None, store: Any, name: str = "stepserve"):
         self.text_encoder, self.decoder, self.store = text_encoder, decoder, store
         self.workers, self._actor_names = start_workers(pool, models, name)
         costs = load_profile(*spec.profiles) if spec.profiles else None
@@ -303,15 +304,12 @@ class Router:
         if outcome.denoised or outcome.failed or outcome.recovered:
             self._published()
 
-    async def _decode_image(self, spec: RequestSpec, latents: ray.ObjectRef) -> None:
+    async def _decode_image(self, spec: RequestSpec, output: ray.ObjectRef) -> None:
+        """`output` is the image's latents, which the decoder turns into its PNG, or (no decoder:
+        `vae_decoder.on_workers`) the PNG its worker already decoded."""
         rid = spec.request_id
-        for attempt in range(1, DECODE_ATTEMPTS + 1):
-            try:
-                png = await self.decoder.decode_png.remote(spec.model, latents)
-                break
-            except Exception:
-                logger.exception("decoding %s failed (attempt %d of %d)", rid, attempt, DECODE_ATTEMPTS)
-        else:
+        png = await (self._fetch_png(rid, output) if self.decoder is None else self._decode_png(spec, output))
+        if png is None:
             self._fail(rid, "decoding failed")
             return
         now = time.monotonic()
@@ -323,6 +321,22 @@ class Router:
             self.core.forget(rid)
         self._published()
         self._kick.set()
+
+    async def _decode_png(self, spec: RequestSpec, latents: ray.ObjectRef) -> bytes | None:
+        for attempt in range(1, DECODE_ATTEMPTS + 1):
+            try:
+                return await self.decoder.decode_png.remote(spec.model, latents)
+            except Exception:
+                logger.exception("decoding %s failed (attempt %d of %d)", spec.request_id, attempt, DECODE_ATTEMPTS)
+        return None
+
+    @staticmethod
+    async def _fetch_png(rid: str, png: ray.ObjectRef) -> bytes | None:
+        try:
+            return await png
+        except Exception:  # its worker died before the PNG could be fetched
+            logger.exception("fetching the decoded image of %s failed", rid)
+            return None
 
     async def _store_video(self, spec: RequestSpec, frames: ray.ObjectRef) -> None:
         rid = spec.request_id

@@ -101,6 +101,9 @@ class CoreConfig:
     # not per step. A request that arrives meanwhile, or a cancel, cuts the plan short at its next
     # step (see `RouterCore`). 0: a step a plan.
     max_plan_s: float = 0.3
+    # A finished image is decoded inside its worker's last plan (`vae_decoder.on_workers`), so
+    # that plan's predicted time includes the decode, as it does a video's.
+    images_decode_on_workers: bool = False
 
     def __post_init__(self) -> None:
         if self.pipeline_depth < 1:
@@ -964,7 +967,7 @@ class RouterCore:
         self.load_version += 1
 
     def _predict(self, plan: WorkerPlan) -> float | None:
-        """The profile's time for the plan: its forwards (one round) and any video decode."""
+        """The profile's time for the plan: its forwards (one round) and any decode it ends with."""
         if self._costs is None or not (plan.groups or plan.finish):
             return None
         batches = []
@@ -976,7 +979,7 @@ class RouterCore:
         total = self._costs.round_seconds(batches) * plan.steps if batches else 0.0
         for rid in plan.finish:
             spec = self._requests[rid].spec
-            if spec.is_video:
+            if spec.is_video or self.config.images_decode_on_workers:
                 total += self._costs.decode_seconds(spec.model, spec.height, spec.width, spec.num_frames)
         return total
 

@@ -1,4 +1,5 @@
-"""The application graph: Ingress → Router (→ denoiser workers) → TextEncoder, VAEDecoder, JobStore.
+"""The application graph: Ingress → Router (→ denoiser workers) → TextEncoder, VAEDecoder, JobStore
+(no VAEDecoder when the workers decode images: `vae_decoder.on_workers`).
 
 `build_app(args)` is used from Python and from Serve YAML (`import_path:
 stepserve.deployments.app:build_app`, `args:` holding an `AppConfig`).
@@ -6,6 +7,7 @@ stepserve.deployments.app:build_app`, `args:` holding an `AppConfig`).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from ray import serve
@@ -48,10 +50,11 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
         ray_actor_options=_component_options(config, te),
     ).bind(sources, te.device, te.torch_threads, te.max_batch_size, te.batch_wait_timeout_s, te.cache_size)
 
-    # Videos decode on the worker that holds them (GenServe: decode does not benefit from SP).
+    # Videos decode on the worker that holds them (GenServe: decode does not benefit from SP);
+    # images too when `vae_decoder.on_workers`, and then there is no decoder deployment.
     vd = config.vae_decoder
     image_sources = [m.to_source() for m in config.models if not m.is_video]
-    vae_decoder = serve.deployment(VAEDecoder, name="VAEDecoder").options(
+    vae_decoder = None if vd.on_workers else serve.deployment(VAEDecoder, name="VAEDecoder").options(
         num_replicas=vd.num_replicas, max_ongoing_requests=16, ray_actor_options=_component_options(config, vd),
     ).bind(image_sources, vd.device, vd.torch_threads)
 
@@ -62,10 +65,12 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
     ).bind(jobs.ttl_s, jobs.max_bytes, jobs.max_jobs)
 
     rc = config.router
-    spec = RouterSpec(rc.policy, config.policy_options(), tuple(rc.profiles), rc.core_config())
+    core = replace(rc.core_config(), images_decode_on_workers=vd.on_workers)
+    spec = RouterSpec(rc.policy, config.policy_options(), tuple(rc.profiles), core)
+    pool = replace(config.workers.to_spec(), decode_images=vd.on_workers)
     router = serve.deployment(Router, name="Router").options(
         num_replicas=1, max_ongoing_requests=LONG_CALLS, ray_actor_options=_actor_options(config, 0),
-    ).bind(sources, config.workers.to_spec(), spec, text_encoder, vae_decoder, store)
+    ).bind(sources, pool, spec, text_encoder, vae_decoder, store)
 
     ing = config.ingress
     return serve.deployment(Ingress, name="Ingress").options(

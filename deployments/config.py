@@ -225,6 +225,17 @@ class TextEncoderConfig(ComponentConfig):
     cache_size: int = Field(default=4096, ge=0, description="Embeddings kept, LRU by (model, text).")
 
 
+class VAEDecoderConfig(ComponentConfig):
+    on_workers: bool = Field(
+        default=False,
+        description="Decode each image (VAE decode + PNG) on the denoiser worker that denoised it, inside its last "
+                    "plan, as videos always are, and build no VAE decoder deployment (its other fields are then "
+                    "unused). One process and one hop fewer per image: the right trade on a small CPU box, where "
+                    "every process shares the same cores. Off (a decoder deployment), a decode never holds up "
+                    "the batch's steps: the right trade on GPUs, where a large image's decode and PNG take "
+                    "hundreds of ms.")
+
+
 class LimitsConfig(_Strict):
     max_n: int = Field(default=4, ge=1, description="Largest `n` (images per request).")
     max_prompt_chars: int = Field(default=4000, ge=1, description="Longest prompt/negative_prompt in characters.")
@@ -237,7 +248,7 @@ class AppConfig(_Strict):
     workers: WorkersConfig = Field(default_factory=WorkersConfig, description="Denoiser worker pool.")
     router: RouterConfig = Field(default_factory=RouterConfig, description="Queues and the scheduling policy.")
     text_encoder: TextEncoderConfig = Field(default_factory=TextEncoderConfig, description="Text encoder.")
-    vae_decoder: ComponentConfig = Field(default_factory=ComponentConfig, description="VAE decode + PNG (images).")
+    vae_decoder: VAEDecoderConfig = Field(default_factory=VAEDecoderConfig, description="VAE decode + PNG (images).")
     ingress: ComponentConfig = Field(default_factory=ComponentConfig, description="HTTP/handle ingress.")
     jobs: JobsConfig = Field(default_factory=JobsConfig, description="Video job store: retention and byte budget.")
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Request validation limits.")

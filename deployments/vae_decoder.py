@@ -1,23 +1,17 @@
-"""VAE decoder deployment: latents → PNG bytes, off the denoising loop."""
+"""VAE decoder deployment: latents → PNG bytes, off the denoising loop (unless
+`vae_decoder.on_workers`: then the worker that denoised an image decodes it, and this
+deployment is not built)."""
 
 from __future__ import annotations
 
-import io
 from collections.abc import Sequence
 
 import numpy as np
 import torch
-from diffusers.image_processor import VaeImageProcessor
 
-from ..actors.denoiser import resolve_device
-from ..engine.families import VAE, ModelSource, load_family
-
-
-def encode_png(image: np.ndarray) -> bytes:
-    """float [H, W, 3] in [0, 1] → PNG, rounding exactly as diffusers' numpy_to_pil."""
-    buffer = io.BytesIO()
-    VaeImageProcessor.numpy_to_pil(image[None])[0].save(buffer, format="PNG", compress_level=1)
-    return buffer.getvalue()
+from stepserve.actors.denoiser import resolve_device
+from stepserve.engine.families import VAE, ModelSource, load_family
+from stepserve.engine.png import encode_png
 
 
 class VAEDecoder:

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from stepserve.engine.families.base import DiffusionFamily
+from stepserve.engine.png import encode_png
 from stepserve.engine.sampler import Conditioning, Sampler
 from stepserve.policies.types import (
     RequestFailure,
@@ -46,10 +47,14 @@ class Admission:
 
 
 class StepRunner:
-    def __init__(self, worker_id: str, families: Mapping[str, DiffusionFamily], incarnation: str = ""):
+    def __init__(self, worker_id: str, families: Mapping[str, DiffusionFamily], incarnation: str = "",
+                 decode_images: bool = False):
+        """`decode_images`: a finished image leaves as its PNG, decoded by this worker's VAE, not as
+        its latents (`vae_decoder.on_workers`). A video always leaves decoded (`decode_on_worker`)."""
         self.worker_id = worker_id
         self.families = dict(families)
         self.incarnation = incarnation
+        self.decode_images = decode_images
         self.samplers: dict[str, Sampler] = {}
         self._cuda_devices = {f.device for f in self.families.values() if f.device.type == "cuda"}
 
@@ -73,7 +78,8 @@ class StepRunner:
         Returns the report and one payload per id of `plan.outputs`, in that order: an export's
         or a checkpoint's state (host-memory copies), a finished image's latents (float32
         [1, C, h, w]) or a finished video's frames (uint8 [F, H, W, 3]); None where it failed,
-        or where the plan was cut short before the request's last step.
+        or where the plan was cut short before the request's last step. A finished image is its
+        PNG instead of its latents when the runner decodes images.
         """
         start = time.perf_counter()
         run = _PlanRun(self)
@@ -257,6 +263,8 @@ class _PlanRun:
             family = self.family(sampler.spec)
             if family.decode_on_worker:
                 output = _decode_video(family, sampler.latents)
+            elif self.runner.decode_images:
+                output = _decode_png(family, sampler.latents)
             else:
                 output = sampler.latents.float().cpu().numpy()
         except Exception as exc:
@@ -266,10 +274,20 @@ class _PlanRun:
         return output
 
 
+def _decode_png(family: DiffusionFamily, latents: torch.Tensor) -> bytes:
+    """An image's PNG, decoded by this worker's VAE exactly as the VAE decoder deployment does."""
+    _check_vae(family)
+    return encode_png(family.decode(latents.float())[0])
+
+
 def _decode_video(family: DiffusionFamily, latents: torch.Tensor) -> np.ndarray:
     """A video's frames, uint8 [F, H, W, 3], decoded by this worker's VAE."""
-    if getattr(family, "vae", None) is None:
-        raise ValueError(f"model {family.source.name!r} has no VAE loaded on this worker")
+    _check_vae(family)
     video = family.decode(latents)[0]
     # Rounded as diffusers' `numpy_to_pil` rounds (the frames are already clamped to [0, 1]).
     return (video * 255).round().astype(np.uint8)
+
+
+def _check_vae(family: DiffusionFamily) -> None:
+    if getattr(family, "vae", None) is None:
+        raise ValueError(f"model {family.source.name!r} has no VAE loaded on this worker")

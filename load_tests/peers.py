@@ -31,7 +31,7 @@ from ray.serve import Application
 
 from stepserve.deployments.config import ModelConfig
 from stepserve.deployments.protocol import ImageGenerationRequest
-from stepserve.deployments.vae_decoder import encode_png
+from stepserve.engine.png import encode_png
 from stepserve.engine.families import ALL_PARTS, load_family
 
 GENERATIONS = "/v1/images/generations"

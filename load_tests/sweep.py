@@ -61,7 +61,7 @@ def add_sim_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queued-videos", type=int, default=None,
                         help="the same bound for videos (default: 1024)")
     parser.add_argument("--decoders", type=int, default=None,
-                        help="VAE decoder replicas (default: one per worker)")
+                        help="VAE decoder replicas (default: one per worker; 0: images decode on their worker)")
     parser.add_argument("--text-encoders", type=int, default=None, help="text encoder replicas (default: 1)")
     parser.add_argument("--host-cpus", type=float, default=None,
                         help="all components share one CPU host of this many cores (a CPU box running the whole "
@@ -96,7 +96,7 @@ def sim_config_from_serve(path: str | os.PathLike) -> dict[str, Any]:
         policy_options=dict(app.router.policy_options), max_queued_images=app.router.max_queued_images,
         max_queued_videos=app.router.max_queued_videos, pipeline_depth=app.router.pipeline_depth,
         pipeline_lead_s=app.router.pipeline_lead_s, max_plan_s=app.router.max_plan_s,
-        decoders=app.vae_decoder.num_replicas,
+        decoders=0 if app.vae_decoder.on_workers else app.vae_decoder.num_replicas,
         text_encoder=TextEncoderSpec(replicas=te.num_replicas, max_batch_size=te.max_batch_size,
                                      batch_wait_s=te.batch_wait_timeout_s, cache_size=te.cache_size),
     )

@@ -371,7 +371,7 @@ def measure_text_encode(ctx: Context, threads: int) -> list[ProfileRow]:
 
 
 def measure_vae_decode(ctx: Context, threads: int) -> list[ProfileRow]:
-    from stepserve.deployments.vae_decoder import encode_png
+    from stepserve.engine.png import encode_png
 
     family, grid = ctx.family, ctx.grid
     log(f"[vae_decode] decode + PNG, sizes {list(grid.sizes)}, {threads} thread(s)")
@@ -652,7 +652,9 @@ def run_profile(args: argparse.Namespace) -> int:
     rows = measure_denoise(ctx, worker_threads)
     rows += measure_round_bookkeeping(ctx, worker_threads)
     rows += measure_text_encode(ctx, set_threads(app.text_encoder.torch_threads))
-    rows += measure_vae_decode(ctx, set_threads(app.vae_decoder.torch_threads))
+    # Where images decode: on the workers (`vae_decoder.on_workers`), with their threads.
+    decoder = app.workers if app.vae_decoder.on_workers else app.vae_decoder
+    rows += measure_vae_decode(ctx, set_threads(decoder.torch_threads))
     set_threads(app.workers.torch_threads)
     cores = os.cpu_count() or 1
     probe = (not args.quick) if args.host_probe is None else args.host_probe

@@ -12,15 +12,15 @@ What it models, in the live system's order (actors/router.py, deployments/):
    `RouterCore.schedule` at that instant, which sends plans to workers as the live router does
    (up to `pipeline_depth` queued per worker).
 4. A worker runs its plans in order (`SimWorker`, the StepRunner's twin); each takes the cost
-   model's `round_seconds` of the groups that ran (plus a video's VAE decode when it finishes
-   there). A plan with a sequence-parallel step starts when every member of the group has
-   reached it, as the collective makes the live workers wait; a plan that resumes a request
-   starts when the state it resumes from exists. A plan the core interrupts ends after the
+   model's `round_seconds` of the groups that ran (plus the VAE decode of a video it finishes,
+   and of an image when `decoders` is 0). A plan with a sequence-parallel step starts when
+   every member of the group has reached it, as the collective makes the live workers wait; a
+   plan that resumes a request starts when the state it resumes from exists. A plan the core interrupts ends after the
    step it is running (or after its first, if it has not started). Reports go to
    `RouterCore.apply`.
-5. A denoised image goes to the VAE decoder (a FIFO per replica), a denoised video is stored;
-   then the core is told it is complete, and the rest of the request overhead passes before the
-   response.
+5. A denoised image goes to the VAE decoder (a FIFO per replica; with no decoder its worker
+   already decoded it), a denoised video is stored; then the core is told it is complete, and
+   the rest of the request overhead passes before the response.
 
 With `host_cpus` set, every timed piece of work (request overhead, text encoding, worker plans,
 decoding) is single-threaded CPU work on one `SharedHost` of that many cores, so they slow each
@@ -71,7 +71,9 @@ class SimConfig:
     max_image_queue_wait_s: float | None = None  # RouterConfig: also rejected beyond this predicted wait
     max_video_queue_wait_s: float | None = None
     text_encoder: TextEncoderSpec = TextEncoderSpec()
-    decoders: int = 1  # image VAE decoder replicas (videos decode on their worker)
+    # Image VAE decoder replicas; 0: images decode on their worker, as videos always do
+    # (`vae_decoder.on_workers`).
+    decoders: int = 1
     # Share of the per-request overhead spent before the router sees the request (the rest
     # after decoding): half in, half out.
     submit_overhead_share: float = 0.5
@@ -84,8 +86,8 @@ class SimConfig:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         if self.pipeline_depth < 1:
             raise ValueError(f"pipeline_depth must be >= 1, got {self.pipeline_depth}")
-        if self.decoders < 1:
-            raise ValueError(f"decoders must be >= 1, got {self.decoders}")
+        if self.decoders < 0:
+            raise ValueError(f"decoders must be >= 0, got {self.decoders}")
         if not 0.0 <= self.submit_overhead_share <= 1.0:
             raise ValueError(f"submit_overhead_share must be in [0, 1], got {self.submit_overhead_share}")
         if self.host_cpus is not None and not self.host_cpus > 0:
@@ -252,18 +254,19 @@ class Simulation:
         worker_ids = [f"w{i}" for i in range(config.workers)]
         core_config = CoreConfig(
             pipeline_depth=config.pipeline_depth, pipeline_lead_s=config.pipeline_lead_s,
-            max_plan_s=config.max_plan_s, checkpoint_interval_s=None,
+            max_plan_s=config.max_plan_s, checkpoint_interval_s=None, images_decode_on_workers=not config.decoders,
             max_queued={RequestKind.T2I: config.max_queued_images, RequestKind.T2V: config.max_queued_videos},
             max_wait_s={RequestKind.T2I: config.max_image_queue_wait_s,
                         RequestKind.T2V: config.max_video_queue_wait_s})
         self.core = RouterCore(policy, [WorkerSlot(wid, config.max_batch_size, i) for i, wid in enumerate(worker_ids)],
                                core_config, cost)
         self._round_cache: dict[tuple[BatchShape, ...], float] = {}
-        self.lanes = {wid: _Lane(SimWorker(wid, self._round_seconds, self._video_decode_seconds))
+        self.lanes = {wid: _Lane(SimWorker(wid, self._round_seconds, self._worker_decode_seconds))
                       for wid in worker_ids}
         self.encoder = TextEncoderService(config.text_encoder, self.events, self._run_work,
                                           cost.text_encode_seconds, self._on_ready)
-        self.decoder = DecoderService(config.decoders, self.events, self._run_work, self._on_decoded)
+        self.decoder = (DecoderService(config.decoders, self.events, self._run_work, self._on_decoded)
+                        if config.decoders else None)
         self.pending: dict[str, _Pending] = {}
         self._gangs: dict[tuple[int, str], set[str]] = {}  # (gang, request) -> members arrived
         self._gang = 0
@@ -292,7 +295,10 @@ class Simulation:
             seconds = self._round_cache[shapes] = self.cost.round_seconds(list(shapes))
         return seconds
 
-    def _video_decode_seconds(self, spec: RequestSpec) -> float:
+    def _worker_decode_seconds(self, spec: RequestSpec) -> float:
+        """What a worker spends decoding a request it finishes: 0 for an image the decoder takes."""
+        if not spec.is_video and self.decoder is not None:
+            return 0.0
         return self.cost.decode_seconds(spec.model, spec.height, spec.width, spec.num_frames)
 
     def _overhead(self, spec: RequestSpec, share: float) -> float:
@@ -471,7 +477,7 @@ class Simulation:
             entry = self.pending[rid]
             entry.finish_s = now
             spec = entry.spec
-            if spec.is_video:  # decoded on its worker already; stored at once
+            if spec.is_video or self.decoder is None:  # decoded on its worker already; stored at once
                 self._stored(entry)
             else:
                 self.decoder.submit(rid, self.cost.decode_seconds(spec.model, spec.height, spec.width))
@@ -495,7 +501,8 @@ class Simulation:
             rounds=sum(lane.worker.rounds for lane in self.lanes.values()), decisions=self.core.decisions,
             events=self.events.processed, end_s=self.events.now, wall_s=wall,
             decision_wall_s=tuple(self.decision_wall), text_encoder_busy_s=self.encoder.busy_s,
-            decoder_busy_s=self.decoder.busy_s, host_peak_jobs=None if self.host is None else self.host.peak_jobs,
+            decoder_busy_s=0.0 if self.decoder is None else self.decoder.busy_s,
+            host_peak_jobs=None if self.host is None else self.host.peak_jobs,
         )
 
     def _trace(self, entry: _Pending) -> RequestTrace:

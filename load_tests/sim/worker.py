@@ -7,7 +7,8 @@ request's steps, and answers with a real `StepReport` plus one token per `plan.o
 fails a request exactly where the real runner does (not resident, resuming from a state that is
 not ready), so the core's fault handling can be driven by it too. Time comes from the cost
 model: a plan takes the cost of the groups that really ran (`cost.round_seconds`) for each of
-its steps, plus a video's decode when it finishes here. A plan starts (`start`: drops,
+its steps, plus the decode of what it finishes that decodes here (`decode_cost`: a video
+always, an image when the workers decode images). A plan starts (`start`: drops,
 admissions) when the worker would start it and ends (`end`: steps, outputs, report) when its
 time is up, or after fewer steps when the router cut it short.
 """
@@ -60,7 +61,7 @@ class _Running:
         self.touched: list[str] = []
         self.groups: list[list[_Resident]] = []  # the members of each forward that runs
         self.step_s = 0.0  # one step's seconds: the cost of its forwards
-        self.tail_s = 0.0  # after its last step: the decode of the videos it finishes
+        self.tail_s = 0.0  # after its last step: the decode of what it finishes here
 
 
 class SimWorker:
@@ -110,7 +111,7 @@ class SimWorker:
             running.groups.append(members)
         running.step_s = self.round_cost(tuple(shapes)) if shapes else 0.0
         running.tail_s = sum(self.decode_cost(self.resident[rid].spec) for rid in plan.finish
-                             if rid in self.resident and rid not in failed and self.resident[rid].spec.is_video)
+                             if rid in self.resident and rid not in failed)
         return running
 
     def end(self, running: _Running, steps_run: int | None = None) -> tuple[StepReport, list, float]:
@@ -138,8 +139,7 @@ class SimWorker:
                         failed[rid] = RequestFailure(rid, "finish before the last step")
                     outputs.append(None)
                 else:
-                    if resident.spec.is_video:
-                        seconds += self.decode_cost(resident.spec)
+                    seconds += self.decode_cost(resident.spec)
                     outputs.append(rid)
             else:
                 outputs.append(SimState(rid, resident.done))

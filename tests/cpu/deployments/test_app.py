@@ -27,7 +27,7 @@ def app_args(**changes) -> dict:
 
 
 def test_every_deployment_exports_serves_metrics_at_the_configured_interval():
-    graph = deployments(build_app(app_args()))
+    graph = deployments(build_app(app_args(vae_decoder={"on_workers": False})))
     assert set(graph) == {"Ingress", "Router", "TextEncoder", "VAEDecoder", "JobStore"}
     for name, deployment in graph.items():
         assert deployment.ray_actor_options["runtime_env"]["env_vars"][METRICS_ENV] == "1000", name
@@ -47,3 +47,17 @@ def test_resources_are_the_configs():
     assert graph["TextEncoder"].ray_actor_options["num_cpus"] == 0.3
     assert graph["Router"].ray_actor_options["num_cpus"] == 0
     assert graph["JobStore"].ray_actor_options["num_cpus"] == 0
+
+
+def test_workers_that_decode_images_replace_the_decoder_deployment():
+    graph = deployments(build_app(app_args(vae_decoder={"on_workers": False})))
+    assert "VAEDecoder" in graph
+    _, pool, spec, _, decoder, _ = graph["Router"].init_args
+    assert not pool.decode_images and not spec.core.images_decode_on_workers
+    assert isinstance(decoder, Application)
+
+    graph = deployments(build_app(app_args(vae_decoder={"on_workers": True})))
+    assert set(graph) == {"Ingress", "Router", "TextEncoder", "JobStore"}
+    _, pool, spec, _, decoder, _ = graph["Router"].init_args
+    # The workers load the VAE and return PNGs; the router predicts each last plan with its decode.
+    assert pool.decode_images and spec.core.images_decode_on_workers and decoder is None

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from stepserve.engine.families import ALL_PARTS, DENOISER, load_family
+from stepserve.actors.denoiser import worker_parts
+from stepserve.engine.families import ALL_PARTS, DENOISER, VAE, load_family
+from stepserve.engine.png import encode_png
 from stepserve.engine.sampler import Conditioning
 from stepserve.engine.step_runner import Admission, StepRunner
 from stepserve.policies.types import RequestFailure, RequestProgress, StepGroup, WorkerPlan
@@ -238,6 +240,37 @@ def test_images_and_a_video_in_one_plan(tiny_family, wan):
     # ... which is WanPipeline's video, up to one level of rounding.
     expected = (solo_pipeline_video(wan, specs[2])[0] * 255).round().astype(np.uint8)
     assert np.abs(frames.astype(int) - expected.astype(int)).max() <= 1
+
+
+def test_a_worker_that_decodes_images_returns_the_decoder_deployments_png(tiny_family, wan):
+    specs = [make_spec("a", steps=2, seed=7), make_spec("b", steps=3, seed=8, negative="blurry"),
+             make_video_spec("v", steps=2, seed=9)]
+    ids = tuple(s.request_id for s in specs)
+    admissions = admissions_for(specs, tiny_family, wan)
+    groups = (group("a", "b"), group("v"))
+    outputs = {}
+    for decode_images in (False, True):
+        r = StepRunner("w0", {f.source.name: f for f in (tiny_family, wan)}, decode_images=decode_images)
+        r.execute(WorkerPlan("w0", admit=ids, groups=groups), admissions)
+        r.execute(WorkerPlan("w0", groups=(group("a", "b"), group("v")), finish=("a", "v")), {})
+        report, finished = r.execute(WorkerPlan("w0", groups=(group("b"),), finish=("b",)), {})
+        assert report.failed == () and r.resident == ()
+        outputs[decode_images] = finished
+    latents, png = outputs[False][0], outputs[True][0]
+    assert isinstance(png, bytes) and latents.dtype == np.float32
+    # Byte for byte what the VAE decoder deployment makes of the latents the other runner returned.
+    assert png == encode_png(tiny_family.decode(torch.from_numpy(latents))[0])
+
+
+def test_a_worker_loads_an_image_models_vae_only_when_it_decodes_images(tiny_family, wan):
+    assert worker_parts(tiny_family.source) == {DENOISER}
+    assert worker_parts(tiny_family.source, decode_images=True) == {DENOISER, VAE}
+    assert worker_parts(wan.source) == {DENOISER, VAE}  # a video always decodes where it was denoised
+    r = StepRunner("w0", {"tiny-sd": load_family(tiny_family.source, {DENOISER}, "cpu")}, decode_images=True)
+    spec = make_spec("a", steps=1)
+    report, (png,) = r.execute(WorkerPlan("w0", admit=("a",), groups=(group("a"),), finish=("a",)),
+                               {"a": admission_for(tiny_family, spec)})
+    assert png is None and failures(report) == {"a": False} and "no VAE loaded" in report.failed[0].message
 
 
 def test_a_video_paused_and_resumed_elsewhere_equals_uninterrupted(wan):

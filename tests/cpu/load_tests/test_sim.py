@@ -136,6 +136,18 @@ def test_an_open_worker_is_asked_again_at_once():
     assert result.decisions == 6
 
 
+def test_hand_timeline_images_decoded_on_their_worker():
+    # No decoder (`vae_decoder.on_workers`): depth 1's plans, but P3, which finishes both, also
+    # decodes both on the worker (0.5 s each) [2.1, 4.1]; both are done when it reports.
+    result = simulate(TWO, ConstantCost(), replace(one_worker(1), decoders=0))
+    got = timeline(result)
+    assert got[0] == pytest.approx((0.0, 0.1, 0.1, 4.1, 4.1))
+    assert got[1] == pytest.approx((0.25, 0.35, 1.1, 4.1, 4.1))
+    assert result.busy_s == {"w0": pytest.approx(4.0)} and result.decoder_busy_s == 0.0
+    with pytest.raises(ValueError, match="decoders must be >= 0"):
+        SimConfig(decoders=-1)
+
+
 def test_request_overhead_is_split_around_the_router():
     # 0.2 s of fixed overhead: half before submit, half after decode; the rest shifts by 0.1.
     cost = ConstantCost(overhead_s=0.2)
