@@ -371,7 +371,8 @@ class Router:
         task that records its outcome in the job store (await it to know it is recorded)."""
         self.core.forget(rid)
         if kind is RequestKind.T2V:
-            error = None if status == "cancelled" else {"code": "generation_failed", "message": "video generation failed"}
+            failed = {"code": "generation_failed", "message": "video generation failed"}
+            error = None if status == "cancelled" else failed
             return self._spawn(self._set_job_status(rid, status, error))
         waiter = self._waiters.pop(rid, None)
         if waiter is not None and not waiter.done():

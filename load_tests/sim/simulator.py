@@ -15,9 +15,9 @@ What it models, in the live system's order (actors/router.py, deployments/):
    model's `round_seconds` of the groups that ran (plus the VAE decode of a video it finishes,
    and of an image when `decoders` is 0). A plan with a sequence-parallel step starts when
    every member of the group has reached it, as the collective makes the live workers wait; a
-   plan that resumes a request starts when the state it resumes from exists. A plan the core interrupts ends after the
-   step it is running (or after its first, if it has not started). Reports go to
-   `RouterCore.apply`.
+   plan that resumes a request starts when the state it resumes from exists. A plan the core
+   interrupts ends after the step it is running (or after its first, if it has not started).
+   Reports go to `RouterCore.apply`.
 5. A denoised image goes to the VAE decoder (a FIFO per replica; with no decoder its worker
    already decoded it), a denoised video is stored; then the core is told it is complete, and
    the rest of the request overhead passes before the response.
@@ -295,9 +295,13 @@ class Simulation:
             seconds = self._round_cache[shapes] = self.cost.round_seconds(list(shapes))
         return seconds
 
+    def _decoded_on_worker(self, spec: RequestSpec) -> bool:
+        """A video always; an image when there is no decoder (`vae_decoder.on_workers`)."""
+        return spec.is_video or self.decoder is None
+
     def _worker_decode_seconds(self, spec: RequestSpec) -> float:
         """What a worker spends decoding a request it finishes: 0 for an image the decoder takes."""
-        if not spec.is_video and self.decoder is not None:
+        if not self._decoded_on_worker(spec):
             return 0.0
         return self.cost.decode_seconds(spec.model, spec.height, spec.width, spec.num_frames)
 
@@ -477,7 +481,7 @@ class Simulation:
             entry = self.pending[rid]
             entry.finish_s = now
             spec = entry.spec
-            if spec.is_video or self.decoder is None:  # decoded on its worker already; stored at once
+            if self._decoded_on_worker(spec):  # already decoded: stored at once
                 self._stored(entry)
             else:
                 self.decoder.submit(rid, self.cost.decode_seconds(spec.model, spec.height, spec.width))
