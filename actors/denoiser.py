@@ -21,9 +21,10 @@ import ray
 import torch
 
 from stepserve.actors.sp_world import DEFAULT_TIMEOUT_S, SPWorld, backend_for, rendezvous_address
-from stepserve.engine.families import DENOISER, VAE, ModelSource, family_class, load_family
+from stepserve.engine.families import DENOISER, TEXT, VAE, ModelSource, family_class, load_family
 from stepserve.engine.sampler import Conditioning
 from stepserve.engine.step_runner import Admission, StepRunner
+from stepserve.engine.text_encoding import CachedTextEncoder, Pair, encode_items, text_item
 from stepserve.policies.types import RequestFailure, RequestSpec, StepReport, WorkerPlan
 
 CONTROL = "control"  # the concurrency group of the calls that must not wait for a running plan
@@ -44,10 +45,11 @@ LOST = (
 class AdmissionRef:
     """The router's admission bundle: the spec, and an object ref to either the text encoder's
     (prompt, negative-or-None) embeddings, an `engine.text_encoding.Pair` (`resume=False`), or a
-    state another worker exported (`resume=True`)."""
+    state another worker exported (`resume=True`). A fresh start with no ref (None) is encoded by
+    the worker (`text_encoder.on_workers`)."""
 
     spec: RequestSpec
-    source: Any  # ray.ObjectRef
+    source: Any  # ray.ObjectRef, or None: the worker encodes the prompts
     resume: bool = False
 
 
@@ -57,20 +59,29 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def worker_parts(source: ModelSource, decode_images: bool = False) -> set[str]:
+def worker_parts(source: ModelSource, decode_images: bool = False, encode_text: bool = False) -> set[str]:
     """A model whose requests decode where they were denoised loads its VAE here too: a video
-    family's always, an image model's when the worker decodes images."""
-    decodes = decode_images or family_class(source.family).decode_on_worker
-    return {DENOISER, VAE} if decodes else {DENOISER}
+    family's always, an image model's when the worker decodes images; its text encoders when
+    the worker encodes prompts."""
+    parts = {DENOISER}
+    if decode_images or family_class(source.family).decode_on_worker:
+        parts.add(VAE)
+    if encode_text:
+        parts.add(TEXT)
+    return parts
 
 
 class DenoiserWorker:
     def __init__(self, worker_id: str, models: Sequence[ModelSource], device: str = "auto",
-                 torch_threads: int | None = None, decode_images: bool = False):
+                 torch_threads: int | None = None, decode_images: bool = False, text_cache_size: int | None = None):
+        """`text_cache_size`: None, the text encoder deployment encodes prompts; else this worker
+        does, keeping that many embeddings."""
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.device = resolve_device(device)
-        families = {m.name: load_family(m, worker_parts(m, decode_images), self.device) for m in models}
+        encodes = text_cache_size is not None
+        families = {m.name: load_family(m, worker_parts(m, decode_images, encodes), self.device) for m in models}
+        self.text = CachedTextEncoder(families, text_cache_size) if encodes else None
         # New on every process start: a restarted actor has lost every resident request.
         self.incarnation = uuid4().hex
         self.runner = StepRunner(worker_id, families, self.incarnation, decode_images)
@@ -102,21 +113,19 @@ class DenoiserWorker:
         self._interrupted = plan_id  # one int: read by the plan's thread between steps
 
     def _resolve(self, refs: tuple[AdmissionRef, ...]) -> tuple[dict[str, Admission], dict[str, RequestFailure]]:
-        """Every ref's value in one `ray.get`; if that fails, one by one, so a bad ref fails
-        only its own request."""
-        try:
-            values = ray.get([ref.source for ref in refs])
-        except Exception:
-            values = None
+        """Every ref's value in one `ray.get`, and the prompts to encode here in one batch; a
+        bad ref or prompt fails only its own request."""
+        here = [ref for ref in refs if ref.source is None and not ref.resume]
+        values = dict(zip((ref.spec.request_id for ref in here), self._encode([ref.spec for ref in here])))
+        values.update(_fetch([ref for ref in refs if ref.source is not None or ref.resume]))
         resolved: dict[str, Admission] = {}
         unresolved: dict[str, RequestFailure] = {}
-        for i, ref in enumerate(refs):
+        for ref in refs:
             rid = ref.spec.request_id
-            what = "state unavailable" if ref.resume else "text encoding failed"
-            try:
-                value = values[i] if values is not None else ray.get(ref.source)
-            except Exception as exc:
-                unresolved[rid] = RequestFailure(rid, f"{what}: {_reason(exc)}", lost=isinstance(exc, LOST))
+            value = values[rid]
+            if isinstance(value, Exception):
+                what = "state unavailable" if ref.resume else "text encoding failed"
+                unresolved[rid] = RequestFailure(rid, f"{what}: {_reason(value)}", lost=isinstance(value, LOST))
                 continue
             try:
                 if ref.resume:
@@ -126,6 +135,16 @@ class DenoiserWorker:
             except Exception as exc:
                 unresolved[rid] = RequestFailure(rid, f"admission failed: {_reason(exc)}", lost=False)
         return resolved, unresolved
+
+    def _encode(self, specs: list[RequestSpec]) -> list[Pair | Exception]:
+        """The prompts of the fresh starts this worker admits with no embeddings ref."""
+        if not specs:
+            return []
+        if self.text is None:
+            error = RuntimeError(f"worker {self.runner.worker_id} does not encode prompts (text_encoder.on_workers "
+                                 f"is off) and got no embeddings")
+            return [error] * len(specs)
+        return encode_items(self.text, [text_item(spec) for spec in specs])
 
     # ---- sequence-parallel world --------------------------------------------------------
 
@@ -155,6 +174,23 @@ class DenoiserWorker:
                                    f"ranks {ranks}")
             return None
         return self.sp_world.group(ranks)
+
+
+def _fetch(refs: list[AdmissionRef]) -> dict[str, Any]:
+    """Each ref's value, or the exception fetching it raised, by request id: all in one
+    `ray.get`, or, if that fails, one by one, so a bad ref fails only its own request."""
+    try:
+        values = ray.get([ref.source for ref in refs]) if refs else []
+    except Exception:
+        values = [_fetch_one(ref.source) for ref in refs]
+    return {ref.spec.request_id: value for ref, value in zip(refs, values)}
+
+
+def _fetch_one(source: Any) -> Any:
+    try:
+        return ray.get(source)
+    except Exception as exc:
+        return exc
 
 
 def _reason(exc: Exception) -> str:

@@ -21,6 +21,8 @@ class WorkerPoolSpec:
     device: str = "auto"
     torch_threads: int | None = None
     decode_images: bool = False  # a finished image leaves its worker as a PNG (`vae_decoder.on_workers`)
+    encode_text: bool = False  # a worker encodes the prompts of what it admits (`text_encoder.on_workers`)
+    text_cache_size: int = 4096  # embeddings each worker keeps when it encodes prompts
 
 
 def start_workers(spec: WorkerPoolSpec, models: Sequence[ModelSource],
@@ -42,5 +44,6 @@ def start_workers(spec: WorkerPoolSpec, models: Sequence[ModelSource],
             # A crashed worker comes back (reloading its models); the router resumes what it held.
             name=names[worker_id], num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, max_restarts=-1,
             max_concurrency=1,
-        ).remote(worker_id, list(models), spec.device, spec.torch_threads, spec.decode_images)
+        ).remote(worker_id, list(models), spec.device, spec.torch_threads, spec.decode_images,
+                 spec.text_cache_size if spec.encode_text else None)
     return workers, names

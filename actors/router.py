@@ -3,7 +3,9 @@
 It owns the denoiser workers and runs one scheduling task (schedule / execute / update for the
 whole pool: the core decides and sends plans, the workers run them, their reports come back)
 and one report loop per worker (reports are applied in plan order). It asks the text encoder
-for embeddings while a request waits and hands workers only object refs; a denoised image's
+for embeddings while a request waits and hands workers only object refs (with no text encoder,
+`text_encoder.on_workers`, a request is ready at once and the worker that admits it encodes its
+prompts); a denoised image's
 latents go by reference to the VAE decoder (or, with no decoder, its worker already decoded it
 and its PNG comes back), a video's frames to the job store. A plain class:
 `build_app` deploys it as a single-replica Serve deployment, so Serve health-checks and
@@ -27,6 +29,7 @@ from stepserve.actors.metrics import RouterMetrics
 from stepserve.actors.pool import WorkerPoolSpec, start_workers
 from stepserve.actors.router_core import Admission, CoreConfig, Outcome, RouterCore, WorkerSlot
 from stepserve.engine.families import ModelSource, family_class
+from stepserve.engine.text_encoding import text_item
 from stepserve.policies import make_policy, needs_costs
 from stepserve.policies.admission import LoadReport
 from stepserve.policies.cost_model import load_profile
@@ -62,7 +65,7 @@ class Router:
     # public method is async too: Serve runs sync methods in a thread pool, and the core must
     # only ever be touched from the event loop.
     async def __init__(self, models: Sequence[ModelSource], pool: WorkerPoolSpec, spec: RouterSpec,
-                       text_encoder: Any, decoder: Any | None, store: Any, name: str = "stepserve"):
+                       text_encoder: Any | None, decoder: Any | None, store: Any, name: str = "stepserve"):
         self.text_encoder, self.decoder, self.store = text_encoder, decoder, store
         self.workers, self._actor_names = start_workers(pool, models, name)
         costs = load_profile(*spec.profiles) if spec.profiles else None
@@ -185,7 +188,11 @@ class Router:
 
     def _submit(self, spec: RequestSpec) -> None:
         self.core.submit(spec, time.monotonic(), self._tail_s(spec))  # QueueFull/Duplicate go to the caller
-        self._spawn(self._encode(spec))
+        if self.text_encoder is None:  # its worker encodes its prompts when it admits it
+            self.core.mark_ready(spec.request_id, None, time.monotonic())
+            self._kick.set()
+        else:
+            self._spawn(self._encode(spec))
         self._published()
 
     def _tail_s(self, spec: RequestSpec) -> float:
@@ -201,9 +208,8 @@ class Router:
         """Ask for the embeddings; the request is ready once they exist. They are never fetched
         here: the worker that admits the request reads them (and a failed encoding fails the
         request there, on its own)."""
-        negative = spec.negative_prompt if spec.uses_cfg else None
         try:
-            response = self.text_encoder.encode.remote(spec.model, spec.prompt, negative)
+            response = self.text_encoder.encode.remote(*text_item(spec))
             ref = await response._to_object_ref()
             await ref._ready()
         except Exception:

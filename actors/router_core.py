@@ -104,6 +104,9 @@ class CoreConfig:
     # A finished image is decoded inside its worker's last plan (`vae_decoder.on_workers`), so
     # that plan's predicted time includes the decode, as it does a video's.
     images_decode_on_workers: bool = False
+    # A fresh request's prompts are encoded inside the plan that admits it (`text_encoder.on_workers`),
+    # so that plan's predicted time includes the encoding.
+    text_encode_on_workers: bool = False
 
     def __post_init__(self) -> None:
         if self.pipeline_depth < 1:
@@ -173,7 +176,8 @@ class _Request:
         self.arrival = arrival
         self.deadline = deadline
         self.status = RequestStatus.QUEUED
-        self.conditioning: object | None = None  # None until the text embeddings are ready
+        # The handle of its text embeddings once ready (None: its worker encodes the prompts).
+        self.conditioning: object | None = None
         self.host_state: object | None = None  # its state in host memory while PAUSED
         self.host_steps = 0
         self.host_from: tuple[str, int] | None = None  # the (worker, plan id) producing host_state, until reported
@@ -196,7 +200,7 @@ class _Request:
 
     @property
     def ready(self) -> bool:
-        return self.conditioning is not None
+        return self.ready_time is not None
 
     @property
     def needs_steps(self) -> bool:
@@ -323,8 +327,9 @@ class RouterCore:
         self._waiting_views = None
         self._changed_load()
 
-    def mark_ready(self, request_id: str, conditioning: object, now: float) -> None:
-        """The request's text embeddings are available (`conditioning` is their handle)."""
+    def mark_ready(self, request_id: str, conditioning: object | None, now: float) -> None:
+        """The request's text embeddings are available (`conditioning` is their handle), or, with
+        None, it can be admitted now and its worker encodes its prompts."""
         record = self._requests.get(request_id)
         if record is not None and not record.status.is_terminal:  # may arrive after a cancel
             record.conditioning = conditioning
@@ -488,7 +493,7 @@ class RouterCore:
         touched = set(plan.admit) | set(plan.stepping) | set(plan.outputs) | set(plan.release)
         for rid in touched:
             epochs[rid] = self._requests[rid].epoch
-        predicted = self._predict(plan)
+        predicted = self._predict(plan, admissions)
         expected = None if predicted is None else predicted + self.overhead.applied[self._kind_of(plan)]
         sent = _Sent(plan, now, epochs, by_output, predicted, expected,
                      any(self._requests[rid].spec.is_video for rid in plan.finish))
@@ -966,22 +971,34 @@ class RouterCore:
         poll answers. Not on every plan or report: that made the ingress poll at every step."""
         self.load_version += 1
 
-    def _predict(self, plan: WorkerPlan) -> float | None:
-        """The profile's time for the plan: its forwards (one round) and any decode it ends with."""
+    def _predict(self, plan: WorkerPlan, admissions: tuple[Admission, ...]) -> float | None:
+        """The profile's time for the plan: the prompts it encodes, its forwards (one round per
+        step) and any decode it ends with."""
         if self._costs is None or not (plan.groups or plan.finish):
             return None
+        total = self._encode_seconds(admissions) if self.config.text_encode_on_workers else 0.0
         batches = []
         for group in plan.groups:
             specs = [self._requests[rid].spec for rid in group.request_ids]
             head = specs[0]
             batches.append(BatchShape(head.model, head.height, head.width, sum(s.rows for s in specs),
                                       head.num_frames, max(1, len(group.ranks))))
-        total = self._costs.round_seconds(batches) * plan.steps if batches else 0.0
+        total += self._costs.round_seconds(batches) * plan.steps if batches else 0.0
         for rid in plan.finish:
             spec = self._requests[rid].spec
             if spec.is_video or self.config.images_decode_on_workers:
                 total += self._costs.decode_seconds(spec.model, spec.height, spec.width, spec.num_frames)
         return total
+
+    def _encode_seconds(self, admissions: tuple[Admission, ...]) -> float:
+        """The profile's time to encode the prompts of the fresh starts a plan admits (a resume
+        brings its state), one batch per model as the worker encodes them (its cache may make
+        it less)."""
+        texts: dict[str, int] = {}
+        for a in admissions:
+            if not a.resume:
+                texts[a.spec.model] = texts.get(a.spec.model, 0) + (2 if a.spec.uses_cfg else 1)
+        return sum(self._costs.text_encode_seconds(model, n) for model, n in texts.items())
 
     def _calibrate(self, worker: _Worker, sent: _Sent, now: float, steps_run: int) -> None:
         """What the plan cost as the router saw it (from when the worker could start it to its

@@ -1,5 +1,6 @@
 """The application graph: Ingress → Router (→ denoiser workers) → TextEncoder, VAEDecoder, JobStore
-(no VAEDecoder when the workers decode images: `vae_decoder.on_workers`).
+(no TextEncoder when the workers encode prompts, `text_encoder.on_workers`; no VAEDecoder when
+they decode images, `vae_decoder.on_workers`).
 
 `build_app(args)` is used from Python and from Serve YAML (`import_path:
 stepserve.deployments.app:build_app`, `args:` holding an `AppConfig`).
@@ -45,7 +46,7 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
     sources = [m.to_source() for m in config.models]
 
     te = config.text_encoder
-    text_encoder = serve.deployment(TextEncoder, name="TextEncoder").options(
+    text_encoder = None if te.on_workers else serve.deployment(TextEncoder, name="TextEncoder").options(
         num_replicas=te.num_replicas, max_ongoing_requests=max(64, 4 * te.max_batch_size),
         ray_actor_options=_component_options(config, te),
     ).bind(sources, te.device, te.torch_threads, te.max_batch_size, te.batch_wait_timeout_s, te.cache_size)
@@ -65,9 +66,10 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
     ).bind(jobs.ttl_s, jobs.max_bytes, jobs.max_jobs)
 
     rc = config.router
-    core = replace(rc.core_config(), images_decode_on_workers=vd.on_workers)
+    core = replace(rc.core_config(), images_decode_on_workers=vd.on_workers, text_encode_on_workers=te.on_workers)
     spec = RouterSpec(rc.policy, config.policy_options(), tuple(rc.profiles), core)
-    pool = replace(config.workers.to_spec(), decode_images=vd.on_workers)
+    pool = replace(config.workers.to_spec(), decode_images=vd.on_workers, encode_text=te.on_workers,
+                   text_cache_size=te.cache_size)
     router = serve.deployment(Router, name="Router").options(
         num_replicas=1, max_ongoing_requests=LONG_CALLS, ray_actor_options=_actor_options(config, 0),
     ).bind(sources, pool, spec, text_encoder, vae_decoder, store)

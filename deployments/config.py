@@ -222,7 +222,16 @@ class ComponentConfig(_Strict):
 class TextEncoderConfig(ComponentConfig):
     max_batch_size: int = Field(default=16, ge=1, description="Prompts encoded together (serve.batch).")
     batch_wait_timeout_s: float = Field(default=0.002, ge=0, description="Wait to fill a text batch.")
-    cache_size: int = Field(default=4096, ge=0, description="Embeddings kept, LRU by (model, text).")
+    cache_size: int = Field(default=4096, ge=0,
+                            description="Embeddings kept, LRU by (model, text); per worker when `on_workers`.")
+    on_workers: bool = Field(
+        default=False,
+        description="Encode each request's prompts on the denoiser worker that admits it, inside the plan that "
+                    "admits it (the texts of one plan's admissions in one batch), and build no text encoder "
+                    "deployment (then only `cache_size` is used, each worker keeping its own cache). One process and "
+                    "one hop fewer per request: the right trade on a small CPU box. Off (a text encoder "
+                    "deployment), prompts are encoded while the request waits, batched across requests, and an "
+                    "encode never holds up a batch's steps: the right trade on GPUs with large text encoders (T5).")
 
 
 class VAEDecoderConfig(ComponentConfig):

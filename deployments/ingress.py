@@ -111,7 +111,7 @@ class HTTPMetrics:
 
 @serve.ingress(api)
 class Ingress:
-    def __init__(self, config: AppConfig, router: Any, store: Any, text_encoder: Any):
+    def __init__(self, config: AppConfig, router: Any, store: Any, text_encoder: Any | None):
         self.config = config
         self.router = router
         self.text_encoder = text_encoder
@@ -245,13 +245,15 @@ class Ingress:
 
     @api.get("/ready")
     async def http_ready(self, request: Request) -> Response:
-        """200 while at least one denoiser worker serves and the text encoder answers."""
+        """200 while at least one denoiser worker serves and the text encoder (if any) answers."""
         async def handle() -> Response:
             self._authorize(request)
             rid = f"ready-{uuid.uuid4().hex[:8]}"
             try:
-                state, _ = await asyncio.wait_for(asyncio.gather(
-                    self.router.readiness.remote(), self.text_encoder.ready.remote()), READY_TIMEOUT_S)
+                calls = [self.router.readiness.remote()]
+                if self.text_encoder is not None:  # None: the workers encode prompts
+                    calls.append(self.text_encoder.ready.remote())
+                state, *_ = await asyncio.wait_for(asyncio.gather(*calls), READY_TIMEOUT_S)
             except Exception as exc:
                 logger.warning("not ready: %r", exc)
                 raise server_error(rid, "not_ready", "not ready", status=503, retry_after_s=1.0) from None

@@ -1,12 +1,12 @@
 """Text encoder deployment: batches prompts across requests and caches embeddings by text.
 
-One bad item never fails its batch: a batch that raises is encoded again item by item, and an
-item that still fails raises for its own caller only.
+One bad item never fails its batch (`encode_items`): a batch that raises is encoded again item
+by item, and an item that still fails raises for its own caller only. Not built when the
+workers encode prompts themselves (`text_encoder.on_workers`).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 
 import torch
@@ -14,52 +14,7 @@ from ray import serve
 
 from stepserve.actors.denoiser import resolve_device
 from stepserve.engine.families import TEXT, ModelSource, load_family
-from stepserve.engine.text_encoding import CachedTextEncoder, Pair
-
-Item = tuple[str, str, str | None]  # (model, prompt, negative prompt or None: no CFG)
-
-# Serve writes the "ray.serve" logger to the replica's log, tagged with the request id.
-logger = logging.getLogger("ray.serve")
-
-
-def encode_items(encoder: CachedTextEncoder, items: Sequence[Item]) -> list[Pair | Exception]:
-    """One result per item, in order: its embeddings, or the exception encoding it alone raised.
-
-    Each model's items are encoded in one batch; if that raises, each item is encoded alone, so
-    only the items that fail by themselves get an exception.
-    """
-    out: list[Pair | Exception | None] = [None] * len(items)
-    for model in dict.fromkeys(m for m, _, _ in items):
-        idx = [i for i, item in enumerate(items) if item[0] == model]
-        for i, result in zip(idx, _encode_group(encoder, model, [items[i] for i in idx])):
-            out[i] = result
-    return out
-
-
-def _encode_group(encoder: CachedTextEncoder, model: str, group: Sequence[Item]) -> list[Pair | Exception]:
-    try:
-        return _encode_together(encoder, model, group)
-    except Exception as exc:
-        if len(group) == 1:  # its error is its own: encoding it again would only fail again
-            logger.exception("text encoding failed for one item of model %r", model)
-            return [exc]
-        logger.warning("text encoding failed for a batch of %d items of model %r; retrying them one by one",
-                       len(group), model, exc_info=True)
-    # Outside the `except`, so an item's own error does not carry the batch's as its context.
-    return [_encode_alone(encoder, model, item) for item in group]
-
-
-def _encode_together(encoder: CachedTextEncoder, model: str, group: Sequence[Item]) -> list[Pair]:
-    return encoder.encode_pairs(model, [(prompt, neg) for _, prompt, neg in group])
-
-
-def _encode_alone(encoder: CachedTextEncoder, model: str, item: Item) -> Pair | Exception:
-    try:
-        (result,) = _encode_together(encoder, model, [item])
-    except Exception as exc:
-        logger.exception("text encoding failed for one item of model %r (encoded alone)", model)
-        return exc
-    return result
+from stepserve.engine.text_encoding import CachedTextEncoder, Item, Pair, encode_items
 
 
 class TextEncoder:

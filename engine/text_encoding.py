@@ -1,11 +1,14 @@
-"""Prompt → embeddings with an LRU cache keyed by (model, text).
+"""Prompt → embeddings with an LRU cache keyed by (model, text), and the encoding of a batch of
+requests' texts in which one bad item fails only itself.
 
 Prompts repeat a lot in serving (templates, the empty negative prompt), and each text is
-encoded on its own by the pipeline too, so caching per text changes no result.
+encoded on its own by the pipeline too, so caching per text changes no result. Used by the text
+encoder deployment and, with `text_encoder.on_workers`, by each denoiser worker.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
@@ -18,6 +21,9 @@ from stepserve.policies.types import RequestKind, RequestSpec
 
 Embeddings = dict[str, np.ndarray]  # one text's `TextEmbeddings`, as float32 arrays [1, ...]
 Pair = tuple[Embeddings, Embeddings | None]  # (prompt, negative prompt or None: no CFG)
+Item = tuple[str, str, str | None]  # (model, prompt, negative prompt or None: no CFG)
+
+logger = logging.getLogger("stepserve.text_encoding")
 
 
 class CachedTextEncoder:
@@ -72,6 +78,51 @@ class CachedTextEncoder:
         return out
 
 
+def text_item(spec: RequestSpec) -> Item:
+    """What a request asks the text encoder for: its prompt, and its negative prompt under CFG."""
+    return spec.model, spec.prompt, spec.negative_prompt if spec.uses_cfg else None
+
+
+def encode_items(encoder: CachedTextEncoder, items: Sequence[Item]) -> list[Pair | Exception]:
+    """One result per item, in order: its embeddings, or the exception encoding it alone raised.
+
+    Each model's items are encoded in one batch; if that raises, each item is encoded alone, so
+    only the items that fail by themselves get an exception.
+    """
+    out: list[Pair | Exception | None] = [None] * len(items)
+    for model in dict.fromkeys(m for m, _, _ in items):
+        idx = [i for i, item in enumerate(items) if item[0] == model]
+        for i, result in zip(idx, _encode_group(encoder, model, [items[i] for i in idx])):
+            out[i] = result
+    return out
+
+
+def _encode_group(encoder: CachedTextEncoder, model: str, group: Sequence[Item]) -> list[Pair | Exception]:
+    try:
+        return _encode_together(encoder, model, group)
+    except Exception as exc:
+        if len(group) == 1:  # its error is its own: encoding it again would only fail again
+            logger.exception("text encoding failed for one item of model %r", model)
+            return [exc]
+        logger.warning("text encoding failed for a batch of %d items of model %r; retrying them one by one",
+                       len(group), model, exc_info=True)
+    # Outside the `except`, so an item's own error does not carry the batch's as its context.
+    return [_encode_alone(encoder, model, item) for item in group]
+
+
+def _encode_together(encoder: CachedTextEncoder, model: str, group: Sequence[Item]) -> list[Pair]:
+    return encoder.encode_pairs(model, [(prompt, neg) for _, prompt, neg in group])
+
+
+def _encode_alone(encoder: CachedTextEncoder, model: str, item: Item) -> Pair | Exception:
+    try:
+        (result,) = _encode_together(encoder, model, [item])
+    except Exception as exc:
+        logger.exception("text encoding failed for one item of model %r (encoded alone)", model)
+        return exc
+    return result
+
+
 def encode_conditioning(family: DiffusionFamily, spec: RequestSpec) -> Conditioning:
     """A request's conditioning encoded in this process, as a worker gets it from the text
     encoder deployment (tests, profiles and benchmarks that run a family directly)."""
@@ -80,8 +131,8 @@ def encode_conditioning(family: DiffusionFamily, spec: RequestSpec) -> Condition
 
 def encode_pair(family: DiffusionFamily, spec: RequestSpec) -> Pair:
     """The text encoder deployment's answer for `spec`, encoded in this process."""
-    negative = spec.negative_prompt if spec.uses_cfg else None
-    (pair,) = CachedTextEncoder({spec.model: family}, 0).encode_pairs(spec.model, [(spec.prompt, negative)])
+    model, prompt, negative = text_item(spec)
+    (pair,) = CachedTextEncoder({model: family}, 0).encode_pairs(model, [(prompt, negative)])
     return pair
 
 

@@ -62,7 +62,8 @@ def add_sim_args(parser: argparse.ArgumentParser) -> None:
                         help="the same bound for videos (default: 1024)")
     parser.add_argument("--decoders", type=int, default=None,
                         help="VAE decoder replicas (default: one per worker; 0: images decode on their worker)")
-    parser.add_argument("--text-encoders", type=int, default=None, help="text encoder replicas (default: 1)")
+    parser.add_argument("--text-encoders", type=int, default=None,
+                        help="text encoder replicas (default: 1; 0: each worker encodes the prompts it admits)")
     parser.add_argument("--host-cpus", type=float, default=None,
                         help="all components share one CPU host of this many cores (a CPU box running the whole "
                              "app, as configs/local.yaml does); default: each has a device of its own")
@@ -97,8 +98,9 @@ def sim_config_from_serve(path: str | os.PathLike) -> dict[str, Any]:
         max_queued_videos=app.router.max_queued_videos, pipeline_depth=app.router.pipeline_depth,
         pipeline_lead_s=app.router.pipeline_lead_s, max_plan_s=app.router.max_plan_s,
         decoders=0 if app.vae_decoder.on_workers else app.vae_decoder.num_replicas,
-        text_encoder=TextEncoderSpec(replicas=te.num_replicas, max_batch_size=te.max_batch_size,
-                                     batch_wait_s=te.batch_wait_timeout_s, cache_size=te.cache_size),
+        text_encoder=TextEncoderSpec(replicas=0 if te.on_workers else te.num_replicas,
+                                     max_batch_size=te.max_batch_size, batch_wait_s=te.batch_wait_timeout_s,
+                                     cache_size=te.cache_size),
     )
 
 

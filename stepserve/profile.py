@@ -651,8 +651,10 @@ def run_profile(args: argparse.Namespace) -> int:
 
     rows = measure_denoise(ctx, worker_threads)
     rows += measure_round_bookkeeping(ctx, worker_threads)
-    rows += measure_text_encode(ctx, set_threads(app.text_encoder.torch_threads))
-    # Where images decode: on the workers (`vae_decoder.on_workers`), with their threads.
+    # Where prompts encode and images decode: on the workers (`text_encoder.on_workers`,
+    # `vae_decoder.on_workers`), with their threads.
+    encoder = app.workers if app.text_encoder.on_workers else app.text_encoder
+    rows += measure_text_encode(ctx, set_threads(encoder.torch_threads))
     decoder = app.workers if app.vae_decoder.on_workers else app.vae_decoder
     rows += measure_vae_decode(ctx, set_threads(decoder.torch_threads))
     set_threads(app.workers.torch_threads)

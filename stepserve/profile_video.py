@@ -371,7 +371,8 @@ def run_video_profile(args: argparse.Namespace, serve_config: dict, app, model_c
 
     rows = measure_video_denoise(ctx, source, worker_threads, device, available)
     rows += measure_video_decode(ctx, worker_threads)
-    rows += measure_video_text(ctx, set_threads(app.text_encoder.torch_threads))
+    encoder = app.workers if app.text_encoder.on_workers else app.text_encoder  # `text_encoder.on_workers`
+    rows += measure_video_text(ctx, set_threads(encoder.torch_threads))
     set_threads(app.workers.torch_threads)
 
     h, w, f = max(video_points(family, grid))

@@ -3,7 +3,8 @@
 Text encoder (`deployments/text_encoder.py`): each replica batches with Ray Serve's
 `@serve.batch` (a batch opens when the first item is taken, closes when full or after
 `batch_wait_s`, and one batch runs at a time) and keeps an LRU cache of embeddings by
-(model, text), so a batch only pays for texts it has not seen. VAE decoder
+(model, text) (`TextCache`, which a worker that encodes prompts keeps too), so a batch only
+pays for texts it has not seen. VAE decoder
 (`deployments/vae_decoder.py`): each replica decodes one image at a time, in arrival order.
 Requests go to the replica with the least outstanding work (lowest index on ties), a
 deterministic stand-in for Serve's power-of-two-choices routing.
@@ -26,22 +27,40 @@ RunWork = Callable[..., None]
 
 @dataclass(frozen=True)
 class TextEncoderSpec:
-    replicas: int = 1
+    replicas: int = 1  # 0: each worker encodes the prompts of what it admits (`text_encoder.on_workers`)
     max_batch_size: int = 16  # TextEncoderConfig defaults
     batch_wait_s: float = 0.002
-    cache_size: int = 4096
+    cache_size: int = 4096  # per replica, or per worker
 
     def __post_init__(self) -> None:
-        if self.replicas < 1 or self.max_batch_size < 1 or self.batch_wait_s < 0 or self.cache_size < 0:
+        if self.replicas < 0 or self.max_batch_size < 1 or self.batch_wait_s < 0 or self.cache_size < 0:
             raise ValueError(f"bad text encoder spec {self}")
 
 
+class TextCache:
+    """`engine.text_encoding.CachedTextEncoder`'s LRU, without the embeddings."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._keys: OrderedDict[tuple[str, str], None] = OrderedDict()
+
+    def encode(self, model: str, texts: Sequence[str]) -> int:
+        """How many of `texts` one call encodes (the distinct ones not cached); caches them all."""
+        missing = sum(1 for t in dict.fromkeys(texts) if (model, t) not in self._keys)
+        for text in texts:
+            self._keys[(model, text)] = None
+            self._keys.move_to_end((model, text))
+        while len(self._keys) > self.size:
+            self._keys.popitem(last=False)
+        return missing
+
+
 class _EncoderReplica:
-    def __init__(self) -> None:
+    def __init__(self, cache_size: int) -> None:
         self.queue: deque[tuple[str, str, tuple[str, ...]]] = deque()  # (request id, model, texts)
         self.state = "idle"  # idle | collecting | running
         self.generation = 0  # invalidates a pending close timer once the batch closed early
-        self.cache: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self.cache = TextCache(cache_size)
 
     @property
     def outstanding(self) -> int:
@@ -57,7 +76,9 @@ class TextEncoderService:
         self.run_work = run_work
         self.encode_seconds = encode_seconds
         self.on_ready = on_ready
-        self.replicas = [_EncoderReplica() for _ in range(spec.replicas)]
+        if spec.replicas < 1:
+            raise ValueError(f"a text encoder service needs replicas >= 1, got {spec.replicas}")
+        self.replicas = [_EncoderReplica(spec.cache_size) for _ in range(spec.replicas)]
         self.busy_s = 0.0
         self.batches = 0
 
@@ -83,15 +104,9 @@ class TextEncoderService:
         batch = [replica.queue.popleft() for _ in range(min(len(replica.queue), self.spec.max_batch_size))]
         seconds = 0.0
         for model in dict.fromkeys(m for _, m, _ in batch):
-            texts = [t for _, m, ts in batch if m == model for t in ts]
-            missing = [t for t in dict.fromkeys(texts) if (model, t) not in replica.cache]
+            missing = replica.cache.encode(model, [t for _, m, ts in batch if m == model for t in ts])
             if missing:
-                seconds += self.encode_seconds(model, len(missing))
-            for text in texts:  # CachedTextEncoder's LRU order
-                replica.cache[(model, text)] = None
-                replica.cache.move_to_end((model, text))
-            while len(replica.cache) > self.spec.cache_size:
-                replica.cache.popitem(last=False)
+                seconds += self.encode_seconds(model, missing)
         replica.state = "running"
         self.busy_s += seconds
         self.batches += 1

@@ -7,13 +7,15 @@ What it models, in the live system's order (actors/router.py, deployments/):
    `RouterCore.submit`, with the SLO left of its own (the workload's SLO runs from the send).
 2. Its texts (prompt, plus the negative prompt under CFG) go to the text encoder: a queue per
    replica, `@serve.batch` batching, an embeddings cache. When they arrive the core is told
-   (`mark_ready`) and a round is decided.
+   (`mark_ready`) and a round is decided. With no text encoder (`text_encoder.replicas` 0,
+   `text_encoder.on_workers`) it is ready at once, and the plan that admits it encodes them.
 3. Rounds: whenever something changes (ready requests, a report, a finished decode), one
    `RouterCore.schedule` at that instant, which sends plans to workers as the live router does
    (up to `pipeline_depth` queued per worker).
 4. A worker runs its plans in order (`SimWorker`, the StepRunner's twin); each takes the cost
    model's `round_seconds` of the groups that ran (plus the VAE decode of a video it finishes,
-   and of an image when `decoders` is 0). A plan with a sequence-parallel step starts when
+   and of an image when `decoders` is 0; and first, with no text encoder, the prompts of the
+   fresh starts it admits, through an embeddings cache per worker). A plan with a sequence-parallel step starts when
    every member of the group has reached it, as the collective makes the live workers wait; a
    plan that resumes a request starts when the state it resumes from exists. A plan the core
    interrupts ends after the step it is running (or after its first, if it has not started).
@@ -40,7 +42,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -49,7 +51,7 @@ from stepserve.load_tests.metrics import Summary, summarize
 from stepserve.load_tests.records import RequestRecord, record_of
 from stepserve.load_tests.sim.events import EventQueue
 from stepserve.load_tests.sim.host import SharedHost
-from stepserve.load_tests.sim.services import DecoderService, TextEncoderService, TextEncoderSpec
+from stepserve.load_tests.sim.services import DecoderService, TextCache, TextEncoderService, TextEncoderSpec
 from stepserve.load_tests.sim.worker import SimAdmission, SimWorker
 from stepserve.load_tests.workload import ScheduledRequest
 from stepserve.policies import make_policy, needs_costs
@@ -150,7 +152,7 @@ class SimResult:
     end_s: float  # simulated time of the last event
     wall_s: float  # real time the simulation took
     decision_wall_s: tuple[float, ...]  # each RouterCore.schedule call's wall time
-    text_encoder_busy_s: float
+    text_encoder_busy_s: float  # on the text encoder, or on the workers when they encode prompts
     decoder_busy_s: float
     host_peak_jobs: int | None = None  # most jobs sharing the CPU host at once (host_cpus set)
 
@@ -198,7 +200,7 @@ class _Pending:
     def __init__(self, request: ScheduledRequest, spec: RequestSpec) -> None:
         self.request = request
         self.spec = spec
-        self.texts = (spec.prompt, spec.negative_prompt) if spec.uses_cfg else (spec.prompt,)
+        self.texts = _texts(spec)
         self.submit_s = self.ready_s = self.finish_s = self.stored_s = self.completion_s = None
         self.worker_id: str | None = None
         self.status = "unfinished"
@@ -255,16 +257,20 @@ class Simulation:
         core_config = CoreConfig(
             pipeline_depth=config.pipeline_depth, pipeline_lead_s=config.pipeline_lead_s,
             max_plan_s=config.max_plan_s, checkpoint_interval_s=None, images_decode_on_workers=not config.decoders,
+            text_encode_on_workers=not config.text_encoder.replicas,
             max_queued={RequestKind.T2I: config.max_queued_images, RequestKind.T2V: config.max_queued_videos},
             max_wait_s={RequestKind.T2I: config.max_image_queue_wait_s,
                         RequestKind.T2V: config.max_video_queue_wait_s})
         self.core = RouterCore(policy, [WorkerSlot(wid, config.max_batch_size, i) for i, wid in enumerate(worker_ids)],
                                core_config, cost)
         self._round_cache: dict[tuple[BatchShape, ...], float] = {}
-        self.lanes = {wid: _Lane(SimWorker(wid, self._round_seconds, self._worker_decode_seconds))
+        self.encoder = (TextEncoderService(config.text_encoder, self.events, self._run_work,
+                                           cost.text_encode_seconds, self._on_ready)
+                        if config.text_encoder.replicas else None)
+        self._worker_encode_s = 0.0  # text encoding the workers did (no text encoder)
+        self.lanes = {wid: _Lane(SimWorker(wid, self._round_seconds, self._worker_decode_seconds,
+                                           encode_cost=None if self.encoder else self._encoding_on_worker()))
                       for wid in worker_ids}
-        self.encoder = TextEncoderService(config.text_encoder, self.events, self._run_work,
-                                          cost.text_encode_seconds, self._on_ready)
         self.decoder = (DecoderService(config.decoders, self.events, self._run_work, self._on_decoded)
                         if config.decoders else None)
         self.pending: dict[str, _Pending] = {}
@@ -305,6 +311,22 @@ class Simulation:
             return 0.0
         return self.cost.decode_seconds(spec.model, spec.height, spec.width, spec.num_frames)
 
+    def _encoding_on_worker(self) -> Callable[[Sequence[RequestSpec]], float]:
+        """One worker's cost of encoding the prompts of the fresh starts a plan admits: one call
+        per model for the texts its own cache lacks, as `DenoiserWorker` encodes them."""
+        cache = TextCache(self.config.text_encoder.cache_size)
+
+        def encode(specs: Sequence[RequestSpec]) -> float:
+            seconds = 0.0
+            for model in dict.fromkeys(spec.model for spec in specs):
+                missing = cache.encode(model, [t for spec in specs if spec.model == model for t in _texts(spec)])
+                if missing:
+                    seconds += self.cost.text_encode_seconds(model, missing)
+            self._worker_encode_s += seconds
+            return seconds
+
+        return encode
+
     def _overhead(self, spec: RequestSpec, share: float) -> float:
         return share * self.cost.request_overhead_seconds(spec.model)
 
@@ -331,13 +353,16 @@ class Simulation:
             self._run_work(self._overhead(spec, out_share), self._complete, entry, "rejected")
             return
         entry.submit_s = now
-        self.encoder.submit(spec.request_id, spec.model, entry.texts)
+        if self.encoder is None:  # its worker encodes its prompts when it admits it
+            self._on_ready([spec.request_id])
+        else:
+            self.encoder.submit(spec.request_id, spec.model, entry.texts)
 
     def _on_ready(self, request_ids: Sequence[str]) -> None:
         now = self.events.now
         for rid in request_ids:
             self.pending[rid].ready_s = now
-            self.core.mark_ready(rid, "embeddings", now)
+            self.core.mark_ready(rid, None if self.encoder is None else "embeddings", now)
         self._request_decision()
 
     def _on_decoded(self, request_id: str, started: float) -> None:
@@ -406,20 +431,21 @@ class Simulation:
         current = lane.executing
         if current is None or current.queued.plan.plan_id != plan_id:
             return  # not started: it runs one step (`_start`)
-        step_s = current.running.step_s
+        head_s, step_s = current.running.head_s, current.running.step_s
         if step_s <= 0:
             return  # none of its forwards runs: it takes no time
         done = self.events.now - current.started if self.host is None else self.host.done_s(current.job)
-        steps = min(current.steps, math.floor(done / step_s) + 1)
+        # The live worker asks whether to stop only after its first step.
+        steps = min(current.steps, max(1, math.floor((done - head_s) / step_s) + 1))
         if steps >= current.steps:
             return
         current.steps = steps
         if self.host is None:
             lane.tokens += 1
             current.token = lane.tokens
-            self.events.at(current.started + steps * step_s, self._report, lane, current.token)
+            self.events.at(current.started + head_s + steps * step_s, self._report, lane, current.token)
         else:
-            self.host.resize(current.job, steps * step_s)
+            self.host.resize(current.job, head_s + steps * step_s)
 
     def _try_start(self, lane: _Lane) -> None:
         self._blocked.discard(lane)
@@ -457,7 +483,7 @@ class Simulation:
         steps = 1 if lane.interrupted == plan.plan_id else plan.steps
         lane.tokens += 1
         current = lane.executing = _Executing(queued, running, self.events.now, steps, lane.tokens)
-        seconds = running.step_s * steps + (running.tail_s if steps == plan.steps else 0.0)
+        seconds = running.head_s + running.step_s * steps + (running.tail_s if steps == plan.steps else 0.0)
         if self.host is None:
             self.events.at(self.events.now + seconds, self._report, lane, current.token)
         else:
@@ -504,7 +530,8 @@ class Simulation:
             config=self.config, traces=traces, busy_s={wid: lane.busy_s for wid, lane in self.lanes.items()},
             rounds=sum(lane.worker.rounds for lane in self.lanes.values()), decisions=self.core.decisions,
             events=self.events.processed, end_s=self.events.now, wall_s=wall,
-            decision_wall_s=tuple(self.decision_wall), text_encoder_busy_s=self.encoder.busy_s,
+            decision_wall_s=tuple(self.decision_wall),
+            text_encoder_busy_s=self._worker_encode_s if self.encoder is None else self.encoder.busy_s,
             decoder_busy_s=0.0 if self.decoder is None else self.decoder.busy_s,
             host_peak_jobs=None if self.host is None else self.host.peak_jobs,
         )
@@ -532,6 +559,11 @@ class Simulation:
 
 def _nothing() -> None:
     """The end of work that only takes CPU from the others (the router's per-step work)."""
+
+
+def _texts(spec: RequestSpec) -> tuple[str, ...]:
+    """What is encoded for a request: its prompt, and its negative prompt under CFG."""
+    return (spec.prompt, spec.negative_prompt) if spec.uses_cfg else (spec.prompt,)
 
 
 def _spec_of(request: ScheduledRequest, rid: str, slo_s: float | None) -> RequestSpec:

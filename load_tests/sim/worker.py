@@ -8,14 +8,15 @@ fails a request exactly where the real runner does (not resident, resuming from 
 not ready), so the core's fault handling can be driven by it too. Time comes from the cost
 model: a plan takes the cost of the groups that really ran (`cost.round_seconds`) for each of
 its steps, plus the decode of what it finishes that decodes here (`decode_cost`: a video
-always, an image when the workers decode images). A plan starts (`start`: drops,
+always, an image when the workers decode images), after encoding the prompts of the fresh
+starts it admits when the workers encode prompts (`encode_cost`). A plan starts (`start`: drops,
 admissions) when the worker would start it and ends (`end`: steps, outputs, report) when its
 time is up, or after fewer steps when the router cut it short.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from stepserve.policies.cost_model import BatchShape
@@ -47,29 +48,34 @@ class _Resident:
 # (batches that ran) -> seconds of the round
 RoundCost = Callable[[tuple[BatchShape, ...]], float]
 DecodeCost = Callable[[RequestSpec], float]
+# (the fresh starts one plan admits) -> seconds to encode their prompts
+EncodeCost = Callable[[Sequence[RequestSpec]], float]
 
 
 class _Running:
     """A plan between its start (drops and admissions done, the forwards' shapes known) and its
     end (steps counted, outputs and report made)."""
 
-    __slots__ = ("plan", "failed", "touched", "groups", "step_s", "tail_s")
+    __slots__ = ("plan", "failed", "touched", "groups", "head_s", "step_s", "tail_s")
 
     def __init__(self, plan: WorkerPlan) -> None:
         self.plan = plan
         self.failed: dict[str, RequestFailure] = {}
         self.touched: list[str] = []
         self.groups: list[list[_Resident]] = []  # the members of each forward that runs
+        self.head_s = 0.0  # before its first step: encoding the prompts of what it admits
         self.step_s = 0.0  # one step's seconds: the cost of its forwards
         self.tail_s = 0.0  # after its last step: the decode of what it finishes here
 
 
 class SimWorker:
     def __init__(self, worker_id: str, round_cost: RoundCost, decode_cost: DecodeCost,
-                 incarnation: str = "sim") -> None:
+                 incarnation: str = "sim", encode_cost: EncodeCost | None = None) -> None:
+        """`encode_cost`: None, prompts come encoded (the text encoder deployment)."""
         self.worker_id = worker_id
         self.round_cost = round_cost
         self.decode_cost = decode_cost
+        self.encode_cost = encode_cost
         self.incarnation = incarnation
         self.resident: dict[str, _Resident] = {}
         self.rounds = 0
@@ -82,7 +88,7 @@ class SimWorker:
 
     def start(self, plan: WorkerPlan, admissions: Mapping[str, SimAdmission]) -> _Running:
         """Drop, admit, and find what each forward runs; `end` does the rest. The whole plan takes
-        `step_s` a step, then `tail_s`."""
+        `head_s`, then `step_s` a step, then `tail_s`."""
         running = _Running(plan)
         failed, touched = running.failed, running.touched
         for rid in plan.drop:
@@ -94,6 +100,9 @@ class SimWorker:
                 continue
             self.resident[rid] = _Resident(admission.spec, 0 if admission.state is None else admission.state.steps_done)
             touched.append(rid)
+        if self.encode_cost is not None:
+            fresh = [self.resident[rid].spec for rid in touched if admissions[rid].state is None]
+            running.head_s = self.encode_cost(fresh) if fresh else 0.0
         shapes: list[BatchShape] = []
         for group in plan.groups:
             members = []
@@ -122,7 +131,7 @@ class SimWorker:
         for members in running.groups:
             for member in members:
                 member.done += steps
-        seconds = running.step_s * steps
+        seconds = running.head_s + running.step_s * steps
         outputs: list = []
         kept: set[str] = set()
         for rid in plan.outputs:

@@ -27,7 +27,7 @@ def app_args(**changes) -> dict:
 
 
 def test_every_deployment_exports_serves_metrics_at_the_configured_interval():
-    graph = deployments(build_app(app_args(vae_decoder={"on_workers": False})))
+    graph = deployments(build_app(app_args(text_encoder={"on_workers": False}, vae_decoder={"on_workers": False})))
     assert set(graph) == {"Ingress", "Router", "TextEncoder", "VAEDecoder", "JobStore"}
     for name, deployment in graph.items():
         assert deployment.ray_actor_options["runtime_env"]["env_vars"][METRICS_ENV] == "1000", name
@@ -42,7 +42,8 @@ def test_serves_default_interval_leaves_the_environment_alone():
 
 
 def test_resources_are_the_configs():
-    graph = deployments(build_app(app_args(ingress={"num_cpus": 0.2}, text_encoder={"num_cpus": 0.3, "num_gpus": 0})))
+    graph = deployments(build_app(app_args(ingress={"num_cpus": 0.2},
+                                           text_encoder={"num_cpus": 0.3, "num_gpus": 0, "on_workers": False})))
     assert graph["Ingress"].ray_actor_options["num_cpus"] == 0.2
     assert graph["TextEncoder"].ray_actor_options["num_cpus"] == 0.3
     assert graph["Router"].ray_actor_options["num_cpus"] == 0
@@ -56,8 +57,25 @@ def test_workers_that_decode_images_replace_the_decoder_deployment():
     assert not pool.decode_images and not spec.core.images_decode_on_workers
     assert isinstance(decoder, Application)
 
-    graph = deployments(build_app(app_args(vae_decoder={"on_workers": True})))
+    graph = deployments(build_app(app_args(text_encoder={"on_workers": False}, vae_decoder={"on_workers": True})))
     assert set(graph) == {"Ingress", "Router", "TextEncoder", "JobStore"}
     _, pool, spec, _, decoder, _ = graph["Router"].init_args
     # The workers load the VAE and return PNGs; the router predicts each last plan with its decode.
     assert pool.decode_images and spec.core.images_decode_on_workers and decoder is None
+
+
+def test_workers_that_encode_prompts_replace_the_text_encoder_deployment():
+    graph = deployments(build_app(app_args(text_encoder={"on_workers": False, "cache_size": 7})))
+    assert "TextEncoder" in graph
+    _, pool, spec, encoder, _, _ = graph["Router"].init_args
+    assert not pool.encode_text and not spec.core.text_encode_on_workers
+    assert isinstance(encoder, Application)
+    assert graph["TextEncoder"].init_args[-1] == 7  # its cache
+
+    graph = deployments(build_app(app_args(text_encoder={"on_workers": True, "cache_size": 7})))
+    assert "TextEncoder" not in graph
+    _, pool, spec, encoder, _, _ = graph["Router"].init_args
+    # The workers load the text encoders, each with the configured cache; the router predicts
+    # each admitting plan with its encoding, and the ingress checks no text encoder for /ready.
+    assert pool.encode_text and pool.text_cache_size == 7 and spec.core.text_encode_on_workers and encoder is None
+    assert graph["Ingress"].init_args[-1] is None

@@ -5,8 +5,9 @@ import time
 import numpy as np
 import pytest
 
-from stepserve.deployments.text_encoder import TextEncoder, encode_items
+from stepserve.deployments.text_encoder import TextEncoder
 from stepserve.engine.families import TEXT, ModelSource, load_family
+from stepserve.engine.text_encoding import encode_items
 
 TINY = ModelSource(name="tiny-sd", family="sd15", preset="tiny")
 # A lone surrogate: validation refuses it at the ingress, so only a direct caller can send it,

@@ -148,6 +148,48 @@ def test_hand_timeline_images_decoded_on_their_worker():
         SimConfig(decoders=-1)
 
 
+ON_WORKERS = TextEncoderSpec(replicas=0, cache_size=0)  # `text_encoder.on_workers`, no cache
+
+
+def test_hand_timeline_prompts_encoded_on_their_worker():
+    # No text encoder: a request is ready at its submit, and the plan that admits it encodes its
+    # prompts first (0.1 s). P1 (admit A) [0, 1.1]; P2 (admit B) [1.1, 2.2]; P3 finishes and
+    # decodes both on the worker [2.2, 4.2], as with `decoders=0` alone.
+    result = simulate(TWO, ConstantCost(), replace(one_worker(1), decoders=0, text_encoder=ON_WORKERS))
+    got = timeline(result)
+    assert got[0] == pytest.approx((0.0, 0.0, 0.0, 4.2, 4.2))
+    assert got[1] == pytest.approx((0.25, 0.25, 1.1, 4.2, 4.2))
+    assert result.busy_s == {"w0": pytest.approx(4.2)} and result.text_encoder_busy_s == pytest.approx(0.2)
+    # Depth 2, lead 0.05: the core predicts P1 with its encoding (1.1 s), so the worker opens for B
+    # at 1.05, not at 0.95.
+    result = simulate(TWO, ConstantCost(), replace(one_worker(2), decoders=0, text_encoder=ON_WORKERS))
+    assert timeline(result)[1] == pytest.approx((0.25, 0.25, 1.05, 4.2, 4.2))
+
+
+@pytest.mark.parametrize("host_cpus", [None, 2.0])
+def test_a_cut_plan_that_encodes_ends_after_its_encoding_and_the_step_running(host_cpus):
+    # As the arrival test above: A steps once [0, 1.1] (its encoding first), C's arrival cuts A's
+    # 10-step plan at 3.1. P3 admits C: encoding [3.1, 3.2], then up to 10 steps. D, at 5.0, is
+    # in P3's second step ([4.2, 5.2]), so P3 ends at 5.2 (not 5.1, as if it had not encoded).
+    requests = [request(0, 0.0, 20), request(1, 2.5, 20), request(2, 5.0, 2)]
+    config = replace(one_worker(1, max_plan_s=10.0, host_cpus=host_cpus), decoders=0, text_encoder=ON_WORKERS)
+    got = timeline(simulate(requests, ConstantCost(), config))
+    assert got[1][2] == pytest.approx(3.1)
+    # D: encoding, 2 steps and its decode in the plan that admits it.
+    assert got[2] == pytest.approx((5.0, 5.0, 5.2, 7.8, 7.8))
+
+
+def test_a_worker_caches_the_prompts_it_encoded():
+    same = [replace(request(0, 0.0, 1), prompt="x"), replace(request(1, 5.0, 1), prompt="x")]
+    config = replace(one_worker(1), text_encoder=TextEncoderSpec(replicas=0, cache_size=4))
+    result = simulate(same, ConstantCost(encode_s=0.1), config)
+    # The second plan's prompt (and the empty negative prompt) are cached: it encodes nothing.
+    assert result.text_encoder_busy_s == pytest.approx(0.1)
+    assert [t.finish_s for t in result.traces] == pytest.approx([1.1, 6.0])
+    with pytest.raises(ValueError, match="bad text encoder spec"):
+        TextEncoderSpec(replicas=-1)
+
+
 def test_request_overhead_is_split_around_the_router():
     # 0.2 s of fixed overhead: half before submit, half after decode; the rest shifts by 0.1.
     cost = ConstantCost(overhead_s=0.2)
