@@ -16,7 +16,11 @@ By default the profile is measured first (`stepserve profile` for each of the wo
 models at its sizes, a video model also at its frame counts, into <out>/profile-<model>.csv),
 on the same quiet machine, minutes before the live runs: the 2-core VM's speed drifts by tens
 of percent within an hour, so a profile from another time compares two different machines.
-`--profile NAME_OR_CSV[,NAME_OR_CSV...]` uses existing ones instead.
+`--profile NAME_OR_CSV[,NAME_OR_CSV...]` uses existing ones instead. The drift is faster than
+that (a forward's time moved by 58% between two profiles a quarter of an hour apart), so by
+default a fixed forward is also timed in this process around the profile and around each run,
+and the run is simulated a second time on the profile scaled by the ratio
+(`load_tests/host_speed.py`): reported beside the verdict, which stays on the profile as measured.
 
 Both sides decide on the same costs and deadlines: when the config names `router.profiles`
 (policies that predict step times need them), the live router gets the comparison's profile
@@ -37,7 +41,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stepserve.load_tests.bench_batching import run_policy
 from stepserve.load_tests.local_app import free_port, local_ray, log
@@ -48,6 +52,9 @@ from stepserve.load_tests.sim import SimConfig, simulate
 from stepserve.load_tests.sweep import parse_rates, sim_config_from_serve
 from stepserve.load_tests.workload import ScheduledRequest, generate, load_workload
 from stepserve.runtime import default_config_path, load_serve_config
+
+if TYPE_CHECKING:
+    from stepserve.load_tests.host_speed import SpeedProbe
 
 TOLERANCE = 0.15  # the issue's bar for P50 and P95
 # Completed live requests a kind needs before its own P50/P95 are held to the bar: the P95 of
@@ -68,6 +75,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="cost profile: CSV paths or shipped names, comma-separated (one per model, e.g. "
                              "tiny-sd-cpu,tiny-wan-cpu), or 'measure' to profile this machine first "
                              "(default: %(default)s)")
+    parser.add_argument("--match-speed", action=argparse.BooleanOptionalAction, default=True,
+                        help="time a fixed forward in this process around the profile and around each live run, "
+                             "and also simulate each run on the profile scaled to that run's speed "
+                             "(load_tests/host_speed.py); reported beside the verdict, which stays on the profile "
+                             "as measured (default: on)")
+    parser.add_argument("--profile-speed-ms", type=float, default=None,
+                        help="with --profile NAME_OR_CSV: the speed index (ms a forward) when that profile was "
+                             "measured; without it, a given profile is not moved to the live speed")
     parser.add_argument("--rates", type=parse_rates, default=None,
                         help="offered rates, req/s, comma-separated (default: the workload's own)")
     parser.add_argument("--policies", nargs="+", default=["continuous"], help="policies to run (default: continuous)")
@@ -111,6 +126,10 @@ class Comparison:
     # Per kind served, the mean seconds of each router stage (text_encode, queue, denoise, step,
     # decode), live (the router's stage histogram) and simulated: where the two part ways.
     stages: dict[str, dict[str, tuple[float | None, float | None]]] = field(default_factory=dict)
+    # Live time of the speed index over the profile's (None: not measured), and the simulator's
+    # run on the profile scaled by it: the same requests at the live run's speed.
+    speed_factor: float | None = None
+    at_live_speed: Summary | None = None
 
     def summaries(self, kind: str | None = None) -> tuple[Summary, Summary]:
         return (self.live, self.sim) if kind is None else self.kinds[kind]
@@ -118,8 +137,13 @@ class Comparison:
     def error(self, stat: str, kind: str | None = None) -> float | None:
         """sim / live - 1 for a Summary field such as latency_p50_s, of the run or of one kind."""
         live_summary, sim_summary = self.summaries(kind)
-        live, sim = getattr(live_summary, stat), getattr(sim_summary, stat)
-        return None if not live or sim is None else sim / live - 1
+        return _error(getattr(live_summary, stat), getattr(sim_summary, stat))
+
+    def error_at_live_speed(self, stat: str) -> float | None:
+        """`error` of the whole run simulated at the live run's speed (None when not measured)."""
+        if self.at_live_speed is None:
+            return None
+        return _error(getattr(self.live, stat), getattr(self.at_live_speed, stat))
 
     def within(self, tolerance: float, kind: str | None = None) -> bool:
         errors = [self.error("latency_p50_s", kind), self.error("latency_p95_s", kind)]
@@ -134,6 +158,10 @@ class Comparison:
         return all(self.within(tolerance, k) for k in self.held(min_requests)) and not self.live.failed
 
 
+def _error(live: float | None, sim: float | None) -> float | None:
+    return None if not live or sim is None else sim / live - 1
+
+
 def stage_pairs(live: Mapping[str, Mapping[str, float | None]], sim: Callable[[str], Mapping[str, float | None]]
                 ) -> dict[str, dict[str, tuple[float | None, float | None]]]:
     """(live, simulated) mean of each router stage, per kind the live router served. `live` is
@@ -146,7 +174,8 @@ def stage_pairs(live: Mapping[str, Mapping[str, float | None]], sim: Callable[[s
 def make_comparison(policy: str, rate: float, requests: Sequence[ScheduledRequest], live_records: list[RequestRecord],
                     sim_records: list[RequestRecord], sim_busy_s: Mapping[str, float] | None,
                     server: dict[str, Any],
-                    stages: dict[str, dict[str, tuple[float | None, float | None]]] | None = None) -> Comparison:
+                    stages: dict[str, dict[str, tuple[float | None, float | None]]] | None = None,
+                    speed_factor: float | None = None, at_live_speed: Summary | None = None) -> Comparison:
     """Both runs summarized, as a whole and, when the requests mix images and videos, per kind
     (per-kind summaries carry no busy fraction: the workers are shared)."""
     kinds = {r.index: kind_of(r) for r in requests}
@@ -156,7 +185,8 @@ def make_comparison(policy: str, rate: float, requests: Sequence[ScheduledReques
         per_kind = {kind: (summarize(live_split.get(kind, [])), summarize(sim_split.get(kind, [])))
                     for kind in KINDS if kind in live_split or kind in sim_split}
     return Comparison(policy, rate, summarize(live_records, None, rate), summarize(sim_records, sim_busy_s, rate),
-                      live_records, sim_records, server, per_kind, kinds, stages or {})
+                      live_records, sim_records, server, per_kind, kinds, stages or {}, speed_factor,
+                      at_live_speed)
 
 
 def profile_commands(config: Path, out: Path, requests: Sequence[ScheduledRequest]) -> list[tuple[list[str], Path]]:
@@ -237,15 +267,37 @@ def with_workload_slos(records: Sequence[RequestRecord], requests: Sequence[Sche
     return [replace(record, slo_s=slo[record.index]) for record in records]
 
 
+def speed_probe(serve_config: dict[str, Any], requests: Sequence[ScheduledRequest]) -> SpeedProbe | None:
+    """The speed index for these requests: their first image's model, size and CFG rows, on
+    one thread like the workers (None when they hold no image)."""
+    from stepserve.deployments.config import AppConfig  # heavy (ray, torch): only when asked
+    from stepserve.load_tests.host_speed import SpeedProbe
+
+    image = next((r for r in requests if not r.is_video), None)
+    if image is None:
+        return None
+    models = AppConfig.model_validate(serve_config["applications"][0]["args"]).models
+    model = next((m for m in models if m.name == image.model), models[0])
+    return SpeedProbe(model.to_source(), max(image.width, image.height), 2 if image.guidance_scale > 1 else 1)
+
+
 def compare(args: argparse.Namespace) -> list[Comparison]:
+    from stepserve.load_tests.host_speed import scaled_profile
     from stepserve.policies.cost_model import load_profile
 
     serve_config = load_serve_config(args.config)
     spec = load_workload(args.workload)
     if args.duration is not None:
         spec = replace(spec, duration_s=args.duration, num_requests=None)
+    probe = speed_probe(serve_config, generate(spec)) if args.match_speed else None
+    profile_speed_s = None
     if args.profile == "measure":
+        before = probe.seconds() if probe else None
         args.profile = ",".join(map(str, measure_profile(args, generate(spec))))
+        if probe:  # the profile's speed: the index around its measurement
+            profile_speed_s = (before + probe.seconds()) / 2
+    elif probe and args.profile_speed_ms:
+        profile_speed_s = args.profile_speed_ms / 1e3
     profiles = [p.strip() for p in args.profile.split(",") if p.strip()]
     cost = load_profile(*profiles)
     live_config = live_serve_config(serve_config, profiles)
@@ -263,13 +315,21 @@ def compare(args: argparse.Namespace) -> list[Comparison]:
                                           num_requests=args.warmup), cost) if args.warmup else []
                 log(f"[{policy} @ {rate:g} req/s] live: {len(requests)} requests ...")
                 started = time.monotonic()
+                before = probe.seconds() if profile_speed_s else None
                 live = run_policy(live_config, port, policy, warmup, requests, args.request_timeout)
-                log(f"[{policy} @ {rate:g} req/s] live done in {time.monotonic() - started:.0f} s; simulating")
-                result = simulate(as_served(requests, slos), cost,
-                                  replace(sim_config, policy=policy, policy_options=options))
+                factor = (before + probe.seconds()) / 2 / profile_speed_s if profile_speed_s else None
+                log(f"[{policy} @ {rate:g} req/s] live done in {time.monotonic() - started:.0f} s; simulating"
+                    + (f" (this machine ran at {factor:.2f}x the profile's time a forward)" if factor else ""))
+                run_config = replace(sim_config, policy=policy, policy_options=options)
+                result = simulate(as_served(requests, slos), cost, run_config)
+                at_live_speed = None
+                if factor is not None:
+                    moved = simulate(as_served(requests, slos), scaled_profile(profiles, factor), run_config)
+                    at_live_speed = summarize(with_workload_slos(moved.records(), requests), None, rate)
                 sim_records = with_workload_slos(result.records(), requests)
                 out.append(make_comparison(policy, rate, requests, live.records, sim_records, result.busy_s,
-                                           live.server, stage_pairs(live.stages, result.stage_means)))
+                                           live.server, stage_pairs(live.stages, result.stage_means),
+                                           factor, at_live_speed))
     return out
 
 
@@ -311,6 +371,11 @@ def print_table(comparisons: list[Comparison], tolerance: float, min_requests: i
                   f"{_s(sim.latency_p50_s):>9}{_pct(c.error('latency_p50_s', kind)):>8}{_s(live.latency_p95_s):>10}"
                   f"{_s(sim.latency_p95_s):>9}{_pct(c.error('latency_p95_s', kind)):>8}  {verdict}")
     for c in comparisons:
+        if c.speed_factor is not None:
+            print(f"{c.policy} @ {c.rate:g} req/s: a forward took {c.speed_factor:.2f}x the profile's time around the "
+                  f"live run; simulated at that speed the error is P50 {_pct(c.error_at_live_speed('latency_p50_s'))}, "
+                  f"P95 {_pct(c.error_at_live_speed('latency_p95_s'))}")
+    for c in comparisons:
         for kind, pairs in c.stages.items():
             cells = "  ".join(f"{stage} {_ms(live)}/{_ms(sim)}" for stage, (live, sim) in pairs.items())
             print(f"{c.policy} @ {c.rate:g} req/s, {kind} stages, ms live/sim: {cells}")
@@ -331,7 +396,11 @@ def run_report(c: Comparison, tolerance: float, min_requests: int = MIN_KIND_REQ
         "policy": c.policy, "rate": c.rate, "agrees": c.agrees(tolerance, min_requests),
         "held": ["all" if k is None else k for k in held],
         "error": {stat: c.error(stat) for stat in STATS},
-        "live": asdict(c.live), "sim": asdict(c.sim), "live_server": c.server,
+        "speed_factor": c.speed_factor,
+        "error_at_live_speed": {stat: c.error_at_live_speed(stat) for stat in STATS},
+        "live": asdict(c.live), "sim": asdict(c.sim),
+        "sim_at_live_speed": None if c.at_live_speed is None else asdict(c.at_live_speed),
+        "live_server": c.server,
         "stages_s": {kind: {stage: {"live": live, "sim": sim} for stage, (live, sim) in pairs.items()}
                      for kind, pairs in c.stages.items()},
         "kinds": {kind: {"held": kind in held, "within": c.within(tolerance, kind),

@@ -246,7 +246,7 @@ def _probe_sibling(source, threads: int, size: int, rows: int, running, stop, re
 
     torch.set_num_threads(threads)
     family = load_family(source, {DENOISER, TEXT}, "cpu")
-    forward = _probe_forward(family, size, rows)
+    forward = probe_forward(family, size, rows)
     forward()
     ready.put(True)
     while not stop.is_set():
@@ -254,7 +254,9 @@ def _probe_sibling(source, threads: int, size: int, rows: int, running, stop, re
             forward()
 
 
-def _probe_forward(family, size: int, rows: int) -> Callable[[], Any]:
+def probe_forward(family, size: int, rows: int) -> Callable[[], Any]:
+    """One forward of `rows` rows of a `size` px image, ready to time (the host probe's unit of
+    work, and the speed index of `load_tests.host_speed`)."""
     from stepserve.engine.text_encoding import conditioning_rows, embed
 
     side = size // family.vae_scale_factor
@@ -269,7 +271,7 @@ def measure_host_probe(ctx: Context, source, threads: int, cores: int) -> list[P
 
     grid, size, rows = ctx.grid, min(ctx.grid.sizes), 2
     log(f"[host_probe] {size}px rows {rows}: alone and with up to {cores - 1} copies beside it, interleaved")
-    forward = _probe_forward(ctx.family, size, rows)
+    forward = probe_forward(ctx.family, size, rows)
     mp = multiprocessing.get_context("spawn")  # fresh interpreters: no forked torch thread pools
     stop, ready = mp.Event(), mp.Queue()
     switches = [mp.Event() for _ in range(cores - 1)]
