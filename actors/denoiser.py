@@ -12,6 +12,7 @@ video's frames.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -87,6 +88,7 @@ class DenoiserWorker:
         self.runner = StepRunner(worker_id, families, self.incarnation, decode_images)
         self.sp_world: SPWorld | None = None
         self._interrupted = 0  # the plan id the router last asked to cut short
+        self._held_since: float | None = None  # when the last plan ended with requests resident
 
     def ready(self) -> str:
         """This process's incarnation (see `StepReport.incarnation`)."""
@@ -98,12 +100,15 @@ class DenoiserWorker:
         Returns the `StepReport` alone when `plan.outputs` is empty, else `(report, *payloads)`,
         one payload per id of `plan.outputs` (call it with `num_returns=1 + len(plan.outputs)`).
         """
+        waited = None if self._held_since is None else time.perf_counter() - self._held_since
         resolved, unresolved = self._resolve(admissions)
         report, payloads = self.runner.execute(plan, resolved, sp_group=self._sp_group,
                                                stop=lambda: self._interrupted == plan.plan_id)
         if unresolved:  # the runner saw no admission for these; say why
             failed = tuple(unresolved.get(f.request_id, f) for f in report.failed)
             report = replace(report, failed=failed)
+        report = replace(report, waited_s=waited)
+        self._held_since = time.perf_counter() if self.runner.resident else None
         return (report, *payloads) if plan.outputs else report
 
     @ray.method(concurrency_group=CONTROL)

@@ -31,6 +31,11 @@ class RouterMetrics:
             "stepserve_batch_size", "Requests stepping together in one worker plan.",
             buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32), registry=r,
         )
+        self.worker_wait = Histogram(
+            "stepserve_worker_wait_seconds", "Time a worker holding requests sat between two plans (the "
+            "hand-off: its report's trip, the router's round, the next plan's trip; near 0 when pipelined).",
+            ["worker"], buckets=STEP_BUCKETS, registry=r,
+        )
         self.plan_latency = Histogram(
             "stepserve_plan_seconds", "Router decision time per scheduling round (snapshot + policy + checks).",
             buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2), registry=r,

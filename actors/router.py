@@ -289,6 +289,8 @@ class Router:
             queue.popleft()
             now = time.monotonic()
             self.metrics.step_latency.labels(wid).observe(report.duration_s)
+            if report.waited_s is not None:
+                self.metrics.worker_wait.labels(wid).observe(report.waited_s)
             if report.batch_size:
                 self.metrics.batch_size.observe(report.batch_size)
             self._handle(self.core.apply(report, now))

@@ -17,6 +17,7 @@ from .live import loopback_client
 HISTOGRAMS = {
     "batch_size": "stepserve_batch_size",
     "round_s": "stepserve_step_latency_seconds",
+    "worker_wait_s": "stepserve_worker_wait_seconds",  # a worker holding requests, between two plans
     "queue_wait_s": "stepserve_queue_wait_seconds",
     "denoise_s": "stepserve_denoise_latency_seconds",
     "plan_s": "stepserve_plan_seconds",  # router decision time per round; must stay far below round_s

@@ -365,3 +365,7 @@ class StepReport:
     batch_size: int = 0  # requests that stepped this round
     incarnation: str = ""
     steps_run: int | None = None  # None: all of the plan's steps
+    # Seconds the worker sat between its previous plan and this one while requests were resident
+    # on it (the hand-off: the report's trip, the router's round, this plan's trip); None when it
+    # held none (then waiting delayed no one).
+    waited_s: float | None = None
