@@ -104,10 +104,9 @@ class DenoiserWorker:
         resolved, unresolved = self._resolve(admissions)
         report, payloads = self.runner.execute(plan, resolved, sp_group=self._sp_group,
                                                stop=lambda: self._interrupted == plan.plan_id)
-        if unresolved:  # the runner saw no admission for these; say why
-            failed = tuple(unresolved.get(f.request_id, f) for f in report.failed)
-            report = replace(report, failed=failed)
-        report = replace(report, waited_s=waited)
+        # The runner saw no admission for the unresolved; say why. One copy of the report a plan.
+        failed = tuple(unresolved.get(f.request_id, f) for f in report.failed) if unresolved else report.failed
+        report = replace(report, failed=failed, waited_s=waited)
         self._held_since = time.perf_counter() if self.runner.resident else None
         return (report, *payloads) if plan.outputs else report
 

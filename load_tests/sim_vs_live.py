@@ -289,7 +289,9 @@ def compare(args: argparse.Namespace) -> list[Comparison]:
     spec = load_workload(args.workload)
     if args.duration is not None:
         spec = replace(spec, duration_s=args.duration, num_requests=None)
-    probe = speed_probe(serve_config, generate(spec)) if args.match_speed else None
+    # Only where the profile's own speed will be known: otherwise the index is never compared.
+    timed = args.match_speed and (args.profile == "measure" or args.profile_speed_ms)
+    probe = speed_probe(serve_config, generate(spec)) if timed else None
     profile_speed_s = None
     if args.profile == "measure":
         before = probe.seconds() if probe else None
