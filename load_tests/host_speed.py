@@ -1,4 +1,5 @@
-"""How fast this machine computes right now, and a cost profile moved to that speed.
+"""How fast this machine computes right now, a cost profile moved to that speed, and the
+median of profiles measured across a benchmark's window.
 
 On a shared VM the same computation's speed drifts by tens of percent within minutes: on the
 2-core VM one 64 px forward took 8.4 ms in one profile and 13.3 ms in the next, a quarter of an
@@ -7,7 +8,9 @@ in effect a different machine, and a simulator-vs-live comparison measures the d
 than the simulator. The speed index is the median time of one fixed forward in this process
 (one thread, like the workers); taken around the profile and around each live run, the ratio
 of the two moves the profile to the live run's speed: every time in it scales by that ratio
-(the host's idle share of cores and the ratios of its host probe do not change).
+(the host's idle share of cores and the ratios of its host probe do not change). A profile
+measured again between live runs, and their median (`median_profile`), spreads the profile over
+the same minutes as the runs instead.
 """
 
 from __future__ import annotations
@@ -16,11 +19,14 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
 from stepserve.engine.families import DENOISER, TEXT, ModelSource, load_family
-from stepserve.policies.cost_model import HOST_IDLE, ProfiledCostModel, read_profile, resolve_profile
+from stepserve.policies.cost_model import (
+    HOST_IDLE, ProfiledCostModel, ProfileRow, read_profile, resolve_profile, write_profile,
+)
 from stepserve.profile import probe_forward
 
 WARMUP = 10
@@ -58,3 +64,23 @@ def scaled_profile(profiles: Sequence[str], factor: float) -> ProfiledCostModel:
     rows = [row for name in profiles for row in read_profile(resolve_profile(name))]
     return ProfiledCostModel([row if row.component == HOST_IDLE else replace(row, latency_ms=row.latency_ms * factor)
                               for row in rows])
+
+
+def median_profile(paths: Sequence[Path], out: Path) -> Path:
+    """One profile from several of the same grid: each point's median time over the profiles
+    that have it, its samples summed, written to `out`."""
+    if not paths:
+        raise ValueError("a median profile needs at least one profile")
+    points: dict[tuple, list[ProfileRow]] = {}
+    for path in paths:
+        seen: dict[tuple, int] = {}  # a profile may hold one point twice (two cases with equal rows)
+        for row in read_profile(path):
+            key = (row.model, row.device, row.component, row.height, row.width, row.rows, row.frames, row.sp_degree)
+            seen[key] = seen.get(key, 0) + 1
+            points.setdefault((*key, seen[key]), []).append(row)
+    rows = [replace(same[0], latency_ms=statistics.median(r.latency_ms for r in same),
+                    samples=sum(r.samples for r in same),
+                    source=f"median of {len(same)} profiles measured between live runs; the first: {same[0].source}")
+            for same in points.values()]
+    write_profile(out, rows)
+    return out

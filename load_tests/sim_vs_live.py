@@ -22,6 +22,16 @@ default a fixed forward is also timed in this process around the profile and aro
 and the run is simulated a second time on the profile scaled by the ratio
 (`load_tests/host_speed.py`): reported beside the verdict, which stays on the profile as measured.
 
+One live run is not a measurement to hold a model to: on the 2-core VM the same requests
+replayed minutes apart move the live P95 by ±20%. So each policy and rate runs live `--repeats` times
+(3 by default), interleaved (every policy once, then again), and the verdict compares the
+simulator, which is deterministic, with the median of the runs' P50s and P95s; every run's own
+numbers are reported beside it. A measured profile is measured again before every round of runs
+(`<out>/profile-<i>/`), and the simulator is timed by their median (`<out>/profile-<model>.csv`,
+`host_speed.median_profile`): the VM's speed moves within a minute, so one profile taken before
+all the runs is one sample of it, and a profile spread over the runs' own minutes is the fair
+one to hold them to.
+
 Both sides decide on the same costs and deadlines: when the config names `router.profiles`
 (policies that predict step times need them), the live router gets the comparison's profile
 in their place; and the simulator schedules every request against the SLO the live server
@@ -35,6 +45,7 @@ import copy
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -86,6 +97,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rates", type=parse_rates, default=None,
                         help="offered rates, req/s, comma-separated (default: the workload's own)")
     parser.add_argument("--policies", nargs="+", default=["continuous"], help="policies to run (default: continuous)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="live runs of each policy and rate, interleaved; the verdict holds the simulator to "
+                             "the median of their P50s and P95s (default: %(default)s)")
     parser.add_argument("--duration", type=float, default=None, help="override the workload's duration, s")
     parser.add_argument("--warmup", type=int, default=6, help="requests sent before each measured run")
     parser.add_argument("--request-timeout", type=float, default=60.0, help="seconds before a request counts as failed")
@@ -96,7 +110,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--min-kind-requests", type=int, default=MIN_KIND_REQUESTS,
                         help="completed live requests images or videos need before their own P50/P95 are held to "
                              "the tolerance, in a workload with both (default: %(default)s)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    return args
 
 
 def kind_of(request: ScheduledRequest) -> str:
@@ -130,6 +147,9 @@ class Comparison:
     # run on the profile scaled by it: the same requests at the live run's speed.
     speed_factor: float | None = None
     at_live_speed: Summary | None = None
+    # The live runs this one stands for when there were several (`median_of`): then `live` and
+    # the live side of `kinds` are their medians, and `live_records` all their records.
+    repeats: tuple[Comparison, ...] = ()
 
     def summaries(self, kind: str | None = None) -> tuple[Summary, Summary]:
         return (self.live, self.sim) if kind is None else self.kinds[kind]
@@ -156,6 +176,38 @@ class Comparison:
 
     def agrees(self, tolerance: float, min_requests: int = MIN_KIND_REQUESTS) -> bool:
         return all(self.within(tolerance, k) for k in self.held(min_requests)) and not self.live.failed
+
+
+def median(values: Sequence[float | None]) -> float | None:
+    """The median of the known values (None when none is)."""
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def median_summary(summaries: Sequence[Summary]) -> Summary:
+    """Several runs of the same requests as one: each statistic the median over the runs; the
+    counts the worst run's (fewest ok, most failed), so a failure in any run is kept."""
+    fields = {name: median([getattr(s, name) for s in summaries]) for name in Summary.__dataclass_fields__}
+    fields.update(count=min(s.count for s in summaries), ok=min(s.ok for s in summaries),
+                  failed=max(s.failed for s in summaries), slo_count=min(s.slo_count for s in summaries),
+                  slo_met=min(s.slo_met for s in summaries))
+    return Summary(**fields)
+
+
+def median_of(runs: Sequence[Comparison]) -> Comparison:
+    """Live repeats of one policy and rate against the one simulated run, as one comparison:
+    live statistics (the run's and each kind's) and the stage means are the medians over the
+    repeats; the runs themselves stay in `repeats`."""
+    if len(runs) == 1:
+        return runs[0]
+    first = runs[0]
+    kinds = {kind: (median_summary([r.kinds[kind][0] for r in runs]), sim) for kind, (_, sim) in first.kinds.items()}
+    stages = {kind: {stage: (median([r.stages.get(kind, {}).get(stage, (None,))[0] for r in runs]), sim)
+                     for stage, (_, sim) in pairs.items()}
+              for kind, pairs in first.stages.items()}
+    return replace(first, live=median_summary([r.live for r in runs]), kinds=kinds, stages=stages,
+                   live_records=[record for r in runs for record in r.live_records], server={},
+                   speed_factor=None, at_live_speed=None, repeats=tuple(runs))
 
 
 def _error(live: float | None, sim: float | None) -> float | None:
@@ -216,15 +268,16 @@ def frame_notes(requests: Sequence[ScheduledRequest], grid_frames: Sequence[int]
     return notes
 
 
-def measure_profile(args: argparse.Namespace, requests: list) -> list[Path]:
-    """`stepserve profile` for every model in the requests, at their sizes, into one CSV each."""
+def measure_profile(config: Path, out: Path, requests: list) -> list[Path]:
+    """`stepserve profile` for every model in the requests, at their sizes, into one CSV each
+    in `out`."""
     if any(r.is_video for r in requests):
         from stepserve.profile_video import GRIDS  # torch: only when a video model is measured
 
         for note in frame_notes(requests, GRIDS["cpu"].frames):
             log(note)
     paths = []
-    for command, path in profile_commands(args.config, args.out, requests):
+    for command, path in profile_commands(config, out, requests):
         log("measuring the profile: " + " ".join(command[2:]))
         subprocess.run(command, check=True)
         paths.append(path)
@@ -282,58 +335,77 @@ def speed_probe(serve_config: dict[str, Any], requests: Sequence[ScheduledReques
 
 
 def compare(args: argparse.Namespace) -> list[Comparison]:
-    from stepserve.load_tests.host_speed import scaled_profile
+    from stepserve.load_tests.host_speed import median_profile, scaled_profile
     from stepserve.policies.cost_model import load_profile
 
     serve_config = load_serve_config(args.config)
     spec = load_workload(args.workload)
     if args.duration is not None:
         spec = replace(spec, duration_s=args.duration, num_requests=None)
+    measuring = args.profile == "measure"
     # Only where the profile's own speed will be known: otherwise the index is never compared.
-    timed = args.match_speed and (args.profile == "measure" or args.profile_speed_ms)
-    probe = speed_probe(serve_config, generate(spec)) if timed else None
-    profile_speed_s = None
-    if args.profile == "measure":
-        before = probe.seconds() if probe else None
-        args.profile = ",".join(map(str, measure_profile(args, generate(spec))))
-        if probe:  # the profile's speed: the index around its measurement
-            profile_speed_s = (before + probe.seconds()) / 2
-    elif probe and args.profile_speed_ms:
-        profile_speed_s = args.profile_speed_ms / 1e3
-    profiles = [p.strip() for p in args.profile.split(",") if p.strip()]
-    cost = load_profile(*profiles)
-    live_config = live_serve_config(serve_config, profiles)
+    probe = speed_probe(serve_config, generate(spec)) if args.match_speed and (
+        measuring or args.profile_speed_ms) else None
+    profile_speeds = [] if measuring or not probe else [args.profile_speed_ms / 1e3]
+    profiles = [] if measuring else [p.strip() for p in args.profile.split(",") if p.strip()]
     sim_config = SimConfig(**{**sim_config_from_serve(args.config), "host_cpus": args.host_cpus})
     rates = args.rates or [spec.mean_rate]
-    served = {policy: served_policy(live_config, policy) for policy in args.policies}  # a bad policy fails here
-    out: list[Comparison] = []
+    served = {policy: served_policy(serve_config, policy) for policy in args.policies}  # a bad policy fails here
+    measured: list[list[Path]] = []
+    requests_at: dict[float, list[ScheduledRequest]] = {}
+    lives: dict[tuple[str, float], list[tuple[Any, float | None]]] = {}  # (live run, its speed index)
     port = free_port()  # one for all apps: Serve keeps the HTTP options it first started with
-    with local_ray(int(os.cpu_count() or 1)):
-        for policy in args.policies:
-            options, slos = served[policy]
-            for rate in rates:
-                requests = generate(spec.with_rate(rate), cost)
-                warmup = generate(replace(spec.with_rate(rate), seed=spec.seed + 1, duration_s=None,
-                                          num_requests=args.warmup), cost) if args.warmup else []
-                log(f"[{policy} @ {rate:g} req/s] live: {len(requests)} requests ...")
-                started = time.monotonic()
-                before = probe.seconds() if profile_speed_s else None
-                live = run_policy(live_config, port, policy, warmup, requests, args.request_timeout)
-                factor = (before + probe.seconds()) / 2 / profile_speed_s if profile_speed_s else None
-                log(f"[{policy} @ {rate:g} req/s] live done in {time.monotonic() - started:.0f} s; simulating"
-                    + (f" (this machine ran at {factor:.2f}x the profile's time a forward)" if factor else ""))
-                run_config = replace(sim_config, policy=policy, policy_options=options)
-                result = simulate(as_served(requests, slos), cost, run_config)
-                at_live_speed = None
-                if factor is not None:
-                    moved = simulate(as_served(requests, slos), scaled_profile(profiles, factor), run_config)
-                    at_live_speed = summarize(with_workload_slos(moved.records(), requests), None, rate)
-                sim_records = with_workload_slos(result.records(), requests)
-                out.append(make_comparison(policy, rate, requests, live.records, sim_records, result.busy_s,
-                                           live.server, stage_pairs(live.stages, result.stage_means),
-                                           factor, at_live_speed))
+    for repeat in range(args.repeats):  # outermost: drift hits every policy alike
+        if measuring:  # again before every round of runs: the profile spans the runs' minutes
+            folder = args.out if args.repeats == 1 else args.out / f"profile-{repeat + 1}"
+            before = probe.seconds() if probe else None
+            measured.append(measure_profile(args.config, folder, generate(spec)))
+            profiles = [str(p) for p in measured[-1]]
+            if probe:  # the profile's speed: the index around its measurement
+                profile_speeds.append((before + probe.seconds()) / 2)
+        cost = load_profile(*profiles)
+        live_config = live_serve_config(serve_config, profiles)  # the live router predicts with the latest
+        with local_ray(int(os.cpu_count() or 1)):
+            for policy in args.policies:
+                for rate in rates:
+                    # The same requests every run (their SLOs from the first profile).
+                    requests = requests_at.setdefault(rate, generate(spec.with_rate(rate), cost))
+                    warmup = generate(replace(spec.with_rate(rate), seed=spec.seed + 1, duration_s=None,
+                                              num_requests=args.warmup), cost) if args.warmup else []
+                    what = f"[{policy} @ {rate:g} req/s, run {repeat + 1}/{args.repeats}]"
+                    log(f"{what} live: {len(requests)} requests ...")
+                    started = time.monotonic()
+                    before = probe.seconds() if profile_speeds else None
+                    live = run_policy(live_config, port, policy, warmup, requests, args.request_timeout)
+                    speed = (before + probe.seconds()) / 2 if profile_speeds else None
+                    log(f"{what} live done in {time.monotonic() - started:.0f} s")
+                    lives.setdefault((policy, rate), []).append((live, speed))
+    if len(measured) > 1:  # per model, the median over the profiles taken between the runs
+        profiles = [str(median_profile([m[i] for m in measured], args.out / measured[0][i].name))
+                    for i in range(len(measured[0]))]
+        log(f"simulating on the median of {len(measured)} profiles: {', '.join(profiles)}")
+    args.profile = ",".join(profiles)
+    cost = load_profile(*profiles)
+    profile_speed_s = statistics.mean(profile_speeds) if profile_speeds else None
+    out = []
+    for (policy, rate), runs in lives.items():
+        options, slos = served[policy]
+        run_config = replace(sim_config, policy=policy, policy_options=options)
+        requests = as_served(requests_at[rate], slos)
+        result = simulate(requests, cost, run_config)  # the same requests and profile: one simulated run
+        sim_records = with_workload_slos(result.records(), requests_at[rate])
+        compared = []
+        for live, speed in runs:
+            factor = speed / profile_speed_s if speed and profile_speed_s else None
+            at_live_speed = None
+            if factor is not None:
+                moved = simulate(requests, scaled_profile(profiles, factor), run_config)
+                at_live_speed = summarize(with_workload_slos(moved.records(), requests_at[rate]), None, rate)
+            compared.append(make_comparison(policy, rate, requests_at[rate], live.records, sim_records, result.busy_s,
+                                            live.server, stage_pairs(live.stages, result.stage_means), factor,
+                                            at_live_speed))
+        out.append(median_of(compared))
     return out
-
 
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{value:+.1%}"
@@ -358,29 +430,42 @@ def print_table(comparisons: list[Comparison], tolerance: float, min_requests: i
         print(f"a video's latency ends at the answer to its long poll, when it completed; images and videos are "
               f"held to the bar apart when at least {min_requests} of them completed live; 'agrees' on a run's "
               f"first row is the run's verdict")
+    if any(c.repeats for c in comparisons):
+        print("live: the median over the live runs, each listed below its verdict (sim against that run alone)")
     print(f"{'policy':<13}{'req/s':>6}{'ok':>9}{'live P50':>10}{'sim P50':>9}{'err':>8}"
           f"{'live P95':>10}{'sim P95':>9}{'err':>8}  agrees")
     for c in comparisons:
         for kind in (None, *c.kinds):
-            live, sim = c.summaries(kind)
+            live = c.summaries(kind)[0]
             if kind is None:
                 verdict = "yes" if c.agrees(tolerance, min_requests) else "NO"
             elif kind in c.held(min_requests):
                 verdict = "yes" if c.within(tolerance, kind) else "NO"
             else:
                 verdict = f"not held ({live.ok} ok < {min_requests})"
-            print(f"{_label(c, kind):<13}{c.rate:>6g}{f'{live.ok}/{live.count}':>9}{_s(live.latency_p50_s):>10}"
-                  f"{_s(sim.latency_p50_s):>9}{_pct(c.error('latency_p50_s', kind)):>8}{_s(live.latency_p95_s):>10}"
-                  f"{_s(sim.latency_p95_s):>9}{_pct(c.error('latency_p95_s', kind)):>8}  {verdict}")
+            _row(c, kind, _label(c, kind), verdict)
+        for i, run in enumerate(c.repeats, 1):
+            for kind in (None, *run.kinds):
+                _row(run, kind, f"  run {i}" + (f" {kind}" if kind else ""), "(one run)")
     for c in comparisons:
-        if c.speed_factor is not None:
-            print(f"{c.policy} @ {c.rate:g} req/s: a forward took {c.speed_factor:.2f}x the profile's time around the "
-                  f"live run; simulated at that speed the error is P50 {_pct(c.error_at_live_speed('latency_p50_s'))}, "
-                  f"P95 {_pct(c.error_at_live_speed('latency_p95_s'))}")
+        for i, run in enumerate(c.repeats or (c,), 1):
+            if run.speed_factor is not None:
+                where = f"run {i}" if c.repeats else "the live run"
+                print(f"{c.policy} @ {c.rate:g} req/s: a forward took {run.speed_factor:.2f}x the profile's time around "
+                      f"{where}; simulated at that speed the error is P50 "
+                      f"{_pct(run.error_at_live_speed('latency_p50_s'))}, P95 "
+                      f"{_pct(run.error_at_live_speed('latency_p95_s'))}")
     for c in comparisons:
         for kind, pairs in c.stages.items():
             cells = "  ".join(f"{stage} {_ms(live)}/{_ms(sim)}" for stage, (live, sim) in pairs.items())
             print(f"{c.policy} @ {c.rate:g} req/s, {kind} stages, ms live/sim: {cells}")
+
+
+def _row(c: Comparison, kind: str | None, label: str, verdict: str) -> None:
+    live, sim = c.summaries(kind)
+    print(f"{label:<13}{c.rate:>6g}{f'{live.ok}/{live.count}':>9}{_s(live.latency_p50_s):>10}"
+          f"{_s(sim.latency_p50_s):>9}{_pct(c.error('latency_p50_s', kind)):>8}{_s(live.latency_p95_s):>10}"
+          f"{_s(sim.latency_p95_s):>9}{_pct(c.error('latency_p95_s', kind)):>8}  {verdict}")
 
 
 STATS = ("latency_p50_s", "latency_p95_s", "latency_p99_s", "latency_mean_s")
@@ -409,7 +494,10 @@ def run_report(c: Comparison, tolerance: float, min_requests: int = MIN_KIND_REQ
                          "error": {stat: c.error(stat, kind) for stat in STATS},
                          "live": asdict(live), "sim": asdict(sim)}
                   for kind, (live, sim) in c.kinds.items()},
-        "live_records": _records(c.live_records, c.request_kinds),
+        # Several live runs: each its own report (without the simulated records, the same for all).
+        "repeats": [{k: v for k, v in run_report(r, tolerance, min_requests).items() if k != "sim_records"}
+                    for r in c.repeats],
+        "live_records": [] if c.repeats else _records(c.live_records, c.request_kinds),
         "sim_records": _records(c.sim_records, c.request_kinds),
     }
 
@@ -433,14 +521,15 @@ def plot_panels(comparisons: list[Comparison]) -> tuple[dict[str, dict[str, list
     errors: list[tuple[str, float | None, float | None]] = []
     for c in comparisons:
         name = f"{c.policy} @ {c.rate:g}"
+        live_label = f"live ({len(c.repeats)} runs)" if c.repeats else "live"
         if not c.kinds:
-            panels[f"{name} req/s"] = {"live": [r.latency_s for r in c.live_records if r.ok],
+            panels[f"{name} req/s"] = {live_label: [r.latency_s for r in c.live_records if r.ok],
                                        "simulated": [r.latency_s for r in c.sim_records if r.ok]}
         else:
             live, sim = split_by_kind(c.live_records, c.request_kinds), split_by_kind(c.sim_records, c.request_kinds)
             panels[f"{name} req/s"] = {
                 f"{side} {kind}": [r.latency_s for r in records.get(kind, []) if r.ok]
-                for kind in c.kinds for side, records in (("live", live), ("simulated", sim))
+                for kind in c.kinds for side, records in ((live_label, live), ("simulated", sim))
             }
         errors.append((name, c.error("latency_p50_s"), c.error("latency_p95_s")))
         errors += [(f"{name} {kind}", c.error("latency_p50_s", kind), c.error("latency_p95_s", kind))

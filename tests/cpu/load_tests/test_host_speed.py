@@ -59,3 +59,27 @@ def test_a_run_simulated_at_the_live_speed_is_reported_beside_the_verdict(capsys
     assert "1.40x the profile's time" in capsys.readouterr().out
     plain = comparison(requests, live, as_measured, policy="continuous")
     assert plain.speed_factor is None and plain.error_at_live_speed("latency_p50_s") is None
+
+
+def test_the_median_profile_takes_each_points_median_over_the_profiles(tmp_path):
+    from stepserve.load_tests.host_speed import median_profile
+    from stepserve.policies.cost_model import ProfileRow, read_profile, write_profile
+
+    def row(component, rows, ms, note="measured today"):
+        return ProfileRow("m", "cpu", component, 64, 64, rows, 1, ms, 5, note)
+
+    paths = []
+    for i, scale in enumerate((1.0, 1.5, 0.8)):
+        # round_overhead holds the point (64, 64, rows 8) twice, as the real grid does.
+        rows = [row("denoise", 2, 10 * scale), row("round_overhead", 8, 1 * scale), row("round_overhead", 8, 2 * scale)]
+        paths.append(tmp_path / f"p{i}.csv")
+        write_profile(paths[-1], rows + ([row("denoise", 4, 20)] if i == 0 else []))
+    merged = read_profile(median_profile(paths, tmp_path / "median.csv"))
+    assert sorted((r.component, r.rows, r.latency_ms) for r in merged) == [
+        ("denoise", 2, 10.0), ("denoise", 4, 20.0), ("round_overhead", 8, 1.0), ("round_overhead", 8, 2.0)]
+    by_rows = {(r.component, r.rows): r for r in merged}
+    assert by_rows["denoise", 2].samples == 15 and by_rows["denoise", 4].samples == 5
+    assert by_rows["denoise", 2].source.startswith("median of 3 profiles")
+    assert by_rows["denoise", 4].source.startswith("median of 1 ")
+    with pytest.raises(ValueError):
+        median_profile([], tmp_path / "none.csv")

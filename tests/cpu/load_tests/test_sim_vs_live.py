@@ -1,7 +1,8 @@
 """The simulator agrees with the live app: small cases of load_tests/sim_vs_live.py.
 
-Slow (minutes each: a profile of this machine, then a live run) and timing-sensitive, so they
-run with the benchmarks on a quiet machine, not in CI: `python -m pytest -m slow -k sim_vs_live`.
+Slow (minutes each: a profile of this machine, then three live runs, whose medians the
+simulator is held to) and timing-sensitive, so they run with the benchmarks on a quiet machine,
+not in CI: `python -m pytest -m slow -k sim_vs_live`.
 The comparison's logic without a live app is tested in test_sim_vs_live_kinds.py.
 """
 
