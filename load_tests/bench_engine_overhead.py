@@ -45,6 +45,7 @@ from stepserve.engine.text_encoding import encode_conditioning
 from stepserve.load_tests.plots import plot_overhead
 from stepserve.load_tests.workload import DEFAULT_PROMPT, ScheduledRequest
 from stepserve.policies.types import RequestSpec, StepGroup, WorkerPlan
+from stepserve.profile import Stopwatch
 from stepserve.runtime import default_config_path, load_serve_config
 
 TARGET_ENGINE_RATIO = 1.10  # the issue's bar: stepserve / diffusers at engine level
@@ -65,13 +66,6 @@ def same_image_tolerance(device: str, dtype: str) -> float:
     if dtype != "float32":
         return 5e-2
     return 1e-3 if device == "cpu" else 1e-2
-
-
-def synchronizer(device: str) -> Callable[[], None]:
-    """What to call before and after a timed run so queued CUDA kernels count; nothing on CPU."""
-    if device.startswith("cuda"):
-        return lambda: torch.cuda.synchronize(device)
-    return lambda: None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -140,8 +134,8 @@ def diffusers_pipeline(family: DiffusionFamily, spec: RequestSpec) -> np.ndarray
 
 
 def timed(run: Callable[[], Any], sync: Callable[[], None] = lambda: None) -> tuple[float, Any]:
-    """Wall time of `run()` and its output; `sync` is called before and after (CUDA: see
-    `synchronizer`)."""
+    """Wall time of `run()` and its output; `sync` is called before and after (on CUDA,
+    `Stopwatch.sync`, so queued kernels count)."""
     sync()
     start = time.perf_counter()
     out = run()
@@ -170,7 +164,7 @@ def compare(label: str, ours: Callable[[], Any], theirs: Callable[[], Any],
 
 def engine_level(family: DiffusionFamily, source: ModelSource, args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
-    sync, tolerance = synchronizer(args.device), same_image_tolerance(args.device, source.dtype)
+    sync, tolerance = Stopwatch(args.device).sync, same_image_tolerance(args.device, source.dtype)
     for size in args.sizes:
         spec = make_spec(source, size, args.steps, args.guidance, args.seed)
         row, out = compare(f"{size}px", lambda: stepserve_engine(family, spec),
