@@ -16,11 +16,7 @@ By default the profile is measured first (`stepserve profile` for each of the wo
 models at its sizes, a video model also at its frame counts, into <out>/profile-<model>.csv),
 on the same quiet machine, minutes before the live runs: the 2-core VM's speed drifts by tens
 of percent within an hour, so a profile from another time compares two different machines.
-`--profile NAME_OR_CSV[,NAME_OR_CSV...]` uses existing ones instead. The drift is faster than
-that (a forward's time moved by 58% between two profiles a quarter of an hour apart), so by
-default a fixed forward is also timed in this process around the profile and around each run,
-and the run is simulated a second time on the profile scaled by the ratio
-(`load_tests/host_speed.py`): reported beside the verdict, which stays on the profile as measured.
+`--profile NAME_OR_CSV[,NAME_OR_CSV...]` uses existing ones instead.
 
 One live run is not a measurement to hold a model to: on the 2-core VM the same requests
 replayed minutes apart move the live P95 by ±20%. So each policy and rate runs live `--repeats` times
@@ -31,6 +27,18 @@ numbers are reported beside it. A measured profile is measured again before ever
 `host_speed.median_profile`): the VM's speed moves within a minute, so one profile taken before
 all the runs is one sample of it, and a profile spread over the runs' own minutes is the fair
 one to hold them to.
+
+A profile measures the machine at rest, and on this VM the workers' speed under load does not
+follow it: between two benchmarks 40 minutes apart the profile's forward got 13-15% slower
+while the live step under load got 5% faster, which moved the simulator's P50 by 20 points
+with the live runs holding still. So by default (`--calibrate`) the simulator's speed is
+fitted to the live runs: every time in a model's profile is multiplied by one factor, the
+same for every policy and rate, chosen so that the simulated mean step of that model's
+requests (the router's `step` stage, denoise / steps) equals the live runs' (`fit_speed`).
+Only the speed is fitted; the relative costs (rows, sizes, frames, text encoding, decode,
+overheads), the batches, queues, decisions and tails are the simulator's, and its P50 and
+P95 are held to the bar. The simulator on the profile as measured is reported beside the
+verdict (`as_profiled`).
 
 Both sides decide on the same costs and deadlines: when the config names `router.profiles`
 (policies that predict step times need them), the live router gets the comparison's profile
@@ -49,10 +57,10 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from stepserve.load_tests.bench_batching import run_policy
 from stepserve.load_tests.local_app import free_port, local_ray, log
@@ -64,10 +72,10 @@ from stepserve.load_tests.sweep import parse_rates, sim_config_from_serve
 from stepserve.load_tests.workload import ScheduledRequest, generate, load_workload
 from stepserve.runtime import default_config_path, load_serve_config
 
-if TYPE_CHECKING:
-    from stepserve.load_tests.host_speed import SpeedProbe
-
 TOLERANCE = 0.15  # the issue's bar for P50 and P95
+# The speed fit stops when every kind's simulated mean step is within 1% of the live one, or
+# after this many simulations of every run (genserve's decisions move with the speed).
+CALIBRATION_TOLERANCE, CALIBRATION_TRIES = 0.01, 6
 # Completed live requests a kind needs before its own P50/P95 are held to the bar: the P95 of
 # fewer is one or two requests' latency, which a single preemption moves by tens of percent.
 MIN_KIND_REQUESTS = 20
@@ -86,14 +94,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="cost profile: CSV paths or shipped names, comma-separated (one per model, e.g. "
                              "tiny-sd-cpu,tiny-wan-cpu), or 'measure' to profile this machine first "
                              "(default: %(default)s)")
-    parser.add_argument("--match-speed", action=argparse.BooleanOptionalAction, default=True,
-                        help="time a fixed forward in this process around the profile and around each live run, "
-                             "and also simulate each run on the profile scaled to that run's speed "
-                             "(load_tests/host_speed.py); reported beside the verdict, which stays on the profile "
-                             "as measured (default: on)")
-    parser.add_argument("--profile-speed-ms", type=float, default=None,
-                        help="with --profile NAME_OR_CSV: the speed index (ms a forward) when that profile was "
-                             "measured; without it, a given profile is not moved to the live speed")
+    parser.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=True,
+                        help="fit the simulator's speed to the live runs' mean step (one factor per model, on "
+                             "all its times) and hold that to the bar; the profile as measured is reported "
+                             "beside it (default: on)")
     parser.add_argument("--rates", type=parse_rates, default=None,
                         help="offered rates, req/s, comma-separated (default: the workload's own)")
     parser.add_argument("--policies", nargs="+", default=["continuous"], help="policies to run (default: continuous)")
@@ -143,13 +147,12 @@ class Comparison:
     # Per kind served, the mean seconds of each router stage (text_encode, queue, denoise, step,
     # decode), live (the router's stage histogram) and simulated: where the two part ways.
     stages: dict[str, dict[str, tuple[float | None, float | None]]] = field(default_factory=dict)
-    # Live time of the speed index over the profile's (None: not measured), and the simulator's
-    # run on the profile scaled by it: the same requests at the live run's speed.
-    speed_factor: float | None = None
-    at_live_speed: Summary | None = None
     # The live runs this one stands for when there were several (`median_of`): then `live` and
     # the live side of `kinds` are their medians, and `live_records` all their records.
     repeats: tuple[Comparison, ...] = ()
+    # With the simulator's speed fitted to the live runs: the same live runs against the
+    # simulator on the profile as measured.
+    as_profiled: Comparison | None = None
 
     def summaries(self, kind: str | None = None) -> tuple[Summary, Summary]:
         return (self.live, self.sim) if kind is None else self.kinds[kind]
@@ -158,12 +161,6 @@ class Comparison:
         """sim / live - 1 for a Summary field such as latency_p50_s, of the run or of one kind."""
         live_summary, sim_summary = self.summaries(kind)
         return _error(getattr(live_summary, stat), getattr(sim_summary, stat))
-
-    def error_at_live_speed(self, stat: str) -> float | None:
-        """`error` of the whole run simulated at the live run's speed (None when not measured)."""
-        if self.at_live_speed is None:
-            return None
-        return _error(getattr(self.live, stat), getattr(self.at_live_speed, stat))
 
     def within(self, tolerance: float, kind: str | None = None) -> bool:
         errors = [self.error("latency_p50_s", kind), self.error("latency_p95_s", kind)]
@@ -207,7 +204,7 @@ def median_of(runs: Sequence[Comparison]) -> Comparison:
               for kind, pairs in first.stages.items()}
     return replace(first, live=median_summary([r.live for r in runs]), kinds=kinds, stages=stages,
                    live_records=[record for r in runs for record in r.live_records], server={},
-                   speed_factor=None, at_live_speed=None, repeats=tuple(runs))
+                   repeats=tuple(runs))
 
 
 def _error(live: float | None, sim: float | None) -> float | None:
@@ -226,8 +223,7 @@ def stage_pairs(live: Mapping[str, Mapping[str, float | None]], sim: Callable[[s
 def make_comparison(policy: str, rate: float, requests: Sequence[ScheduledRequest], live_records: list[RequestRecord],
                     sim_records: list[RequestRecord], sim_busy_s: Mapping[str, float] | None,
                     server: dict[str, Any],
-                    stages: dict[str, dict[str, tuple[float | None, float | None]]] | None = None,
-                    speed_factor: float | None = None, at_live_speed: Summary | None = None) -> Comparison:
+                    stages: dict[str, dict[str, tuple[float | None, float | None]]] | None = None) -> Comparison:
     """Both runs summarized, as a whole and, when the requests mix images and videos, per kind
     (per-kind summaries carry no busy fraction: the workers are shared)."""
     kinds = {r.index: kind_of(r) for r in requests}
@@ -237,8 +233,7 @@ def make_comparison(policy: str, rate: float, requests: Sequence[ScheduledReques
         per_kind = {kind: (summarize(live_split.get(kind, [])), summarize(sim_split.get(kind, [])))
                     for kind in KINDS if kind in live_split or kind in sim_split}
     return Comparison(policy, rate, summarize(live_records, None, rate), summarize(sim_records, sim_busy_s, rate),
-                      live_records, sim_records, server, per_kind, kinds, stages or {}, speed_factor,
-                      at_live_speed)
+                      live_records, sim_records, server, per_kind, kinds, stages or {})
 
 
 def profile_commands(config: Path, out: Path, requests: Sequence[ScheduledRequest]) -> list[tuple[list[str], Path]]:
@@ -320,21 +315,70 @@ def with_workload_slos(records: Sequence[RequestRecord], requests: Sequence[Sche
     return [replace(record, slo_s=slo[record.index]) for record in records]
 
 
-def speed_probe(serve_config: dict[str, Any], requests: Sequence[ScheduledRequest]) -> SpeedProbe | None:
-    """The speed index for these requests: their first image's model, size and CFG rows, on
-    one thread like the workers (None when they hold no image)."""
-    from stepserve.deployments.config import AppConfig  # heavy (ray, torch): only when asked
-    from stepserve.load_tests.host_speed import SpeedProbe
+@dataclass(frozen=True)
+class Calibration:
+    """The simulator's speed fitted to the live runs (`fit_speed`)."""
 
-    image = next((r for r in requests if not r.is_video), None)
-    if image is None:
-        return None
-    models = AppConfig.model_validate(serve_config["applications"][0]["args"]).models
-    model = next((m for m in models if m.name == image.model), models[0])
-    return SpeedProbe(model.to_source(), max(image.width, image.height), 2 if image.guidance_scale > 1 else 1)
+    factors: dict[str, float]  # model -> the factor on every time of its profile
+    residuals: dict[str, float]  # kind -> simulated / live mean step - 1 at those factors
+    simulations: int  # simulations of every run the fit took
 
 
-def compare(args: argparse.Namespace) -> list[Comparison]:
+def fit_speed(live_steps: Mapping[str, float], models: Mapping[str, set[str]],
+              simulated_steps: Callable[[dict[str, float]], Mapping[str, float]],
+              tolerance: float = CALIBRATION_TOLERANCE, tries: int = CALIBRATION_TRIES) -> Calibration:
+    """Per model, the factor on its profile's times at which `simulated_steps(factors)` (kind ->
+    simulated mean step) meets `live_steps` (kind -> the live one): each kind's factor is
+    multiplied by live / simulated until every kind is within `tolerance`, or the closest of
+    `tries` (a step's time is nearly proportional to the factor, but the batches the simulator
+    forms, and genserve's decisions, move with it). `models`: kind -> the models its requests
+    use; a kind with no live step keeps its models' times."""
+    owners: dict[str, str] = {}
+    for kind, names in models.items():
+        for model in names:
+            if owners.setdefault(model, kind) != kind:
+                raise ValueError(f"model {model} serves both {owners[model]} and {kind} requests: its speed "
+                                 "cannot be fitted to each kind's steps apart")
+    factors = {kind: 1.0 for kind in live_steps if live_steps[kind]}
+    best: Calibration | None = None
+    for attempt in range(1, tries + 1):
+        per_model = {model: factors[kind] for kind in factors for model in models.get(kind, ())}
+        simulated = simulated_steps(per_model)
+        residuals = {kind: simulated[kind] / live_steps[kind] - 1 for kind in factors if simulated.get(kind)}
+        worst = max(map(abs, residuals.values()), default=0.0)
+        if best is None or worst < max(map(abs, best.residuals.values()), default=0.0):
+            best = Calibration(per_model, residuals, attempt)
+        if worst <= tolerance:
+            break
+        factors = {kind: f / (1 + residuals[kind]) if kind in residuals else f for kind, f in factors.items()}
+    assert best is not None
+    return replace(best, simulations=attempt)
+
+
+def mean_steps(comparisons: Iterable[Comparison]) -> tuple[dict[str, float], dict[str, float]]:
+    """Per kind, the live and the simulated mean step (the router's `step` stage; live: the
+    median over repeats), each averaged over the policies and rates where both are known."""
+    pairs: dict[str, list[tuple[float, float]]] = {}
+    for c in comparisons:
+        for kind, stages in c.stages.items():
+            live, sim = stages.get("step", (None, None))
+            if live and sim:
+                pairs.setdefault(kind, []).append((live, sim))
+    return ({kind: statistics.mean(live for live, _ in both) for kind, both in pairs.items()},
+            {kind: statistics.mean(sim for _, sim in both) for kind, both in pairs.items()})
+
+
+def models_by_kind(requests: Iterable[ScheduledRequest]) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for r in requests:
+        if r.model is not None:
+            out.setdefault(kind_of(r), set()).add(r.model)
+    return out
+
+
+def compare(args: argparse.Namespace) -> tuple[list[Comparison], Calibration | None]:
+    """Every policy and rate live `--repeats` times, then simulated: on the profile as measured,
+    and (`--calibrate`) at the speed fitted to the live runs, which the verdict then holds."""
     from stepserve.load_tests.host_speed import median_profile, scaled_profile
     from stepserve.policies.cost_model import load_profile
 
@@ -343,26 +387,19 @@ def compare(args: argparse.Namespace) -> list[Comparison]:
     if args.duration is not None:
         spec = replace(spec, duration_s=args.duration, num_requests=None)
     measuring = args.profile == "measure"
-    # Only where the profile's own speed will be known: otherwise the index is never compared.
-    probe = speed_probe(serve_config, generate(spec)) if args.match_speed and (
-        measuring or args.profile_speed_ms) else None
-    profile_speeds = [] if measuring or not probe else [args.profile_speed_ms / 1e3]
     profiles = [] if measuring else [p.strip() for p in args.profile.split(",") if p.strip()]
     sim_config = SimConfig(**{**sim_config_from_serve(args.config), "host_cpus": args.host_cpus})
     rates = args.rates or [spec.mean_rate]
     served = {policy: served_policy(serve_config, policy) for policy in args.policies}  # a bad policy fails here
     measured: list[list[Path]] = []
     requests_at: dict[float, list[ScheduledRequest]] = {}
-    lives: dict[tuple[str, float], list[tuple[Any, float | None]]] = {}  # (live run, its speed index)
+    lives: dict[tuple[str, float], list[Any]] = {}
     port = free_port()  # one for all apps: Serve keeps the HTTP options it first started with
     for repeat in range(args.repeats):  # outermost: drift hits every policy alike
         if measuring:  # again before every round of runs: the profile spans the runs' minutes
             folder = args.out if args.repeats == 1 else args.out / f"profile-{repeat + 1}"
-            before = probe.seconds() if probe else None
             measured.append(measure_profile(args.config, folder, generate(spec)))
             profiles = [str(p) for p in measured[-1]]
-            if probe:  # the profile's speed: the index around its measurement
-                profile_speeds.append((before + probe.seconds()) / 2)
         cost = load_profile(*profiles)
         live_config = live_serve_config(serve_config, profiles)  # the live router predicts with the latest
         with local_ray(int(os.cpu_count() or 1)):
@@ -375,37 +412,50 @@ def compare(args: argparse.Namespace) -> list[Comparison]:
                     what = f"[{policy} @ {rate:g} req/s, run {repeat + 1}/{args.repeats}]"
                     log(f"{what} live: {len(requests)} requests ...")
                     started = time.monotonic()
-                    before = probe.seconds() if profile_speeds else None
                     live = run_policy(live_config, port, policy, warmup, requests, args.request_timeout)
-                    speed = (before + probe.seconds()) / 2 if profile_speeds else None
                     log(f"{what} live done in {time.monotonic() - started:.0f} s")
-                    lives.setdefault((policy, rate), []).append((live, speed))
+                    lives.setdefault((policy, rate), []).append(live)
     if len(measured) > 1:  # per model, the median over the profiles taken between the runs
         profiles = [str(median_profile([m[i] for m in measured], args.out / measured[0][i].name))
                     for i in range(len(measured[0]))]
         log(f"simulating on the median of {len(measured)} profiles: {', '.join(profiles)}")
     args.profile = ",".join(profiles)
-    cost = load_profile(*profiles)
-    profile_speed_s = statistics.mean(profile_speeds) if profile_speeds else None
-    out = []
-    for (policy, rate), runs in lives.items():
-        options, slos = served[policy]
-        run_config = replace(sim_config, policy=policy, policy_options=options)
-        requests = as_served(requests_at[rate], slos)
-        result = simulate(requests, cost, run_config)  # the same requests and profile: one simulated run
-        sim_records = with_workload_slos(result.records(), requests_at[rate])
-        compared = []
-        for live, speed in runs:
-            factor = speed / profile_speed_s if speed and profile_speed_s else None
-            at_live_speed = None
-            if factor is not None:
-                moved = simulate(requests, scaled_profile(profiles, factor), run_config)
-                at_live_speed = summarize(with_workload_slos(moved.records(), requests_at[rate]), None, rate)
-            compared.append(make_comparison(policy, rate, requests_at[rate], live.records, sim_records, result.busy_s,
-                                            live.server, stage_pairs(live.stages, result.stage_means), factor,
-                                            at_live_speed))
-        out.append(median_of(compared))
-    return out
+
+    def compared(cost: Any) -> dict[tuple[str, float], Comparison]:
+        """Each policy and rate simulated once on `cost` against its live runs (their median)."""
+        out = {}
+        for (policy, rate), runs in lives.items():
+            options, slos = served[policy]
+            result = simulate(as_served(requests_at[rate], slos), cost,
+                              replace(sim_config, policy=policy, policy_options=options))
+            sim_records = with_workload_slos(result.records(), requests_at[rate])
+            out[policy, rate] = median_of([
+                make_comparison(policy, rate, requests_at[rate], live.records, sim_records, result.busy_s,
+                                live.server, stage_pairs(live.stages, result.stage_means)) for live in runs])
+        return out
+
+    as_profiled = compared(load_profile(*profiles))
+    if not args.calibrate:
+        return list(as_profiled.values()), None
+    fitted: dict[tuple, dict[tuple[str, float], Comparison]] = {}
+
+    def simulated_steps(factors: dict[str, float]) -> dict[str, float]:
+        fitted[tuple(sorted(factors.items()))] = runs = compared(scaled_profile(profiles, factors))
+        return mean_steps(runs.values())[1]
+
+    live_steps = mean_steps(as_profiled.values())[0]
+    calibration = fit_speed(live_steps, models_by_kind(r for rs in requests_at.values() for r in rs), simulated_steps)
+    log("the simulator's speed fitted to the live steps: " + describe(calibration))
+    calibrated = fitted[tuple(sorted(calibration.factors.items()))]
+    return [replace(c, as_profiled=as_profiled[key]) for key, c in calibrated.items()], calibration
+
+
+def describe(calibration: Calibration) -> str:
+    factors = ", ".join(f"{model} x{f:.3f}" for model, f in sorted(calibration.factors.items()))
+    residuals = ", ".join(f"{kind} {r:+.1%}" for kind, r in calibration.residuals.items())
+    return (f"profile times {factors or '(none: no live step)'}; simulated / live mean step - 1: "
+            f"{residuals or '-'} ({calibration.simulations} simulations of every run)")
+
 
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{value:+.1%}"
@@ -432,6 +482,8 @@ def print_table(comparisons: list[Comparison], tolerance: float, min_requests: i
               f"first row is the run's verdict")
     if any(c.repeats for c in comparisons):
         print("live: the median over the live runs, each listed below its verdict (sim against that run alone)")
+    if any(c.as_profiled for c in comparisons):
+        print("sim: at the speed fitted to the live steps; 'as profiled': the simulator at the profile's own speed")
     print(f"{'policy':<13}{'req/s':>6}{'ok':>9}{'live P50':>10}{'sim P50':>9}{'err':>8}"
           f"{'live P95':>10}{'sim P95':>9}{'err':>8}  agrees")
     for c in comparisons:
@@ -447,14 +499,9 @@ def print_table(comparisons: list[Comparison], tolerance: float, min_requests: i
         for i, run in enumerate(c.repeats, 1):
             for kind in (None, *run.kinds):
                 _row(run, kind, f"  run {i}" + (f" {kind}" if kind else ""), "(one run)")
-    for c in comparisons:
-        for i, run in enumerate(c.repeats or (c,), 1):
-            if run.speed_factor is not None:
-                where = f"run {i}" if c.repeats else "the live run"
-                print(f"{c.policy} @ {c.rate:g} req/s: a forward took {run.speed_factor:.2f}x the profile's time around "
-                      f"{where}; simulated at that speed the error is P50 "
-                      f"{_pct(run.error_at_live_speed('latency_p50_s'))}, P95 "
-                      f"{_pct(run.error_at_live_speed('latency_p95_s'))}")
+        if c.as_profiled is not None:
+            for kind in (None, *c.as_profiled.kinds):
+                _row(c.as_profiled, kind, "  as profiled" + (f" {kind}" if kind else ""), "(profile's speed)")
     for c in comparisons:
         for kind, pairs in c.stages.items():
             cells = "  ".join(f"{stage} {_ms(live)}/{_ms(sim)}" for stage, (live, sim) in pairs.items())
@@ -483,10 +530,15 @@ def run_report(c: Comparison, tolerance: float, min_requests: int = MIN_KIND_REQ
         "policy": c.policy, "rate": c.rate, "agrees": c.agrees(tolerance, min_requests),
         "held": ["all" if k is None else k for k in held],
         "error": {stat: c.error(stat) for stat in STATS},
-        "speed_factor": c.speed_factor,
-        "error_at_live_speed": {stat: c.error_at_live_speed(stat) for stat in STATS},
         "live": asdict(c.live), "sim": asdict(c.sim),
-        "sim_at_live_speed": None if c.at_live_speed is None else asdict(c.at_live_speed),
+        # The simulator at the profile's own speed (when the verdict's is fitted to the live runs).
+        "as_profiled": None if c.as_profiled is None else {
+            "error": {stat: c.as_profiled.error(stat) for stat in STATS}, "sim": asdict(c.as_profiled.sim),
+            "kinds": {kind: {"error": {stat: c.as_profiled.error(stat, kind) for stat in STATS}}
+                      for kind in c.as_profiled.kinds},
+            "stages_s": {kind: {stage: sim for stage, (_, sim) in pairs.items()}
+                         for kind, pairs in c.as_profiled.stages.items()},
+            "sim_records": _records(c.as_profiled.sim_records, c.request_kinds)},
         "live_server": c.server,
         "stages_s": {kind: {stage: {"live": live, "sim": sim} for stage, (live, sim) in pairs.items()}
                      for kind, pairs in c.stages.items()},
@@ -502,34 +554,39 @@ def run_report(c: Comparison, tolerance: float, min_requests: int = MIN_KIND_REQ
     }
 
 
-def report(args: argparse.Namespace, comparisons: list[Comparison]) -> dict[str, Any]:
+def report(args: argparse.Namespace, comparisons: list[Comparison], calibration: Calibration | None = None
+           ) -> dict[str, Any]:
     return {
         "benchmark": "sim_vs_live",
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count()},
         "config_path": str(args.config), "workload": args.workload, "profile": str(args.profile),
         "host_cpus": args.host_cpus, "tolerance": args.tolerance, "min_kind_requests": args.min_kind_requests,
+        # The simulator's speed fitted to the live runs (None: the verdict is on the profile as measured).
+        "calibration": None if calibration is None else asdict(calibration),
         "runs": [run_report(c, args.tolerance, args.min_kind_requests) for c in comparisons],
     }
 
 
 def plot_panels(comparisons: list[Comparison]) -> tuple[dict[str, dict[str, list[float]]],
                                                         list[tuple[str, float | None, float | None]]]:
-    """CDF panels (one per run; a mixed run's shows images and videos apart) and error bars
-    (each run, then each of its kinds)."""
+    """CDF panels (one per run; a mixed run's shows images and videos apart; with a fitted speed
+    also the simulator as profiled) and error bars (each run, then each of its kinds)."""
     panels: dict[str, dict[str, list[float]]] = {}
     errors: list[tuple[str, float | None, float | None]] = []
     for c in comparisons:
         name = f"{c.policy} @ {c.rate:g}"
-        live_label = f"live ({len(c.repeats)} runs)" if c.repeats else "live"
+        sides = {f"live ({len(c.repeats)} runs)" if c.repeats else "live": c.live_records,
+                 "simulated": c.sim_records}
+        if c.as_profiled is not None:
+            sides["simulated as profiled"] = c.as_profiled.sim_records
         if not c.kinds:
-            panels[f"{name} req/s"] = {live_label: [r.latency_s for r in c.live_records if r.ok],
-                                       "simulated": [r.latency_s for r in c.sim_records if r.ok]}
+            panels[f"{name} req/s"] = {side: [r.latency_s for r in records if r.ok] for side, records in sides.items()}
         else:
-            live, sim = split_by_kind(c.live_records, c.request_kinds), split_by_kind(c.sim_records, c.request_kinds)
+            split = {side: split_by_kind(records, c.request_kinds) for side, records in sides.items()}
             panels[f"{name} req/s"] = {
-                f"{side} {kind}": [r.latency_s for r in records.get(kind, []) if r.ok]
-                for kind in c.kinds for side, records in ((live_label, live), ("simulated", sim))
+                f"{side} {kind}": [r.latency_s for r in by_kind.get(kind, []) if r.ok]
+                for kind in c.kinds for side, by_kind in split.items()
             }
         errors.append((name, c.error("latency_p50_s"), c.error("latency_p95_s")))
         errors += [(f"{name} {kind}", c.error("latency_p50_s", kind), c.error("latency_p95_s", kind))
@@ -537,19 +594,28 @@ def plot_panels(comparisons: list[Comparison]) -> tuple[dict[str, dict[str, list
     return panels, errors
 
 
+def plot_title(workload: str, profiles: str, calibration: Calibration | None) -> str:
+    names = ", ".join(Path(p).name for p in profiles.split(","))
+    speed = "" if calibration is None else "; speed fitted: " + ", ".join(
+        f"{model} x{f:.2f}" for model, f in sorted(calibration.factors.items()))
+    return f"{workload}: simulated vs live (profile {names}{speed})"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     try:
-        comparisons = compare(args)
+        comparisons, calibration = compare(args)
     except (ValueError, FileNotFoundError) as exc:  # bad workload, profile or config
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    (args.out / "sim_vs_live.json").write_text(json.dumps(report(args, comparisons), indent=1))
+    (args.out / "sim_vs_live.json").write_text(json.dumps(report(args, comparisons, calibration), indent=1))
     panels, errors = plot_panels(comparisons)
-    plot_sim_vs_live(panels, errors, args.tolerance, f"{args.workload}: simulated vs live, profile {args.profile}",
+    plot_sim_vs_live(panels, errors, args.tolerance, plot_title(args.workload, args.profile, calibration),
                      args.out / "sim_vs_live.png")
     print_table(comparisons, args.tolerance, args.min_kind_requests)
+    if calibration is not None:
+        print("the simulator's speed, fitted to the live steps: " + describe(calibration))
     print(f"wrote {args.out / 'sim_vs_live.json'} and {args.out / 'sim_vs_live.png'}")
     return 0 if all(c.agrees(args.tolerance, args.min_kind_requests) for c in comparisons) else 1
 

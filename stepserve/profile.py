@@ -374,6 +374,16 @@ def measure_text_encode(ctx: Context, threads: int) -> list[ProfileRow]:
             for n, v in medians.items()]
 
 
+def image_model_work(family, size: int, texts: int) -> Callable[[], Any]:
+    """What one image request's text encoding and decode do (`texts` prompts; decode + PNG)."""
+    from stepserve.engine.png import encode_png
+
+    side = size // family.vae_scale_factor
+    latents = torch.randn(1, family.latent_channels, side, side, generator=torch.Generator("cpu").manual_seed(1))
+    return lambda: (family.encode_text([f"prompt number {i}, a red fox" for i in range(texts)]),
+                    encode_png(family.decode(latents)[0]))
+
+
 def measure_vae_decode(ctx: Context, threads: int) -> list[ProfileRow]:
     from stepserve.engine.png import encode_png
 
@@ -444,6 +454,10 @@ class LiveResult:
     # CPU seconds over one solo request at each of the two step counts.
     idle_cores: float | None = None
     router_cpu_medians_s: tuple[float, float] | None = None
+    # The median time of the model work a request does once (text encoding, decode), timed in
+    # this process after every measured pair: in the same seconds as the live intercept it is
+    # taken from, on a VM whose speed moves within them (None: not timed there).
+    model_work_s: float | None = None
 
     @property
     def per_step_s(self) -> float:
@@ -495,10 +509,11 @@ def send_image(client, model: str, size: int, steps: int, i: int) -> None:
 
 
 def measure_live(ctx: Context, serve_config: dict, size: int, send: Callable = send_image,
-                 what: str = "CFG") -> LiveResult:
+                 what: str = "CFG", model_work: Callable[[], Any] | None = None) -> LiveResult:
     """Solo requests through the config's real app: HTTP → ingress → router → text encoder,
     worker rounds, VAE decoder. Each prompt is new, so the encoder's cache never answers.
-    `send(client, model, size, steps, i)` makes one request and returns once it is done."""
+    `send(client, model, size, steps, i)` makes one request and returns once it is done;
+    `model_work()`, the request's one-off model work in this process, is timed after each pair."""
     import httpx
     from ray import serve
 
@@ -515,6 +530,7 @@ def measure_live(ctx: Context, serve_config: dict, size: int, send: Callable = s
     latencies: dict[int, list[float]] = {lo: [], hi: []}
     router = f"ray::ServeReplica:{config['applications'][0].get('name', 'stepserve')}:Router"
     router_cpu: dict[int, list[float]] = {lo: [], hi: []}
+    work: list[float] = []
     try:
         with httpx.Client(base_url=url, timeout=300.0, trust_env=False) as client:
             deadline = time.monotonic() + 300
@@ -542,6 +558,8 @@ def measure_live(ctx: Context, serve_config: dict, size: int, send: Callable = s
                         cpu_after = process_cpu_s(router_pid) if router_pid else None
                         if cpu_before is not None and cpu_after is not None:
                             router_cpu[steps].append(cpu_after - cpu_before)
+                if i and model_work is not None:
+                    work.append(ctx.watch.time(model_work))
             after = round_totals(client.get("/metrics").text)
     finally:
         serve.delete(config["applications"][0].get("name", "stepserve"))
@@ -551,7 +569,8 @@ def measure_live(ctx: Context, serve_config: dict, size: int, send: Callable = s
     worker_step = (after[0] - before[0]) / steps_run if rounds else None
     router_seen = bool(router_cpu[lo] and router_cpu[hi])  # /proc shows the app: it runs on this host
     result = LiveResult(size, (lo, hi), medians, grid.live_repeats, worker_step, idle_cores if router_seen else None,
-                        (statistics.median(router_cpu[lo]), statistics.median(router_cpu[hi])) if router_seen else None)
+                        (statistics.median(router_cpu[lo]), statistics.median(router_cpu[hi])) if router_seen else None,
+                        statistics.median(work) if work else None)
     log(f"  median latency: {lo} step(s) {medians[0] * 1e3:.1f} ms, {hi} steps {medians[1] * 1e3:.1f} ms; "
         f"per step {result.per_step_s * 1e3:.2f} ms, intercept {result.intercept_s * 1e3:.1f} ms")
     if worker_step is not None:
@@ -581,19 +600,22 @@ def live_rows(ctx: Context, live: LiveResult, in_process_step_s: float, model_wo
     the worker's own cost around the round (arguments, object refs, outputs); the bare round
     trip (`echo`) when that reads as nothing. Not "minus the worker's execute": with pipelined
     plans a step is shorter than an execute. Per request: the latency line's intercept minus
-    the model work a request does once (`model_work_s`: text encoding and decoding)."""
+    the model work a request does once (text encoding and decoding): as timed between the live
+    pairs when it was (`LiveResult.model_work_s`), else `model_work_s` (the profile's rows)."""
     residual = live.per_step_s - in_process_step_s
     rows = [ctx.row(ROUND_OVERHEAD, residual, live.samples,
                     note=f"live app: per-step latency minus the in-process step ({what} solo); "
                          f"bare Ray round trip {echo.latency_ms:.3f} ms")
             if residual > 0 else echo]
-    overhead = live.intercept_s - model_work_s
+    timed_between = live.model_work_s is not None
+    overhead = live.intercept_s - (live.model_work_s if timed_between else model_work_s)
     if overhead < 0:
         log(f"  warning: intercept below encode + decode by {-overhead * 1e3:.1f} ms (noise); recording 0")
     lo, hi = live.steps
     rows.append(ctx.row(REQUEST_OVERHEAD, max(0.0, overhead), live.samples,
                         note=f"live app over HTTP, solo {what} requests at {lo} and {hi} steps: "
-                             "latency intercept minus its text encoding and decode"))
+                             "latency intercept minus its text encoding and decode"
+                             + (" (timed in-process between the live pairs)" if timed_between else "")))
     if live.idle_cores is not None:
         rows.append(ctx.row(HOST_IDLE, live.idle_cores, 1,
                             note=f"CPU ms per wall second of the whole machine, live app idle for {IDLE_S:g} s"))
@@ -675,7 +697,8 @@ def run_profile(args: argparse.Namespace) -> int:
     try:
         echo = measure_rpc(ctx, app.workers.max_batch_size)
         if live:
-            live_result = measure_live(ctx, serve_config, min(grid.sizes), what=guided)
+            live_result = measure_live(ctx, serve_config, min(grid.sizes), what=guided,
+                                       model_work=image_model_work(ctx.family, min(grid.sizes), request_rows))
     finally:
         from ray import serve
 

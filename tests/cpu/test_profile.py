@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from stepserve.deployments.config import ModelConfig
 from stepserve.policies.cost_model import (
     DENOISE,
     ROUND_OVERHEAD,
@@ -63,6 +64,24 @@ def test_live_rows_charge_what_a_live_step_costs_beyond_the_in_process_one():
     # A live step no dearer than in-process: the bare round trip stands; a negative intercept is 0.
     fixed, request = live_rows(ctx, live, in_process_step_s=0.021, model_work_s=0.2, echo=echo, what="64px CFG")
     assert fixed is echo and request.seconds == 0.0
+    # The model work timed between the live pairs (45 ms) stands in for the profile's rows.
+    from dataclasses import replace
+
+    _, request = live_rows(ctx, replace(live, model_work_s=0.045), 0.012, model_work_s=0.2, echo=echo, what="64px CFG")
+    assert abs(request.seconds - 0.055) < 1e-9 and "between the live pairs" in request.source
+
+
+def test_the_model_work_timed_between_live_pairs_is_what_a_request_does_once():
+    from stepserve.engine.families import ALL_PARTS, load_family
+    from stepserve.profile import image_model_work
+    from stepserve.profile_video import video_model_work
+
+    image = load_family(ModelConfig(name="tiny-sd", family="sd15", preset="tiny").to_source(), ALL_PARTS, "cpu")
+    embeddings, png = image_model_work(image, 64, 2)()
+    assert png.startswith(b"\x89PNG") and len(embeddings) > 0
+    video = load_family(ModelConfig(name="tiny-wan", family="wan", preset="tiny").to_source(), ALL_PARTS, "cpu")
+    _, frames = video_model_work(video, (64, 64, 9))()
+    assert frames.dtype.name == "uint8" and frames.shape[0] == 9
 
 
 def test_live_rows_record_the_host_when_the_live_check_read_it():

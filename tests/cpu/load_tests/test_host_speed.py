@@ -1,25 +1,29 @@
-"""The speed index and a profile moved to the live run's speed (load_tests/host_speed.py), and
-how sim_vs_live reports a speed-matched comparison."""
+"""A profile moved to another speed and the median of profiles (load_tests/host_speed.py), and
+how sim_vs_live fits the simulator's speed to the live runs and reports both."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import replace
 
 import pytest
 
 from stepserve.load_tests import sim_vs_live as svl
-from stepserve.load_tests.host_speed import SpeedProbe, scaled_profile
-from stepserve.load_tests.metrics import summarize
+from stepserve.load_tests.bench_batching import PolicyRun
+from stepserve.load_tests.host_speed import scaled_profile
+from stepserve.load_tests.sim import SimConfig, simulate
+from stepserve.load_tests.sweep import sim_config_from_serve
+from stepserve.load_tests.workload import generate, load_workload
 from stepserve.policies.cost_model import BatchShape, load_profile
 from stepserve.runtime import load_serve_config
-from tests.cpu.load_tests.test_sim_vs_live_kinds import LOCAL, comparison, record, scheduled
+from tests.cpu.load_tests.test_sim_vs_live_kinds import LOCAL, LOCAL_VIDEO, comparison, record, scheduled
 
 PROFILE = "tiny-sd-cpu"
 
 
-def test_a_scaled_profile_scales_every_time_and_keeps_the_hosts_shares():
-    base, slow = load_profile(PROFILE), scaled_profile([PROFILE], 1.5)
+def test_a_scaled_profile_scales_every_time_of_the_named_models_and_keeps_the_hosts_shares():
+    base, slow = load_profile(PROFILE, "tiny-wan-cpu"), scaled_profile([PROFILE, "tiny-wan-cpu"], {"tiny-sd": 1.5})
     batch = BatchShape("tiny-sd", 64, 64, 2)
     assert slow.round_seconds([batch]) == pytest.approx(1.5 * base.round_seconds([batch]))
     assert slow.text_encode_seconds("tiny-sd", 2) == pytest.approx(1.5 * base.text_encode_seconds("tiny-sd", 2))
@@ -30,35 +34,111 @@ def test_a_scaled_profile_scales_every_time_and_keeps_the_hosts_shares():
     # Shares of cores and ratios between probes are not times: unchanged.
     assert slow.host_idle_cores() == pytest.approx(base.host_idle_cores())
     assert slow.host_slowdown(2) == pytest.approx(base.host_slowdown(2))
+    # A model not named keeps its times.
+    video = BatchShape("tiny-wan", 64, 64, 2, frames=9)
+    assert slow.round_seconds([video]) == pytest.approx(base.round_seconds([video]))
     with pytest.raises(ValueError, match="> 0"):
-        scaled_profile([PROFILE], 0.0)
+        scaled_profile([PROFILE], {"tiny-sd": 0.0})
 
 
-def test_the_speed_probe_times_the_first_images_forward():
-    requests = [scheduled(0, True), scheduled(1, False)]  # a video first: the probe takes the image
-    probe = svl.speed_probe(load_serve_config(LOCAL), requests)
-    assert isinstance(probe, SpeedProbe)
-    probe.repeats = 3
-    assert 0 < probe.seconds() < 5
-    assert svl.speed_probe(load_serve_config(LOCAL), [scheduled(0, True)]) is None  # no image: no probe
+def test_the_speed_fit_meets_each_kinds_live_step_with_one_factor_per_model():
+    # Steps proportional to the factor, but a video's step also slowed by the images' speed
+    # (they share the workers): the fit still meets both within 1%.
+    calls = []
+
+    def steps(factors):
+        calls.append(factors)
+        image, video = factors.get("tiny-sd", 1.0), factors.get("tiny-wan", 1.0)
+        return {"image": 0.010 * image, "video": 0.020 * video * (0.9 + 0.1 * image)}
+
+    fit = svl.fit_speed({"image": 0.013, "video": 0.030}, {"image": {"tiny-sd"}, "video": {"tiny-wan"}}, steps)
+    assert fit.factors["tiny-sd"] == pytest.approx(1.3, rel=0.01)
+    assert all(abs(r) <= svl.CALIBRATION_TOLERANCE for r in fit.residuals.values())
+    assert fit.simulations == len(calls) <= svl.CALIBRATION_TRIES
+    assert calls[0] == {"tiny-sd": 1.0, "tiny-wan": 1.0}  # first: the profile as measured
+
+    # A step that does not follow the factor: the closest try is kept, after every try.
+    fit = svl.fit_speed({"image": 0.013}, {"image": {"tiny-sd"}}, lambda f: {"image": 0.010}, tries=3)
+    assert fit.simulations == 3 and fit.residuals["image"] == pytest.approx(0.010 / 0.013 - 1)
+    # No live step for a kind: its models keep their times.
+    assert svl.fit_speed({}, {"image": {"tiny-sd"}}, lambda f: {}).factors == {}
+    with pytest.raises(ValueError, match="both"):
+        svl.fit_speed({"image": 0.01}, {"image": {"m"}, "video": {"m"}}, lambda f: {})
 
 
-def test_a_run_simulated_at_the_live_speed_is_reported_beside_the_verdict(capsys):
+def test_the_fit_recovers_the_speed_a_run_was_simulated_at():
+    # The real simulator: "live" is the video workload's twin on the shipped profiles made 30%
+    # slower for images and 20% faster for videos; fitted from the shipped profiles, the
+    # simulator finds those speeds again.
+    profiles = ["tiny-sd-cpu", "tiny-wan-cpu"]
+    spec = replace(load_workload("local-video-tiny"), duration_s=15)
+    requests = generate(spec, load_profile(*profiles))
+    options, slos = svl.served_policy(load_serve_config(LOCAL_VIDEO), "genserve")
+    config = replace(SimConfig(**{**sim_config_from_serve(LOCAL_VIDEO), "host_cpus": 2}), policy="genserve",
+                     policy_options=options)
+    served = svl.as_served(requests, slos)
+
+    def steps(factors):
+        result = simulate(served, scaled_profile(profiles, factors), config)
+        return {kind: result.stage_means(kind)["step"] for kind in ("image", "video")}
+
+    fit = svl.fit_speed(steps({"tiny-sd": 1.3, "tiny-wan": 0.8}), svl.models_by_kind(requests), steps)
+    assert fit.factors["tiny-sd"] == pytest.approx(1.3, rel=0.05)
+    assert fit.factors["tiny-wan"] == pytest.approx(0.8, rel=0.05)
+    assert all(abs(r) <= svl.CALIBRATION_TOLERANCE for r in fit.residuals.values())
+
+
+def test_compare_holds_the_simulator_at_the_live_runs_speed(monkeypatch, tmp_path):
+    # The live side is a test double: each "live run" is the simulator itself on the shipped
+    # profile made 25% slower (the real live runs are the slow tests in test_sim_vs_live.py).
+    # compare() then finds that speed, agrees at it, and reports the profile's own speed beside.
+    def live_twin(config, port, policy, warmup, requests, timeout):
+        options, slos = svl.served_policy(load_serve_config(LOCAL), policy)
+        sim_config = replace(SimConfig(**{**sim_config_from_serve(LOCAL), "host_cpus": 2}), policy=policy,
+                             policy_options=options)
+        result = simulate(svl.as_served(requests, slos), scaled_profile([PROFILE], {"tiny-sd": 1.25}), sim_config)
+        stages = {f"router.{stage}": mean for stage, mean in result.stage_means("image").items()}
+        return PolicyRun(svl.with_workload_slos(result.records(), requests), {}, {"image": stages})
+
+    monkeypatch.setattr(svl, "run_policy", live_twin)
+    monkeypatch.setattr(svl, "local_ray", lambda cpus: contextlib.nullcontext())
+    args = svl.parse_args(["--out", str(tmp_path), "--profile", PROFILE, "--duration", "20", "--repeats", "2",
+                           "--policies", "continuous", "static_fcfs"])
+    comparisons, calibration = svl.compare(args)
+    assert calibration.factors["tiny-sd"] == pytest.approx(1.25, rel=0.02)
+    assert [c.policy for c in comparisons] == ["continuous", "static_fcfs"]
+    for c in comparisons:
+        assert len(c.repeats) == 2 and c.agrees(0.05)
+        assert c.as_profiled.error("latency_p50_s") < -0.1  # the profile's own speed is 25% fast
+    args = svl.parse_args(["--out", str(tmp_path), "--profile", PROFILE, "--duration", "20", "--repeats", "1",
+                           "--no-calibrate"])
+    [profiled], calibration = svl.compare(args)
+    assert calibration is None and profiled.as_profiled is None  # no fit asked: the profile's speed is the verdict's
+    assert profiled.error("latency_p50_s") < -0.1
+
+
+def test_the_verdict_at_the_fitted_speed_is_reported_with_the_simulator_as_profiled(capsys):
     requests = [scheduled(i, False) for i in range(30)]
     live = [record(i, 1.0 + 0.01 * i) for i in range(30)]
-    as_measured = [replace(r, latency_s=r.latency_s * 1.05) for r in live]
-    at_live_speed = summarize([replace(r, latency_s=r.latency_s * 1.3) for r in live], None, 2.0)
-    c = svl.make_comparison("continuous", 2.0, requests, live, as_measured, None, {}, None, 1.4, at_live_speed)
-    assert c.agrees(0.15)  # the verdict stays on the profile as measured
-    assert c.error_at_live_speed("latency_p50_s") == pytest.approx(0.3)
+    fitted = comparison(requests, live, [replace(r, latency_s=r.latency_s * 1.05) for r in live], policy="continuous")
+    profiled = comparison(requests, live, [replace(r, latency_s=r.latency_s * 1.3) for r in live], policy="continuous")
+    c = replace(fitted, as_profiled=profiled)
+    assert c.agrees(0.15) and not profiled.agrees(0.15)  # the verdict is on the fitted speed
     report = json.loads(json.dumps(svl.run_report(c, 0.15)))
-    assert report["agrees"] and report["speed_factor"] == 1.4
-    assert report["error_at_live_speed"]["latency_p95_s"] == pytest.approx(0.3)
-    assert report["sim_at_live_speed"]["count"] == 30
+    assert report["agrees"] and report["error"]["latency_p50_s"] == pytest.approx(0.05)
+    assert report["as_profiled"]["error"]["latency_p50_s"] == pytest.approx(0.3)
+    assert report["as_profiled"]["sim"]["count"] == 30 and len(report["as_profiled"]["sim_records"]) == 30
     svl.print_table([c], 0.15)
-    assert "1.40x the profile's time" in capsys.readouterr().out
-    plain = comparison(requests, live, as_measured, policy="continuous")
-    assert plain.speed_factor is None and plain.error_at_live_speed("latency_p50_s") is None
+    [row] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  as profiled")]
+    assert "+30.0%" in row
+    panels, _ = svl.plot_panels([c])
+    assert set(panels["continuous @ 2 req/s"]) == {"live", "simulated", "simulated as profiled"}
+    assert svl.run_report(profiled, 0.15)["as_profiled"] is None
+    calibration = svl.Calibration({"tiny-sd": 1.1}, {"image": 0.004}, 2)
+    assert "tiny-sd x1.100" in svl.describe(calibration) and "image +0.4%" in svl.describe(calibration)
+    assert svl.plot_title("local-tiny", "/out/profile-tiny-sd.csv", calibration) == (
+        "local-tiny: simulated vs live (profile profile-tiny-sd.csv; speed fitted: tiny-sd x1.10)")
+    assert svl.plot_title("local-tiny", "tiny-sd-cpu", None) == "local-tiny: simulated vs live (profile tiny-sd-cpu)"
 
 
 def test_the_median_profile_takes_each_points_median_over_the_profiles(tmp_path):
