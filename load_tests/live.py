@@ -24,8 +24,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from .records import RequestRecord
-from .workload import ScheduledRequest
+from stepserve.load_tests.records import RequestRecord
+from stepserve.load_tests.workload import ScheduledRequest
 
 GENERATIONS = "/v1/images/generations"
 VIDEOS = "/v1/videos"

@@ -7,7 +7,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .records import RequestRecord
+from stepserve.load_tests.records import RequestRecord
 
 
 @dataclass(frozen=True)

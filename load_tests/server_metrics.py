@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from .live import loopback_client
+from stepserve.load_tests.live import loopback_client
 
 # What the router exports (actors/metrics.py), by the name results use.
 HISTOGRAMS = {

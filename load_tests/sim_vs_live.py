@@ -31,14 +31,15 @@ one to hold them to.
 A profile measures the machine at rest, and on this VM the workers' speed under load does not
 follow it: between two benchmarks 40 minutes apart the profile's forward got 13-15% slower
 while the live step under load got 5% faster, which moved the simulator's P50 by 20 points
-with the live runs holding still. So by default (`--calibrate`) the simulator's speed is
-fitted to the live runs: every time in a model's profile is multiplied by one factor, the
-same for every policy and rate, chosen so that the simulated mean step of that model's
-requests (the router's `step` stage, denoise / steps) equals the live runs' (`fit_speed`).
-Only the speed is fitted; the relative costs (rows, sizes, frames, text encoding, decode,
-overheads), the batches, queues, decisions and tails are the simulator's, and its P50 and
-P95 are held to the bar. The simulator on the profile as measured is reported beside the
-verdict (`as_profiled`).
+with the live runs holding still; and live runs minutes apart differ by up to 1.8x in P50. So
+by default (`--calibrate`) each live run gets a simulated twin at that run's speed: every time
+a model's profile measured in process (forwards, text encoding, decodes) is multiplied by one
+factor, chosen so that the simulated mean step of that model's requests (the router's `step`
+stage, denoise / steps) equals the run's (`fit_speed`); what the profile measured through the
+live app (round and request overheads, router CPU) stays. Only the speed is fitted; the
+relative costs, the batches, queues, decisions and tails are the simulator's, and the median
+of the twins' P50 and P95 is held to the bar. The simulator on the profile as measured is
+reported beside the verdict (`as_profiled`).
 
 Both sides decide on the same costs and deadlines: when the config names `router.profiles`
 (policies that predict step times need them), the live router gets the comparison's profile
@@ -95,9 +96,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "tiny-sd-cpu,tiny-wan-cpu), or 'measure' to profile this machine first "
                              "(default: %(default)s)")
     parser.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=True,
-                        help="fit the simulator's speed to the live runs' mean step (one factor per model, on "
-                             "all its times) and hold that to the bar; the profile as measured is reported "
-                             "beside it (default: on)")
+                        help="simulate each live run at the speed fitted to its mean step (one factor per model "
+                             "on the profile's in-process times) and hold those to the bar; the profile as "
+                             "measured is reported beside it (default: on)")
     parser.add_argument("--rates", type=parse_rates, default=None,
                         help="offered rates, req/s, comma-separated (default: the workload's own)")
     parser.add_argument("--policies", nargs="+", default=["continuous"], help="policies to run (default: continuous)")
@@ -150,8 +151,9 @@ class Comparison:
     # The live runs this one stands for when there were several (`median_of`): then `live` and
     # the live side of `kinds` are their medians, and `live_records` all their records.
     repeats: tuple[Comparison, ...] = ()
-    # With the simulator's speed fitted to the live runs: the same live runs against the
-    # simulator on the profile as measured.
+    # With the simulator's speed fitted to the live run (`fit_speed`): the fit, and the same
+    # live runs against the simulator on the profile as measured.
+    calibration: Calibration | None = None
     as_profiled: Comparison | None = None
 
     def summaries(self, kind: str | None = None) -> tuple[Summary, Summary]:
@@ -192,18 +194,22 @@ def median_summary(summaries: Sequence[Summary]) -> Summary:
 
 
 def median_of(runs: Sequence[Comparison]) -> Comparison:
-    """Live repeats of one policy and rate against the one simulated run, as one comparison:
-    live statistics (the run's and each kind's) and the stage means are the medians over the
-    repeats; the runs themselves stay in `repeats`."""
+    """Live repeats of one policy and rate, each against its simulated twin (the same simulated
+    run for all, or one at each run's fitted speed), as one comparison: every statistic (of the
+    run and of each kind) and stage mean is the median over the repeats, on each side; the runs
+    themselves stay in `repeats`."""
     if len(runs) == 1:
         return runs[0]
     first = runs[0]
-    kinds = {kind: (median_summary([r.kinds[kind][0] for r in runs]), sim) for kind, (_, sim) in first.kinds.items()}
-    stages = {kind: {stage: (median([r.stages.get(kind, {}).get(stage, (None,))[0] for r in runs]), sim)
-                     for stage, (_, sim) in pairs.items()}
+    kinds = {kind: tuple(median_summary([r.kinds[kind][side] for r in runs]) for side in (0, 1))
+             for kind in first.kinds}
+    stages = {kind: {stage: tuple(median([r.stages.get(kind, {}).get(stage, (None, None))[side] for r in runs])
+                                  for side in (0, 1))
+                     for stage in pairs}
               for kind, pairs in first.stages.items()}
-    return replace(first, live=median_summary([r.live for r in runs]), kinds=kinds, stages=stages,
-                   live_records=[record for r in runs for record in r.live_records], server={},
+    return replace(first, live=median_summary([r.live for r in runs]), sim=median_summary([r.sim for r in runs]),
+                   kinds=kinds, stages=stages, live_records=[record for r in runs for record in r.live_records],
+                   sim_records=[record for r in runs for record in r.sim_records], server={}, calibration=None,
                    repeats=tuple(runs))
 
 
@@ -355,19 +361,6 @@ def fit_speed(live_steps: Mapping[str, float], models: Mapping[str, set[str]],
     return replace(best, simulations=attempt)
 
 
-def mean_steps(comparisons: Iterable[Comparison]) -> tuple[dict[str, float], dict[str, float]]:
-    """Per kind, the live and the simulated mean step (the router's `step` stage; live: the
-    median over repeats), each averaged over the policies and rates where both are known."""
-    pairs: dict[str, list[tuple[float, float]]] = {}
-    for c in comparisons:
-        for kind, stages in c.stages.items():
-            live, sim = stages.get("step", (None, None))
-            if live and sim:
-                pairs.setdefault(kind, []).append((live, sim))
-    return ({kind: statistics.mean(live for live, _ in both) for kind, both in pairs.items()},
-            {kind: statistics.mean(sim for _, sim in both) for kind, both in pairs.items()})
-
-
 def models_by_kind(requests: Iterable[ScheduledRequest]) -> dict[str, set[str]]:
     out: dict[str, set[str]] = {}
     for r in requests:
@@ -376,9 +369,10 @@ def models_by_kind(requests: Iterable[ScheduledRequest]) -> dict[str, set[str]]:
     return out
 
 
-def compare(args: argparse.Namespace) -> tuple[list[Comparison], Calibration | None]:
+def compare(args: argparse.Namespace) -> list[Comparison]:
     """Every policy and rate live `--repeats` times, then simulated: on the profile as measured,
-    and (`--calibrate`) at the speed fitted to the live runs, which the verdict then holds."""
+    and (`--calibrate`) once for each live run at the speed fitted to it, which the verdict then
+    holds."""
     from stepserve.load_tests.host_speed import median_profile, scaled_profile
     from stepserve.policies.cost_model import load_profile
 
@@ -421,40 +415,47 @@ def compare(args: argparse.Namespace) -> tuple[list[Comparison], Calibration | N
         log(f"simulating on the median of {len(measured)} profiles: {', '.join(profiles)}")
     args.profile = ",".join(profiles)
 
-    def compared(cost: Any) -> dict[tuple[str, float], Comparison]:
-        """Each policy and rate simulated once on `cost` against its live runs (their median)."""
-        out = {}
-        for (policy, rate), runs in lives.items():
-            options, slos = served[policy]
-            result = simulate(as_served(requests_at[rate], slos), cost,
-                              replace(sim_config, policy=policy, policy_options=options))
-            sim_records = with_workload_slos(result.records(), requests_at[rate])
-            out[policy, rate] = median_of([
-                make_comparison(policy, rate, requests_at[rate], live.records, sim_records, result.busy_s,
-                                live.server, stage_pairs(live.stages, result.stage_means)) for live in runs])
-        return out
+    base = load_profile(*profiles)
+    models = models_by_kind(r for rs in requests_at.values() for r in rs)
+    out = []
+    for (policy, rate), runs in lives.items():
+        options, slos = served[policy]
+        requests, config = as_served(requests_at[rate], slos), replace(sim_config, policy=policy, policy_options=options)
 
-    as_profiled = compared(load_profile(*profiles))
-    if not args.calibrate:
-        return list(as_profiled.values()), None
-    fitted: dict[tuple, dict[tuple[str, float], Comparison]] = {}
+        def twin(live: Any, result: Any, policy: str = policy, rate: float = rate) -> Comparison:
+            """A live run against a simulated run of the same requests."""
+            return make_comparison(policy, rate, requests_at[rate], live.records,
+                                   with_workload_slos(result.records(), requests_at[rate]), result.busy_s,
+                                   live.server, stage_pairs(live.stages, result.stage_means))
 
-    def simulated_steps(factors: dict[str, float]) -> dict[str, float]:
-        fitted[tuple(sorted(factors.items()))] = runs = compared(scaled_profile(profiles, factors))
-        return mean_steps(runs.values())[1]
+        as_profiled = median_of([twin(live, simulate(requests, base, config)) for live in runs])
+        if not args.calibrate:
+            out.append(as_profiled)
+            continue
+        fitted = []
+        for i, live in enumerate(runs, 1):  # each run at its own speed: the VM's moves between runs
+            results: dict[tuple, Any] = {}
 
-    live_steps = mean_steps(as_profiled.values())[0]
-    calibration = fit_speed(live_steps, models_by_kind(r for rs in requests_at.values() for r in rs), simulated_steps)
-    log("the simulator's speed fitted to the live steps: " + describe(calibration))
-    calibrated = fitted[tuple(sorted(calibration.factors.items()))]
-    return [replace(c, as_profiled=as_profiled[key]) for key, c in calibrated.items()], calibration
+            def simulated_steps(factors: dict[str, float], live: Any = live, results: dict = results,
+                                requests: list = requests, config: SimConfig = config) -> dict[str, float | None]:
+                result = results[tuple(sorted(factors.items()))] = simulate(
+                    requests, scaled_profile(profiles, factors), config)
+                return {kind: result.stage_means(kind)["step"] for kind in live.stages}
+
+            live_steps = {kind: means.get("router.step") for kind, means in live.stages.items()}
+            calibration = fit_speed(live_steps, models, simulated_steps)
+            log(f"[{policy} @ {rate:g} req/s, run {i}] the simulator's speed fitted: {describe(calibration)}")
+            fitted.append(replace(twin(live, results[tuple(sorted(calibration.factors.items()))]),
+                                  calibration=calibration))
+        out.append(replace(median_of(fitted), as_profiled=as_profiled))
+    return out
 
 
 def describe(calibration: Calibration) -> str:
     factors = ", ".join(f"{model} x{f:.3f}" for model, f in sorted(calibration.factors.items()))
     residuals = ", ".join(f"{kind} {r:+.1%}" for kind, r in calibration.residuals.items())
     return (f"profile times {factors or '(none: no live step)'}; simulated / live mean step - 1: "
-            f"{residuals or '-'} ({calibration.simulations} simulations of every run)")
+            f"{residuals or '-'} ({calibration.simulations} simulations)")
 
 
 def _pct(value: float | None) -> str:
@@ -483,7 +484,8 @@ def print_table(comparisons: list[Comparison], tolerance: float, min_requests: i
     if any(c.repeats for c in comparisons):
         print("live: the median over the live runs, each listed below its verdict (sim against that run alone)")
     if any(c.as_profiled for c in comparisons):
-        print("sim: at the speed fitted to the live steps; 'as profiled': the simulator at the profile's own speed")
+        print("sim: at the speed fitted to each live run's steps (the median over the runs' twins); 'as profiled': "
+              "the simulator at the profile's own speed")
     print(f"{'policy':<13}{'req/s':>6}{'ok':>9}{'live P50':>10}{'sim P50':>9}{'err':>8}"
           f"{'live P95':>10}{'sim P95':>9}{'err':>8}  agrees")
     for c in comparisons:
@@ -497,8 +499,10 @@ def print_table(comparisons: list[Comparison], tolerance: float, min_requests: i
                 verdict = f"not held ({live.ok} ok < {min_requests})"
             _row(c, kind, _label(c, kind), verdict)
         for i, run in enumerate(c.repeats, 1):
+            speed = "" if run.calibration is None else "; speed " + ", ".join(
+                f"{model} x{f:.2f}" for model, f in sorted(run.calibration.factors.items()))
             for kind in (None, *run.kinds):
-                _row(run, kind, f"  run {i}" + (f" {kind}" if kind else ""), "(one run)")
+                _row(run, kind, f"  run {i}" + (f" {kind}" if kind else ""), f"(one run{'' if kind else speed})")
         if c.as_profiled is not None:
             for kind in (None, *c.as_profiled.kinds):
                 _row(c.as_profiled, kind, "  as profiled" + (f" {kind}" if kind else ""), "(profile's speed)")
@@ -531,6 +535,9 @@ def run_report(c: Comparison, tolerance: float, min_requests: int = MIN_KIND_REQ
         "held": ["all" if k is None else k for k in held],
         "error": {stat: c.error(stat) for stat in STATS},
         "live": asdict(c.live), "sim": asdict(c.sim),
+        # The simulator's speed fitted to this live run (None: on the profile as measured, or a
+        # median over runs, each of which has its own).
+        "calibration": None if c.calibration is None else asdict(c.calibration),
         # The simulator at the profile's own speed (when the verdict's is fitted to the live runs).
         "as_profiled": None if c.as_profiled is None else {
             "error": {stat: c.as_profiled.error(stat) for stat in STATS}, "sim": asdict(c.as_profiled.sim),
@@ -546,24 +553,23 @@ def run_report(c: Comparison, tolerance: float, min_requests: int = MIN_KIND_REQ
                          "error": {stat: c.error(stat, kind) for stat in STATS},
                          "live": asdict(live), "sim": asdict(sim)}
                   for kind, (live, sim) in c.kinds.items()},
-        # Several live runs: each its own report (without the simulated records, the same for all).
-        "repeats": [{k: v for k, v in run_report(r, tolerance, min_requests).items() if k != "sim_records"}
-                    for r in c.repeats],
+        # Several live runs: each its own report, with its own simulated twin's records when the
+        # speed was fitted to each (else the one simulated run's records are given once, here).
+        "repeats": [{k: v for k, v in run_report(r, tolerance, min_requests).items()
+                     if k != "sim_records" or r.calibration is not None} for r in c.repeats],
         "live_records": [] if c.repeats else _records(c.live_records, c.request_kinds),
-        "sim_records": _records(c.sim_records, c.request_kinds),
+        "sim_records": [] if c.repeats and c.repeats[0].calibration is not None
+        else _records(c.repeats[0].sim_records if c.repeats else c.sim_records, c.request_kinds),
     }
 
 
-def report(args: argparse.Namespace, comparisons: list[Comparison], calibration: Calibration | None = None
-           ) -> dict[str, Any]:
+def report(args: argparse.Namespace, comparisons: list[Comparison]) -> dict[str, Any]:
     return {
         "benchmark": "sim_vs_live",
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count()},
         "config_path": str(args.config), "workload": args.workload, "profile": str(args.profile),
         "host_cpus": args.host_cpus, "tolerance": args.tolerance, "min_kind_requests": args.min_kind_requests,
-        # The simulator's speed fitted to the live runs (None: the verdict is on the profile as measured).
-        "calibration": None if calibration is None else asdict(calibration),
         "runs": [run_report(c, args.tolerance, args.min_kind_requests) for c in comparisons],
     }
 
@@ -594,28 +600,24 @@ def plot_panels(comparisons: list[Comparison]) -> tuple[dict[str, dict[str, list
     return panels, errors
 
 
-def plot_title(workload: str, profiles: str, calibration: Calibration | None) -> str:
+def plot_title(workload: str, profiles: str, fitted: bool) -> str:
     names = ", ".join(Path(p).name for p in profiles.split(","))
-    speed = "" if calibration is None else "; speed fitted: " + ", ".join(
-        f"{model} x{f:.2f}" for model, f in sorted(calibration.factors.items()))
-    return f"{workload}: simulated vs live (profile {names}{speed})"
+    return f"{workload}: simulated vs live (profile {names}{'; speed fitted to each live run' if fitted else ''})"
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     try:
-        comparisons, calibration = compare(args)
+        comparisons = compare(args)
     except (ValueError, FileNotFoundError) as exc:  # bad workload, profile or config
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    (args.out / "sim_vs_live.json").write_text(json.dumps(report(args, comparisons, calibration), indent=1))
+    (args.out / "sim_vs_live.json").write_text(json.dumps(report(args, comparisons), indent=1))
     panels, errors = plot_panels(comparisons)
-    plot_sim_vs_live(panels, errors, args.tolerance, plot_title(args.workload, args.profile, calibration),
+    plot_sim_vs_live(panels, errors, args.tolerance, plot_title(args.workload, args.profile, args.calibrate),
                      args.out / "sim_vs_live.png")
     print_table(comparisons, args.tolerance, args.min_kind_requests)
-    if calibration is not None:
-        print("the simulator's speed, fitted to the live steps: " + describe(calibration))
     print(f"wrote {args.out / 'sim_vs_live.json'} and {args.out / 'sim_vs_live.png'}")
     return 0 if all(c.agrees(args.tolerance, args.min_kind_requests) for c in comparisons) else 1
 

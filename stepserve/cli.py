@@ -16,7 +16,7 @@ def _serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from .runtime import load_serve_config, run_app, start_local_ray
+    from stepserve.runtime import load_serve_config, run_app, start_local_ray
 
     config = load_serve_config(args.config)
     # Ctrl-C ends in the `finally` below, which shuts Serve and Ray down, also when it comes
@@ -45,10 +45,10 @@ def _generate(args: argparse.Namespace) -> int:
     from ray import serve
     from tqdm import tqdm
 
-    from .deployments.config import AppConfig
-    from .deployments.errors import APIError
-    from .deployments.validation import to_specs
-    from .runtime import load_serve_config, run_app, start_local_ray
+    from stepserve.deployments.config import AppConfig
+    from stepserve.deployments.errors import APIError
+    from stepserve.deployments.validation import to_specs
+    from stepserve.runtime import load_serve_config, run_app, start_local_ray
 
     request = {"prompt": args.prompt, "n": 1}
     for key in ("model", "size", "negative_prompt", "num_inference_steps", "guidance_scale", "seed"):
@@ -90,7 +90,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _profile(args: argparse.Namespace) -> int:
-    from .profile import run_profile  # torch and Ray load only when profiling
+    from stepserve.profile import run_profile  # torch and Ray load only when profiling
 
     return run_profile(args)
 
@@ -103,7 +103,7 @@ PASS_THROUGH = (
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .runtime import default_config_path
+    from stepserve.runtime import default_config_path
 
     parser = argparse.ArgumentParser(prog="stepserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)

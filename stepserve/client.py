@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 
-from .deployments.errors import APIError
+from stepserve.deployments.errors import APIError
 
 
 class StepserveClient:

@@ -27,7 +27,7 @@ from stepserve.policies.types import (
     WorkerPlan,
 )
 
-from .core_harness import Harness, spec
+from tests.cpu.core_harness import Harness, spec
 
 
 class FixedPolicy:
@@ -239,7 +239,7 @@ def test_no_cut_under_a_policy_that_does_not_join_running_batches():
 
 def test_no_cut_with_a_plan_queued_behind_or_less_than_a_step_left():
     h = Harness(workers=1, batch=4, depth=2, max_plan_s=0.05, lead_s=0.02)
-    plan = _long_plan(h, spec("a", steps=20))
+    _long_plan(h, spec("a", steps=20))
     h.now += 0.035  # within the lead of its end (0.05): the next plan is decided and queued
     assert h.schedule().plans and len(h.queues["w0"]) == 2
     h.submit(spec("b", steps=3))

@@ -8,7 +8,7 @@ from stepserve.engine.families import ALL_PARTS, DENOISER, ModelSource, load_fam
 from stepserve.engine.step_runner import StepRunner
 from stepserve.policies.types import StepGroup, WorkerPlan
 
-from ..tiny import admission_for, make_spec, solo_pipeline_image
+from tests.tiny import admission_for, make_spec, solo_pipeline_image
 
 pytestmark = pytest.mark.gpu
 

@@ -14,7 +14,7 @@ from ray import serve
 
 from stepserve.runtime import load_serve_config, run_app, CONFIGS
 
-from ..integration.conftest import free_port, local_ray_for_tests
+from tests.cpu.integration.conftest import free_port, local_ray_for_tests
 
 POLICIES = ["continuous", "static_fcfs", "dynamic_batching", "genserve"]
 # The largest image the config allows at its most steps: it must outlast the 3 s client timeout

@@ -17,7 +17,7 @@ from ray import serve
 
 from stepserve.engine.families import ALL_PARTS, load_family
 
-from ...tiny_video import TINY_WAN, make_video_spec, run_video, video_conditioning
+from tests.tiny_video import TINY_WAN, make_video_spec, run_video, video_conditioning
 
 VIDEO = dict(model="tiny-wan", prompt="a red fox runs through snow", size="64x64", num_frames=9,
              num_inference_steps=100, seed=5)

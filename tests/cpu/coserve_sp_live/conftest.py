@@ -5,7 +5,7 @@ import pytest
 from stepserve.policies.cost_model import read_profile, resolve_profile, write_profile
 from stepserve.runtime import CONFIGS, load_serve_config
 
-from ..integration.conftest import serving
+from tests.cpu.integration.conftest import serving
 
 
 def gpu_like_profile(path):

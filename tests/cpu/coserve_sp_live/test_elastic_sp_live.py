@@ -7,7 +7,7 @@ import time
 import httpx
 import numpy as np
 
-from ..coserve_live.test_coserve_live import VIDEO, job_record, poll, reference_frames, unzip_frames, wait_until
+from tests.cpu.coserve_live.test_coserve_live import VIDEO, job_record, poll, reference_frames, unzip_frames, wait_until
 
 ELASTIC = dict(VIDEO, num_inference_steps=150, seed=7)
 

@@ -268,7 +268,7 @@ def test_job_store_methods():
     store = JobStore(ttl_s=60, max_bytes=200, max_jobs=10, clock=clock)
     run = asyncio.run
 
-    record = run(store.create(job("v1", key="k", digest="d")))
+    run(store.create(job("v1", key="k", digest="d")))
     assert run(store.create(job("v2", key="k", digest="d"))).job_id == "v1"
     assert run(store.set_status("v1", "in_progress"))
     sent = frames()

@@ -2,7 +2,7 @@ import pytest
 
 from stepserve.engine.families import ALL_PARTS, load_family
 
-from ...tiny import TINY, TINY_FLUX, TINY_SD3, TINY_SDXL
+from tests.tiny import TINY, TINY_FLUX, TINY_SD3, TINY_SDXL
 
 
 @pytest.fixture(scope="session")

@@ -13,8 +13,8 @@ from stepserve.engine.families.wan import WanFamily
 from stepserve.engine.sampler import Conditioning, Sampler
 from stepserve.policies.types import RequestKind
 
-from ...tiny import make_spec
-from ...tiny_video import TINY_WAN, make_video_spec
+from tests.tiny import make_spec
+from tests.tiny_video import TINY_WAN, make_video_spec
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from stepserve.engine.step_runner import StepRunner
 from stepserve.engine.text_encoding import encode_conditioning
 from stepserve.policies.types import RequestKind, StepGroup, WorkerPlan
 
-from ...tiny import TINY_FLUX, admission_for, make_spec, solo_pipeline_image
+from tests.tiny import TINY_FLUX, admission_for, make_spec, solo_pipeline_image
 
 ATOL = 2e-5  # fp32 CPU, as the golden tests
 spec = functools.partial(make_spec, model=TINY_FLUX.name)

@@ -11,7 +11,7 @@ import torch
 from stepserve.engine.step_runner import Admission, StepRunner
 from stepserve.policies.types import StepGroup, WorkerPlan
 
-from ...tiny import admission_for, make_spec, solo_pipeline_image
+from tests.tiny import admission_for, make_spec, solo_pipeline_image
 
 ATOL = 2e-5  # fp32 CPU; batching changes GEMM blocking only
 

@@ -9,7 +9,7 @@ import torch
 from stepserve.engine.families import ALL_PARTS, DENOISER, FAMILIES, TEXT, VAE, ModelSource, load_family
 from stepserve.engine.text_encoding import CachedTextEncoder
 
-from ...tiny import TINY, make_spec, solo_pipeline_image
+from tests.tiny import TINY, make_spec, solo_pipeline_image
 
 
 def test_preset_parts_are_seeded_independently(tiny_family):

@@ -10,7 +10,7 @@ from stepserve.engine.families.sd3 import FULL, MAX_SEQUENCE_LENGTH
 from stepserve.engine.step_runner import StepRunner
 from stepserve.policies.types import StepGroup, WorkerPlan
 
-from ...tiny import admission_for, make_spec, solo_pipeline_image
+from tests.tiny import admission_for, make_spec, solo_pipeline_image
 
 
 def test_a_batch_of_texts_encodes_as_each_alone(tiny_sd3):

@@ -15,8 +15,8 @@ from stepserve.engine.sampler import Conditioning
 from stepserve.engine.step_runner import Admission, StepRunner
 from stepserve.policies.types import RequestFailure, RequestProgress, StepGroup, WorkerPlan
 
-from ...tiny import admission_for, make_spec, solo_pipeline_image
-from ...tiny_video import TINY_WAN, make_video_spec, run_video, solo_pipeline_video
+from tests.tiny import admission_for, make_spec, solo_pipeline_image
+from tests.tiny_video import TINY_WAN, make_video_spec, run_video, solo_pipeline_video
 
 ATOL = 2e-5  # as test_golden
 

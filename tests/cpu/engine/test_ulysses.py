@@ -11,7 +11,7 @@ from diffusers import WanTransformer3DModel
 from stepserve.engine.families import DENOISER, TEXT, load_family
 from stepserve.engine.parallel import UlyssesLayout, even_split
 
-from ...tiny_video import (
+from tests.tiny_video import (
     EVEN, THREE_HEADS, TINY_WAN, UNEVEN, free_port, make_video_spec, run_video, sp_worker, three_head_inputs,
     video_conditioning,
 )

@@ -15,7 +15,7 @@ from stepserve.engine.families.wan import FULL, WanFamily
 from stepserve.engine.sampler import Sampler
 from stepserve.engine.tokenizer import character_t5_tokenizer
 
-from ...tiny_video import TINY_WAN, make_video_spec, run_video, solo_pipeline_video, video_conditioning
+from tests.tiny_video import TINY_WAN, make_video_spec, run_video, solo_pipeline_video, video_conditioning
 
 LATENT_ATOL = 1e-5  # fp32 CPU; our one CFG forward of two rows vs the pipeline's two forwards
 FRAME_ATOL = 2e-5

@@ -22,7 +22,7 @@ from stepserve.engine.sampler import Sampler
 from stepserve.engine.step_runner import Admission, StepRunner
 from stepserve.policies.types import StepGroup, WorkerPlan
 
-from ...tiny_video import (
+from tests.tiny_video import (
     TINY_WAN_A14B, TINY_WAN_TI2V, WAN22_SP, free_port, make_video_spec, run_video, solo_pipeline_video,
     sp_worker_wan22, video_conditioning,
 )

@@ -9,7 +9,7 @@ from stepserve.engine.families import DENOISER, TEXT, VAE
 from stepserve.engine.step_runner import StepRunner
 from stepserve.policies.types import StepGroup, WorkerPlan
 
-from ...tiny import TINY, admission_for, make_spec
+from tests.tiny import TINY, admission_for, make_spec
 
 BAD = "a fox \ud800"  # a lone surrogate: the CLIP tokenizer raises on it (validation refuses it at the edge)
 

@@ -6,7 +6,7 @@ import time
 from stepserve.actors.denoiser import AdmissionRef, DenoiserWorker
 from stepserve.policies.types import StepGroup, WorkerPlan
 
-from ...tiny import TINY, make_spec
+from tests.tiny import TINY, make_spec
 
 
 def test_the_wait_between_plans_is_reported_only_while_requests_are_resident():

@@ -14,7 +14,7 @@ from PIL import Image
 
 from stepserve.engine.families import ALL_PARTS, load_family
 
-from ...tiny import TINY_FLUX, TINY_SD3, TINY_SDXL, make_spec, solo_pipeline_image
+from tests.tiny import TINY_FLUX, TINY_SD3, TINY_SDXL, make_spec, solo_pipeline_image
 
 # The served models checked against their pipeline (tiny-sd's own exactness is tested elsewhere).
 CHECKED = {"tiny-sdxl": TINY_SDXL, "tiny-sd3": TINY_SD3, "tiny-flux": TINY_FLUX}

@@ -20,7 +20,7 @@ from stepserve.deployments.errors import APIError
 from stepserve.deployments.protocol import ImageGenerationRequest
 from stepserve.engine.families import ALL_PARTS, load_family
 
-from ...tiny import TINY, make_spec, solo_pipeline_image
+from tests.tiny import TINY, make_spec, solo_pipeline_image
 
 
 def png_array(b64: str) -> np.ndarray:

@@ -17,7 +17,7 @@ from stepserve.engine.families import TEXT, load_family
 from stepserve.policies.types import RequestProgress, StepGroup, StepReport, WorkerPlan
 from stepserve.runtime import start_local_ray
 
-from ...tiny_video import TINY_WAN, UNEVEN, make_video_spec, video_embeds
+from tests.tiny_video import TINY_WAN, UNEVEN, make_video_spec, video_embeds
 
 ATOL = 2e-5  # as test_ulysses: a split sequence changes GEMM shapes (and so rounding) only
 

@@ -15,23 +15,25 @@ from stepserve.load_tests.host_speed import scaled_profile
 from stepserve.load_tests.sim import SimConfig, simulate
 from stepserve.load_tests.sweep import sim_config_from_serve
 from stepserve.load_tests.workload import generate, load_workload
-from stepserve.policies.cost_model import BatchShape, load_profile
+from stepserve.policies.cost_model import BatchShape, load_profile, read_profile, resolve_profile
 from stepserve.runtime import load_serve_config
 from tests.cpu.load_tests.test_sim_vs_live_kinds import LOCAL, LOCAL_VIDEO, comparison, record, scheduled
 
 PROFILE = "tiny-sd-cpu"
 
 
-def test_a_scaled_profile_scales_every_time_of_the_named_models_and_keeps_the_hosts_shares():
+def test_a_scaled_profile_moves_what_the_named_models_measured_in_process():
     base, slow = load_profile(PROFILE, "tiny-wan-cpu"), scaled_profile([PROFILE, "tiny-wan-cpu"], {"tiny-sd": 1.5})
-    batch = BatchShape("tiny-sd", 64, 64, 2)
-    assert slow.round_seconds([batch]) == pytest.approx(1.5 * base.round_seconds([batch]))
     assert slow.text_encode_seconds("tiny-sd", 2) == pytest.approx(1.5 * base.text_encode_seconds("tiny-sd", 2))
     assert slow.decode_seconds("tiny-sd", 64, 64) == pytest.approx(1.5 * base.decode_seconds("tiny-sd", 64, 64))
-    assert slow.solo_seconds("tiny-sd", 64, 64, 20, True) == pytest.approx(
-        1.5 * base.solo_seconds("tiny-sd", 64, 64, 20, True))
-    assert slow.router_cpu_seconds() == pytest.approx(1.5 * base.router_cpu_seconds())
-    # Shares of cores and ratios between probes are not times: unchanged.
+    # A round: the forward and the runner's bookkeeping scale, the live app's fixed round trip stays.
+    fixed = next(r.seconds for r in read_profile(resolve_profile(PROFILE))
+                 if (r.component, r.height) == ("round_overhead", 0))
+    batch = BatchShape("tiny-sd", 64, 64, 2)
+    assert slow.round_seconds([batch]) - fixed == pytest.approx(1.5 * (base.round_seconds([batch]) - fixed))
+    # Measured through the live app, or not times at all: unchanged.
+    assert slow.request_overhead_seconds("tiny-sd") == pytest.approx(base.request_overhead_seconds("tiny-sd"))
+    assert slow.router_cpu_seconds() == pytest.approx(base.router_cpu_seconds())
     assert slow.host_idle_cores() == pytest.approx(base.host_idle_cores())
     assert slow.host_slowdown(2) == pytest.approx(base.host_slowdown(2))
     # A model not named keeps its times.
@@ -104,16 +106,20 @@ def test_compare_holds_the_simulator_at_the_live_runs_speed(monkeypatch, tmp_pat
     monkeypatch.setattr(svl, "local_ray", lambda cpus: contextlib.nullcontext())
     args = svl.parse_args(["--out", str(tmp_path), "--profile", PROFILE, "--duration", "20", "--repeats", "2",
                            "--policies", "continuous", "static_fcfs"])
-    comparisons, calibration = svl.compare(args)
-    assert calibration.factors["tiny-sd"] == pytest.approx(1.25, rel=0.02)
+    comparisons = svl.compare(args)
     assert [c.policy for c in comparisons] == ["continuous", "static_fcfs"]
     for c in comparisons:
         assert len(c.repeats) == 2 and c.agrees(0.05)
+        for run in c.repeats:  # each run's own twin, at the speed fitted to it
+            assert run.calibration.factors["tiny-sd"] == pytest.approx(1.25, rel=0.02)
         assert c.as_profiled.error("latency_p50_s") < -0.1  # the profile's own speed is 25% fast
+        report = json.loads(json.dumps(svl.run_report(c, 0.15)))
+        assert report["calibration"] is None and report["repeats"][0]["calibration"]["factors"]["tiny-sd"] > 1.2
+        assert report["sim_records"] == [] and len(report["repeats"][1]["sim_records"]) == c.live.count
     args = svl.parse_args(["--out", str(tmp_path), "--profile", PROFILE, "--duration", "20", "--repeats", "1",
                            "--no-calibrate"])
-    [profiled], calibration = svl.compare(args)
-    assert calibration is None and profiled.as_profiled is None  # no fit asked: the profile's speed is the verdict's
+    [profiled] = svl.compare(args)
+    assert profiled.calibration is None and profiled.as_profiled is None  # no fit asked: the profile's speed
     assert profiled.error("latency_p50_s") < -0.1
 
 
@@ -136,9 +142,9 @@ def test_the_verdict_at_the_fitted_speed_is_reported_with_the_simulator_as_profi
     assert svl.run_report(profiled, 0.15)["as_profiled"] is None
     calibration = svl.Calibration({"tiny-sd": 1.1}, {"image": 0.004}, 2)
     assert "tiny-sd x1.100" in svl.describe(calibration) and "image +0.4%" in svl.describe(calibration)
-    assert svl.plot_title("local-tiny", "/out/profile-tiny-sd.csv", calibration) == (
-        "local-tiny: simulated vs live (profile profile-tiny-sd.csv; speed fitted: tiny-sd x1.10)")
-    assert svl.plot_title("local-tiny", "tiny-sd-cpu", None) == "local-tiny: simulated vs live (profile tiny-sd-cpu)"
+    assert svl.plot_title("local-tiny", "/out/profile-tiny-sd.csv", True) == (
+        "local-tiny: simulated vs live (profile profile-tiny-sd.csv; speed fitted to each live run)")
+    assert svl.plot_title("local-tiny", "tiny-sd-cpu", False) == "local-tiny: simulated vs live (profile tiny-sd-cpu)"
 
 
 def test_the_median_profile_takes_each_points_median_over_the_profiles(tmp_path):

@@ -10,7 +10,7 @@ from PIL import Image
 from stepserve.deployments.config import ModelConfig
 from stepserve.load_tests.peers import PerRequestPeer, Rejected, parse
 
-from ...tiny import make_spec, solo_pipeline_image
+from tests.tiny import make_spec, solo_pipeline_image
 
 MODEL = ModelConfig(name="tiny-sd", family="sd15", preset="tiny", default_size="64x64", max_size=128,
                     default_steps=5, max_steps=20)

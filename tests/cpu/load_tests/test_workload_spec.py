@@ -15,7 +15,7 @@ from stepserve.load_tests.workload import (
     WorkloadSpec, describe, generate, load_workload, parse_workload,
 )
 
-from .costs import BatchingCost, ConstantCost
+from tests.cpu.load_tests.costs import BatchingCost, ConstantCost
 
 BASE = {
     "seed": 3,

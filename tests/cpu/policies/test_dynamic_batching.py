@@ -9,7 +9,7 @@ import pytest
 from stepserve.policies import PerWorker, make_policy
 from stepserve.policies.dynamic_batching import DynamicBatching, DynamicBatchingConfig
 
-from .snapshots import LARGE, SMALL, only_plan, req, snap, steps
+from tests.cpu.policies.snapshots import LARGE, SMALL, only_plan, req, snap, steps
 
 
 def decide(now, queued=(), workers=None, **config):

@@ -16,7 +16,7 @@ from stepserve.policies.continuous import ContinuousBatching, ContinuousConfig
 from stepserve.policies.dynamic_batching import DynamicBatching, DynamicBatchingConfig
 from stepserve.policies.static_fcfs import StaticFCFS, StaticFCFSConfig
 
-from .snapshots import LARGE, SMALL, assert_executable, plan_on, req, slot, snap, steps
+from tests.cpu.policies.snapshots import LARGE, SMALL, assert_executable, plan_on, req, slot, snap, steps
 
 
 @dataclass

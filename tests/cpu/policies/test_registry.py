@@ -12,7 +12,7 @@ from stepserve.policies.genserve import GenServeConfig
 from stepserve.policies.genserve.policy import GenServePolicy
 from stepserve.policies.registry import register_policy, validate_policy
 
-from .genserve.fakes import FakeCosts
+from tests.cpu.policies.genserve.fakes import FakeCosts
 
 PER_WORKER = ["continuous", "static_fcfs", "dynamic_batching"]
 

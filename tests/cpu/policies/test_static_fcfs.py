@@ -9,7 +9,7 @@ import pytest
 from stepserve.policies import Decision, PerWorker, make_policy
 from stepserve.policies.static_fcfs import StaticFCFS, StaticFCFSConfig
 
-from .snapshots import LARGE, SMALL, only_plan, req, snap, steps
+from tests.cpu.policies.snapshots import LARGE, SMALL, only_plan, req, snap, steps
 
 
 def plan(snapshot, worker_id="w0", config=StaticFCFSConfig()):

@@ -2,7 +2,7 @@ import pytest
 
 from stepserve.runtime import CONFIGS, load_serve_config
 
-from ..integration.conftest import serving
+from tests.cpu.integration.conftest import serving
 
 
 @pytest.fixture(scope="package")

@@ -13,7 +13,7 @@ from PIL import Image
 
 from stepserve.engine.families import ALL_PARTS, load_family
 
-from ...tiny_video import TINY_WAN_A14B, TINY_WAN_TI2V, make_video_spec, solo_pipeline_video
+from tests.tiny_video import TINY_WAN_A14B, TINY_WAN_TI2V, make_video_spec, solo_pipeline_video
 
 SOURCES = {"tiny-wan-a14b": TINY_WAN_A14B, "tiny-wan-ti2v": TINY_WAN_TI2V}
 PROMPT = "a red fox runs through snow"

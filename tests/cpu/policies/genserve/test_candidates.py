@@ -9,7 +9,7 @@ import pytest
 from stepserve.policies.genserve import GenServeConfig
 from stepserve.policies.genserve.candidates import video_options
 
-from .fakes import FakeCosts, vid
+from tests.cpu.policies.genserve.fakes import FakeCosts, vid
 
 # FakeCosts, 480p/81 frames: T_step = 4.0 / d + 0.05 * (d - 1): 4.0, 2.05, 1.15, 0.85 s.
 

@@ -16,7 +16,7 @@ from stepserve.policies.genserve import (
     decide_round,
 )
 
-from .fakes import LARGE, SMALL, FakeCosts, img, vid, workers
+from tests.cpu.policies.genserve.fakes import LARGE, SMALL, FakeCosts, img, vid, workers
 
 W4 = workers(4)
 INP = RoundInput(0.0, W4, images=(img("a", 5.0, worker="w3"), img("b", 5.0), img("big", 5.0, key=LARGE)),

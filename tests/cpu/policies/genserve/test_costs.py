@@ -18,7 +18,7 @@ from stepserve.policies.genserve import (
 )
 from stepserve.policies.types import RequestKind
 
-from .fakes import SMALL, FakeCosts, img, vid, workers
+from tests.cpu.policies.genserve.fakes import SMALL, FakeCosts, img, vid, workers
 
 IMAGE = BatchShape("sd", 512, 512, 4)
 VIDEO = BatchShape("wan", 480, 832, 2, frames=81, sp_degree=2)

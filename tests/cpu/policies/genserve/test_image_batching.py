@@ -9,7 +9,7 @@ from stepserve.policies.genserve.image_batching import edf_batches
 from stepserve.policies.genserve.scoring import add
 from stepserve.policies.types import ShapeKey
 
-from .fakes import LARGE, SMALL, FakeCosts, img
+from tests.cpu.policies.genserve.fakes import LARGE, FakeCosts, img
 
 # With FakeCosts, a SMALL image with CFG (2 rows) steps in 0.041 s alone: 20 steps = 0.82 s.
 

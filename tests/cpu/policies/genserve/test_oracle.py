@@ -30,7 +30,7 @@ from stepserve.policies.genserve import (
 from stepserve.policies.genserve.costs import MemoizedCosts
 from stepserve.policies.genserve.image_batching import edf_batches
 
-from .fakes import FakeCosts, random_round
+from tests.cpu.policies.genserve.fakes import FakeCosts, random_round
 
 SWITCHES = [
     dict(preemption=p, elastic_sp=e) for p, e in itertools.product((True, False), (True, False))

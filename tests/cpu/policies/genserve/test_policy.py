@@ -24,8 +24,8 @@ from stepserve.policies.genserve.costs import MemoizedCosts
 from stepserve.policies.genserve.policy import GenServePolicy, plans_for, round_input
 from stepserve.policies.types import ClusterSnapshot, Decision, RequestKind, ShapeKey, StepGroup, WorkerPlan
 
-from ..snapshots import CLIP, assert_executable, plan_on, req, slot, snap, steps, video
-from .fakes import FakeCosts
+from tests.cpu.policies.snapshots import CLIP, assert_executable, plan_on, req, slot, snap, steps, video
+from tests.cpu.policies.genserve.fakes import FakeCosts
 
 IMG = ShapeKey("sd", 512, 512)
 BIG = ShapeKey("sd", 1024, 1024)

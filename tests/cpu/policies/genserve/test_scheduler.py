@@ -21,7 +21,7 @@ from stepserve.policies.genserve import (
 )
 from stepserve.policies.types import ShapeKey
 
-from .fakes import LARGE, SMALL, FakeCosts, img, vid, workers
+from tests.cpu.policies.genserve.fakes import LARGE, SMALL, FakeCosts, img, vid, workers
 
 W8 = workers(8)
 W4 = workers(4)

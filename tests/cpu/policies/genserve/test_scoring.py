@@ -7,7 +7,7 @@ import math
 from stepserve.policies.genserve import GenServeConfig, MemoizedCosts, RoundInput, decide_round
 from stepserve.policies.genserve.scoring import LATE_WEIGHT, micros, run_value, slack_weight, wait_value
 
-from .fakes import FakeCosts, img, vid, workers
+from tests.cpu.policies.genserve.fakes import FakeCosts, img, vid, workers
 
 
 def test_slack_weight():

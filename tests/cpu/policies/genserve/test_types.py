@@ -9,7 +9,7 @@ import pytest
 from stepserve.policies.genserve import GenServeConfig, ImageRequest, RoundInput, VideoJob, VideoStatus
 from stepserve.policies.types import ShapeKey
 
-from .fakes import SMALL, img, vid, workers
+from tests.cpu.policies.genserve.fakes import SMALL, img, vid, workers
 
 
 def test_running_video_needs_workers_and_only_it_has_them():

@@ -6,7 +6,7 @@ import math
 
 from stepserve.policies.genserve.victims import rank_victims, video_slack
 
-from .fakes import vid
+from tests.cpu.policies.genserve.fakes import vid
 
 
 def test_slack_is_deadline_minus_remaining_work():
