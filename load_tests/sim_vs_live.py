@@ -373,18 +373,32 @@ def compare(args: argparse.Namespace) -> list[Comparison]:
     """Every policy and rate live `--repeats` times, then simulated: on the profile as measured,
     and (`--calibrate`) once for each live run at the speed fitted to it, which the verdict then
     holds."""
-    from stepserve.load_tests.host_speed import median_profile, scaled_profile
-    from stepserve.policies.cost_model import load_profile
-
     serve_config = load_serve_config(args.config)
     spec = load_workload(args.workload)
     if args.duration is not None:
         spec = replace(spec, duration_s=args.duration, num_requests=None)
+    sim_config = SimConfig(**{**sim_config_from_serve(args.config), "host_cpus": args.host_cpus})
+    served = {policy: served_policy(serve_config, policy) for policy in args.policies}  # a bad policy fails here
+    profiles, requests_at, lives = run_live(args, serve_config, spec)
+    args.profile = ",".join(profiles)
+    models = models_by_kind(r for rs in requests_at.values() for r in rs)
+    return [simulated_twins(policy, rate, runs, requests_at[rate], served[policy], profiles,
+                            replace(sim_config, policy=policy, policy_options=served[policy][0]), models,
+                            args.calibrate)
+            for (policy, rate), runs in lives.items()]
+
+
+def run_live(args: argparse.Namespace, serve_config: dict[str, Any], spec: Any
+             ) -> tuple[list[str], dict[float, list[ScheduledRequest]], dict[tuple[str, float], list[Any]]]:
+    """Every policy and rate live `--repeats` times, interleaved, the profile measured again
+    before every round when measuring. Returns the profiles to simulate on (with several
+    measured, their per-point median), the requests at each rate, and each policy and rate's
+    live runs (`PolicyRun`s)."""
+    from stepserve.load_tests.host_speed import median_profile
+    from stepserve.policies.cost_model import load_profile
+
     measuring = args.profile == "measure"
     profiles = [] if measuring else [p.strip() for p in args.profile.split(",") if p.strip()]
-    sim_config = SimConfig(**{**sim_config_from_serve(args.config), "host_cpus": args.host_cpus})
-    rates = args.rates or [spec.mean_rate]
-    served = {policy: served_policy(serve_config, policy) for policy in args.policies}  # a bad policy fails here
     measured: list[list[Path]] = []
     requests_at: dict[float, list[ScheduledRequest]] = {}
     lives: dict[tuple[str, float], list[Any]] = {}
@@ -398,7 +412,7 @@ def compare(args: argparse.Namespace) -> list[Comparison]:
         live_config = live_serve_config(serve_config, profiles)  # the live router predicts with the latest
         with local_ray(int(os.cpu_count() or 1)):
             for policy in args.policies:
-                for rate in rates:
+                for rate in args.rates or [spec.mean_rate]:
                     # The same requests every run (their SLOs from the first profile).
                     requests = requests_at.setdefault(rate, generate(spec.with_rate(rate), cost))
                     warmup = generate(replace(spec.with_rate(rate), seed=spec.seed + 1, duration_s=None,
@@ -413,42 +427,44 @@ def compare(args: argparse.Namespace) -> list[Comparison]:
         profiles = [str(median_profile([m[i] for m in measured], args.out / measured[0][i].name))
                     for i in range(len(measured[0]))]
         log(f"simulating on the median of {len(measured)} profiles: {', '.join(profiles)}")
-    args.profile = ",".join(profiles)
+    return profiles, requests_at, lives
 
-    base = load_profile(*profiles)
-    models = models_by_kind(r for rs in requests_at.values() for r in rs)
-    out = []
-    for (policy, rate), runs in lives.items():
-        options, slos = served[policy]
-        requests, config = as_served(requests_at[rate], slos), replace(sim_config, policy=policy, policy_options=options)
 
-        def twin(live: Any, result: Any, policy: str = policy, rate: float = rate) -> Comparison:
-            """A live run against a simulated run of the same requests."""
-            return make_comparison(policy, rate, requests_at[rate], live.records,
-                                   with_workload_slos(result.records(), requests_at[rate]), result.busy_s,
-                                   live.server, stage_pairs(live.stages, result.stage_means))
+def simulated_twins(policy: str, rate: float, runs: Sequence[Any], requests: list[ScheduledRequest],
+                    served: tuple[dict[str, Any], dict[str, float | None]], profiles: Sequence[str],
+                    config: SimConfig, models: Mapping[str, set[str]], calibrate: bool) -> Comparison:
+    """One policy and rate's live runs against the simulator on the same requests: on the
+    profile as measured, and (`calibrate`) each run against its twin at the speed fitted to it
+    (then the profile's own is `as_profiled`)."""
+    from stepserve.load_tests.host_speed import scaled_profile
+    from stepserve.policies.cost_model import load_profile
 
-        as_profiled = median_of([twin(live, simulate(requests, base, config)) for live in runs])
-        if not args.calibrate:
-            out.append(as_profiled)
-            continue
-        fitted = []
-        for i, live in enumerate(runs, 1):  # each run at its own speed: the VM's moves between runs
-            results: dict[tuple, Any] = {}
+    scheduled = as_served(requests, served[1])
 
-            def simulated_steps(factors: dict[str, float], live: Any = live, results: dict = results,
-                                requests: list = requests, config: SimConfig = config) -> dict[str, float | None]:
-                result = results[tuple(sorted(factors.items()))] = simulate(
-                    requests, scaled_profile(profiles, factors), config)
-                return {kind: result.stage_means(kind)["step"] for kind in live.stages}
+    def twin(live: Any, result: Any) -> Comparison:
+        return make_comparison(policy, rate, requests, live.records, with_workload_slos(result.records(), requests),
+                               result.busy_s, live.server, stage_pairs(live.stages, result.stage_means))
 
-            live_steps = {kind: means.get("router.step") for kind, means in live.stages.items()}
-            calibration = fit_speed(live_steps, models, simulated_steps)
-            log(f"[{policy} @ {rate:g} req/s, run {i}] the simulator's speed fitted: {describe(calibration)}")
-            fitted.append(replace(twin(live, results[tuple(sorted(calibration.factors.items()))]),
-                                  calibration=calibration))
-        out.append(replace(median_of(fitted), as_profiled=as_profiled))
-    return out
+    profiled = simulate(scheduled, load_profile(*profiles), config)
+    as_profiled = median_of([twin(live, profiled) for live in runs])
+    if not calibrate:
+        return as_profiled
+    fitted = []
+    for i, live in enumerate(runs, 1):  # each run at its own speed: the VM's moves between runs
+        results: dict[tuple, Any] = {}
+
+        def simulated_steps(factors: dict[str, float], live: Any = live,
+                            results: dict[tuple, Any] = results) -> dict[str, float | None]:
+            result = results[tuple(sorted(factors.items()))] = simulate(
+                scheduled, scaled_profile(profiles, factors), config)
+            return {kind: result.stage_means(kind)["step"] for kind in live.stages}
+
+        live_steps = {kind: means.get("router.step") for kind, means in live.stages.items()}
+        calibration = fit_speed(live_steps, models, simulated_steps)
+        log(f"[{policy} @ {rate:g} req/s, run {i}] the simulator's speed fitted: {describe(calibration)}")
+        fitted.append(replace(twin(live, results[tuple(sorted(calibration.factors.items()))]),
+                              calibration=calibration))
+    return replace(median_of(fitted), as_profiled=as_profiled)
 
 
 def describe(calibration: Calibration) -> str:
