@@ -31,7 +31,7 @@ from stepserve.actors.router_core import Admission, CoreConfig, Outcome, RouterC
 from stepserve.engine.families import ModelSource, family_class
 from stepserve.engine.text_encoding import text_item
 from stepserve.policies import make_policy, needs_costs
-from stepserve.policies.admission import LoadReport
+from stepserve.policies.admission import LoadReport, is_quiet
 from stepserve.policies.cost_model import load_profile
 from stepserve.policies.types import RequestKind, RequestSpec, RequestStatus, WorkerPlan
 
@@ -81,6 +81,7 @@ class Router:
         self._kick = asyncio.Event()
         self._load_changed = asyncio.Event()
         self._published_version = -1
+        self._edge_report = self.core.load()  # the load the edge's long poll last answered with
         self._tasks: set[asyncio.Task] = set()
         # A world of process groups only when some model can split a forward over workers.
         self._uses_world = len(self.workers) > 1 and any(family_class(m.family).sequence_parallel for m in models)
@@ -157,15 +158,16 @@ class Router:
                 "recoveries": state.recoveries, "degrees": list(state.degrees)}
 
     async def load(self, version: int = -1, timeout_s: float = LOAD_POLL_TIMEOUT_S) -> LoadReport:
-        """The router's load for admission at the edge; a long poll: returns at once when it
-        changed since `version`, else when it changes or after `timeout_s`."""
-        if self.core.load_version == version:
+        """The router's load for admission at the edge; a long poll: returns at once when the
+        edge's copy (`version`) is out of date, else when it goes out of date or after
+        `timeout_s`. A change from one quiet load to another does not (`admission.is_quiet`)."""
+        if self._edge_report.version == version:
             self._load_changed.clear()
             try:
                 await asyncio.wait_for(self._load_changed.wait(), timeout_s)
             except asyncio.TimeoutError:
                 pass
-        return self.core.load()
+        return self._edge_report
 
     async def worker_actor_names(self) -> dict[str, str]:
         """Worker id -> its Ray actor name (for operators: `ray list actors`, `ray.get_actor`)."""
@@ -429,12 +431,16 @@ class Router:
         return task
 
     def _published(self) -> None:
-        """Publish the load when it changed: wake the edge's long poll, set the gauges. Most
-        rounds change nothing the load says (a step is not news to the edge)."""
+        """Publish the load when it changed: set the gauges, and wake the edge's long poll unless
+        the load was quiet and still is. Most rounds change nothing the load says (a step is not
+        news to the edge)."""
         if self.core.load_version == self._published_version:
             return
         self._published_version = self.core.load_version
-        self._load_changed.set()
+        report = self.core.load()
+        if not (is_quiet(report) and is_quiet(self._edge_report)):
+            self._edge_report = report
+            self._load_changed.set()
         self.metrics.queue_length.labels("image").set(self.core.queue_length(RequestKind.T2I))
         self.metrics.queue_length.labels("video").set(self.core.queue_length(RequestKind.T2V))
         self.metrics.running.set(self.core.count(RequestStatus.RUNNING))

@@ -27,18 +27,26 @@ from stepserve.deployments.vae_decoder import VAEDecoder
 LONG_CALLS = 100_000
 
 
-def _actor_options(config: AppConfig, num_cpus: float, num_gpus: float = 0) -> dict[str, Any]:
+# The router and the job store are only ever called by the app itself: a Serve access-log line
+# per call (a submit, a plan's store call) is noise to an operator and costs a log write, and
+# Ray's log monitor forwarding it. The ingress keeps its log of client requests.
+INTERNAL_LOGGING = {"enable_access_log": False}
+
+
+def actor_options(config: AppConfig, num_cpus: float, num_gpus: float = 0,
+                  control_plane: bool = True) -> dict[str, Any]:
+    """A deployment's `ray_actor_options`: its resources and the Serve settings of its replicas'
+    environment (`AppConfig.replica_env`)."""
     options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus}
-    if config.serve_metrics_export_ms is not None:
-        # Read by Serve when the replica process starts, so it can only come in as its environment
-        # (merged with the application's runtime_env; this key wins).
-        interval = str(config.serve_metrics_export_ms)
-        options["runtime_env"] = {"env_vars": {"RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": interval}}
+    env = config.replica_env(control_plane)
+    if env:
+        # Merged with the application's runtime_env (these keys win).
+        options["runtime_env"] = {"env_vars": env}
     return options
 
 
-def _component_options(config: AppConfig, component: ComponentConfig) -> dict[str, Any]:
-    return _actor_options(config, component.num_cpus, component.num_gpus)
+def _model_options(config: AppConfig, component: ComponentConfig) -> dict[str, Any]:
+    return actor_options(config, component.num_cpus, component.num_gpus, control_plane=False)
 
 
 def build_app(args: dict[str, Any] | AppConfig) -> Application:
@@ -48,7 +56,7 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
     te = config.text_encoder
     text_encoder = None if te.on_workers else serve.deployment(TextEncoder, name="TextEncoder").options(
         num_replicas=te.num_replicas, max_ongoing_requests=max(64, 4 * te.max_batch_size),
-        ray_actor_options=_component_options(config, te),
+        ray_actor_options=_model_options(config, te),
     ).bind(sources, te.device, te.torch_threads, te.max_batch_size, te.batch_wait_timeout_s, te.cache_size)
 
     # Videos decode on the worker that holds them (GenServe: decode does not benefit from SP);
@@ -56,13 +64,14 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
     vd = config.vae_decoder
     image_sources = [m.to_source() for m in config.models if not m.is_video]
     vae_decoder = None if vd.on_workers else serve.deployment(VAEDecoder, name="VAEDecoder").options(
-        num_replicas=vd.num_replicas, max_ongoing_requests=16, ray_actor_options=_component_options(config, vd),
+        num_replicas=vd.num_replicas, max_ongoing_requests=16, ray_actor_options=_model_options(config, vd),
     ).bind(image_sources, vd.device, vd.torch_threads)
 
     # One replica, apart from the router: a router restart loses no finished job.
     jobs = config.jobs
     store = serve.deployment(JobStore, name="JobStore").options(
-        num_replicas=1, max_ongoing_requests=LONG_CALLS, ray_actor_options=_actor_options(config, 0),
+        num_replicas=1, max_ongoing_requests=LONG_CALLS, ray_actor_options=actor_options(config, 0),
+        logging_config=INTERNAL_LOGGING,
     ).bind(jobs.ttl_s, jobs.max_bytes, jobs.max_jobs)
 
     rc = config.router
@@ -71,11 +80,12 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
     pool = replace(config.workers.to_spec(), decode_images=vd.on_workers, encode_text=te.on_workers,
                    text_cache_size=te.cache_size)
     router = serve.deployment(Router, name="Router").options(
-        num_replicas=1, max_ongoing_requests=LONG_CALLS, ray_actor_options=_actor_options(config, 0),
+        num_replicas=1, max_ongoing_requests=LONG_CALLS, ray_actor_options=actor_options(config, 0),
+        logging_config=INTERNAL_LOGGING,
     ).bind(sources, pool, spec, text_encoder, vae_decoder, store)
 
     ing = config.ingress
     return serve.deployment(Ingress, name="Ingress").options(
         num_replicas=ing.num_replicas, max_ongoing_requests=LONG_CALLS,
-        ray_actor_options=_component_options(config, ing),
+        ray_actor_options=actor_options(config, ing.num_cpus, ing.num_gpus),
     ).bind(config, router, store, text_encoder)

@@ -2,9 +2,10 @@
 mapping from internal failures to the OpenAI error shape.
 
 The gate sheds overload in milliseconds from the router's published load (a long poll: the
-router answers when its load changes, so an idle app exchanges nothing), before any work is
-spent; the router applies the same rule again on submit, so a stale copy here never lets more
-through than the bound.
+router answers when its load changes in a way the edge must hear, which far from every bound
+it does not (`admission.is_quiet`), so an idle or lightly loaded app exchanges one call every
+few seconds), before any work is spent; the router applies the same rule again on submit, so a
+stale copy here never lets more through than the bound.
 """
 
 from __future__ import annotations

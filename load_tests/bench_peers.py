@@ -8,12 +8,13 @@ mix and SLOs). The systems take turns per repeat, in reverse order every other r
 (A B C, C B A, ...): the VM's speed drifts by tens of percent within an hour, and back-to-back
 repeats of one system would hand that drift to the comparison. Per point: P50/P95/P99,
 throughput, SLO attainment, the load generator's send lag, the CPU seconds of every Ray process (the whole
-server: proxy, replicas, raylet, GCS) per request, and for stepserve the queue wait and the
+server: proxy, replicas, raylet, GCS) per request, in all and per process, and for stepserve the queue wait and the
 per-stage timeline of an image (ingress, text encoding, queue, steps, decode) from its /metrics.
 Once per system and repeat: the idle CPU of the whole app, per process (the median repeat is
 reported). Once per run: the idle CPU of Ray and Serve with no app deployed (the floor every
-system's idle includes), and a bare in-process pipeline call per step count, the floor any
-server adds its hops to.
+system's idle includes), of stepserve's processes with nothing in them (`process_floor.py`: what
+Ray and Serve charge for its layout alone), and a bare in-process pipeline call per step count,
+the floor any server adds its hops to.
 
     python -m stepserve.load_tests.bench_peers --out docs/results/peers
 """
@@ -87,23 +88,33 @@ def peer_config(base: dict[str, Any], port: int, mode: str, batch_wait_s: float)
     return config
 
 
-def ray_cpu_seconds() -> float:
-    """CPU seconds so far of every Ray process on this machine."""
-    return sum(seconds for _, seconds in ray_process_cpu().values())
-
-
-def idle_cpu(seconds: float = IDLE_S) -> dict[str, Any]:
-    """Cores every Ray process burns over `seconds` left alone, in all and per process title
-    (largest first; a title shared by several processes is summed)."""
-    before = ray_process_cpu()
-    time.sleep(seconds)
-    after = ray_process_cpu()
+def cpu_between(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds per process title between two `ray_process_cpu` readings, largest first (a
+    title shared by several processes is summed; a process that started in between is left out)."""
     per_title: dict[str, float] = {}
     for pid, (title, cpu) in after.items():
         if pid in before:
-            per_title[title] = per_title.get(title, 0.0) + (cpu - before[pid][1]) / seconds
-    return {"cores": sum(per_title.values()),
-            "processes": dict(sorted(per_title.items(), key=lambda item: -item[1]))}
+            per_title[title] = per_title.get(title, 0.0) + cpu - before[pid][1]
+    return dict(sorted(per_title.items(), key=lambda item: -item[1]))
+
+
+def idle_cpu(seconds: float = IDLE_S) -> dict[str, Any]:
+    """Cores every Ray process burns over `seconds` left alone, in all and per process title."""
+    before = ray_process_cpu()
+    time.sleep(seconds)
+    processes = {title: cpu / seconds for title, cpu in cpu_between(before, ray_process_cpu()).items()}
+    return {"cores": sum(processes.values()), "processes": processes}
+
+
+def process_floor_idle(base: dict[str, Any], port: int) -> dict[str, Any]:
+    """Idle CPU of stepserve's process layout with nothing in it (`process_floor.py`): what Ray
+    and Serve charge for stepserve's processes alone."""
+    config = bench_serve_config(base, port)
+    config["applications"][0]["import_path"] = "stepserve.load_tests.process_floor:build_floor_app"
+    with deployed(config) as url:
+        asyncio.run(wait_ready(url))
+        time.sleep(2.0)
+        return idle_cpu()
 
 
 def bare_pipeline_seconds(base: dict[str, Any], prompt: str, size: tuple[int, int], steps: list[int],
@@ -126,13 +137,15 @@ def bare_pipeline_seconds(base: dict[str, Any], prompt: str, size: tuple[int, in
 
 def run_point(url: str, requests, args: argparse.Namespace, with_metrics: bool) -> dict[str, Any]:
     before = asyncio.run(scrape_text(url)) if with_metrics else None
-    cpu = ray_cpu_seconds()
+    cpu_before = ray_process_cpu()
     records = asyncio.run(run_open_loop(url, requests, args.request_timeout,
                                         requests[-1].offset_s + args.request_timeout))
-    cpu = ray_cpu_seconds() - cpu
+    by_process = cpu_between(cpu_before, ray_process_cpu())
+    cpu = sum(by_process.values())
     summary = summarize(records)
     lags = [r.sent_s - r.scheduled_s for r in records if r.sent_s is not None]
     point = {**asdict(summary), "server_cpu_s": cpu, "cpu_per_request_s": cpu / len(records),
+             "cpu_per_request_by_process_s": {title: c / len(records) for title, c in by_process.items()},
              "send_lag_p95_s": percentile(lags, 95) if lags else None}
     if with_metrics:
         after = asyncio.run(scrape_text(url))
@@ -212,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(2.0)
         floor = idle_cpu()
         log(f"idle with no app: {floor['cores']:.3f} cores")
+        process_floor = process_floor_idle(base, port)
+        log(f"idle with stepserve's processes doing nothing: {process_floor['cores']:.3f} cores")
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.systems}
         for repeat in range(args.repeats):
             for name in (args.systems if repeat % 2 == 0 else args.systems[::-1]):
@@ -222,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         systems = [merge_runs(name, system_runs) for name, system_runs in runs.items()]
     for system in systems:
         system["idle_above_floor_cores"] = system["idle_cores"] - floor["cores"]
+        if system["system"] == "stepserve":
+            system["idle_above_process_floor_cores"] = system["idle_cores"] - process_floor["cores"]
         system["capacity_at_90_slo_rps"] = capacity_at(system["points"])
         for key in ("latency_p50_s", "latency_p95_s", "latency_p99_s", "slo_attainment", "cpu_per_request_s",
                     "throughput_rps"):
@@ -236,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         "bare_pipeline_s": {str(n): s for n, s in bare.items()},
         "bare_pipeline_mean_s": statistics.mean(bare[r.num_inference_steps] for rs in loads.values() for r in rs),
         "idle_floor_cores": floor["cores"], "idle_floor_processes": floor["processes"],
+        "idle_process_floor_cores": process_floor["cores"], "idle_process_floor_processes": process_floor["processes"],
         "systems": systems,
     }
     (args.out / "peers.json").write_text(json.dumps(report, indent=1, default=str))
@@ -252,6 +270,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{system['system']:<13} capacity at 90% SLO: {system['capacity_at_90_slo_rps']} req/s; "
               f"idle {system['idle_cores']:.3f} cores, {system['idle_above_floor_cores']:.3f} above Ray and Serve "
               f"with no app ({floor['cores']:.3f})")
+    stepserve_idle = next((system for system in systems if system["system"] == "stepserve"), None)
+    if stepserve_idle is not None:
+        print(f"stepserve idle above its own processes doing nothing ({process_floor['cores']:.3f}): "
+              f"{stepserve_idle['idle_above_process_floor_cores']:.3f} cores")
     print(f"wrote {args.out / 'peers.json'} and {args.out / 'peers.png'}")
     return 0
 

@@ -8,6 +8,11 @@ copy may be a few milliseconds old), so the bound holds exactly there.
 What counts as backlog is everything admitted that has not finished: queued, running and being
 decoded. Decoding used to be a second queue the router did not see; counting it here means a
 slow decoder sheds load instead of piling it up.
+
+Far from every bound (`is_quiet`) the edge has nothing to decide: the router does not republish
+its load on every admission and finish then, only when it stops being quiet. At light load that
+was most of the app's messages: two or three long-poll answers per request, each a call through
+Serve on the ingress and the router.
 """
 
 from __future__ import annotations
@@ -59,9 +64,30 @@ ADMITTED = Verdict(True)
 NO_WORKER_RETRY_S = 5.0
 
 
+def is_quiet(report: LoadReport) -> bool:
+    """Whether the load is well inside every bound: every class's backlog under half its queue
+    bound, and its predicted queue wait at most half its wait bound, with a worker serving. Between two quiet
+    reports the router publishes nothing, so the edge admits on a quiet report without counting
+    what it let in since (the router counts exactly); the half left over is what a burst may
+    fill before the edge hears that the load is no longer quiet."""
+    if report.live_workers < 1:
+        return False
+    for load in report.classes.values():
+        if 2 * load.backlog >= load.max_queued:
+            return False
+        if load.max_wait_s is not None:
+            wait = load.predicted_wait_s(load.queued + 1)
+            if wait is not None and 2 * wait > load.max_wait_s:
+                return False
+    return True
+
+
 def admit(report: LoadReport, kind: RequestKind, pending: int = 0) -> Verdict:
     """Whether one more request of `kind` may enter. `pending`: requests this caller already let
-    in that the report cannot show yet (sent to the router since the report was taken)."""
+    in that the report cannot show yet (sent to the router since the report was taken); not
+    counted against a quiet report (see `is_quiet`)."""
+    if is_quiet(report):
+        return ADMITTED
     if report.live_workers < 1:
         return Verdict(False, 503, "no denoiser worker is serving right now", NO_WORKER_RETRY_S)
     load = report.classes.get(kind)

@@ -8,6 +8,8 @@ from stepserve.deployments.app import build_app
 from stepserve.runtime import default_config_path, load_serve_config
 
 METRICS_ENV = "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"
+ONE_LOOP_ENV = "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"
+ROUTER_LOOP_ENV = "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"
 
 
 def deployments(app: Application) -> dict[str, object]:
@@ -36,9 +38,33 @@ def test_every_deployment_exports_serves_metrics_at_the_configured_interval():
     assert {d.ray_actor_options["runtime_env"]["env_vars"][METRICS_ENV] for d in graph.values()} == {"250"}
 
 
-def test_serves_default_interval_leaves_the_environment_alone():
-    for name, deployment in deployments(build_app(app_args(serve_metrics_export_ms=None))).items():
+def test_serves_defaults_leave_the_environment_alone():
+    graph = deployments(build_app(app_args(serve_metrics_export_ms=None, serve_one_loop=False,
+                                           text_encoder={"on_workers": False}, vae_decoder={"on_workers": False})))
+    for name, deployment in graph.items():
         assert "runtime_env" not in deployment.ray_actor_options, name
+
+
+def test_the_control_plane_runs_on_one_loop_and_the_model_deployments_keep_serves_threads():
+    graph = deployments(build_app(app_args(text_encoder={"on_workers": False}, vae_decoder={"on_workers": False})))
+    one_loop = {ONE_LOOP_ENV: "0", ROUTER_LOOP_ENV: "0"}
+    for name in ("Ingress", "Router", "JobStore"):
+        env = graph[name].ray_actor_options["runtime_env"]["env_vars"]
+        assert {k: env.get(k) for k in one_loop} == one_loop, name
+    for name in ("TextEncoder", "VAEDecoder"):  # their model calls block: never on Serve's own loop
+        env = graph[name].ray_actor_options["runtime_env"]["env_vars"]
+        assert not set(one_loop) & set(env), name
+
+    graph = deployments(build_app(app_args(serve_one_loop=False)))
+    for name, deployment in graph.items():
+        assert not set(one_loop) & set(deployment.ray_actor_options["runtime_env"]["env_vars"]), name
+
+
+def test_only_the_ingress_writes_an_access_log():
+    graph = deployments(build_app(app_args()))
+    assert graph["Router"].logging_config["enable_access_log"] is False
+    assert graph["JobStore"].logging_config["enable_access_log"] is False
+    assert graph["Ingress"].logging_config is None  # Serve's default: one access-log line per client request
 
 
 def test_resources_are_the_configs():

@@ -19,6 +19,7 @@ from ray import serve
 from stepserve.deployments.errors import APIError
 from stepserve.deployments.protocol import ImageGenerationRequest
 from stepserve.engine.families import ALL_PARTS, load_family
+from stepserve.policies.admission import is_quiet
 
 from tests.tiny import TINY, make_spec, solo_pipeline_image
 
@@ -163,6 +164,19 @@ def test_health_ready_models_and_metrics(live_app):
                  'stepserve_request_stage_seconds_count{kind="image",stage="denoise"}',
                  'stepserve_ingress_stage_seconds_count{stage="router"}'):
         assert name in metrics, name
+
+
+def test_the_edge_hears_nothing_of_a_quiet_load(live_app):
+    # A request's queueing, admission and finish change the router's load, but far from every
+    # bound the ingress's long poll must not answer them: each answer was a Serve call on both
+    # sides, two or three a request at light load.
+    url, _ = live_app
+    router = serve.get_deployment_handle("Router", "stepserve")
+    report = router.load.remote(-1).result()
+    assert is_quiet(report)
+    poll = router.load.remote(report.version, 4.0)
+    httpx.post(f"{url}/v1/images/generations", json=body(), timeout=60).raise_for_status()
+    assert poll.result().version == report.version  # answered by its timeout, not by the request
 
 
 def test_python_client(live_app):

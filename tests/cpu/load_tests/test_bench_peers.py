@@ -1,8 +1,9 @@
-"""The peers benchmark's bookkeeping: merging a system's repeats, reading capacity off the runs."""
+"""The peers benchmark's bookkeeping: merging a system's repeats, reading capacity off the runs,
+CPU per process."""
 
 from __future__ import annotations
 
-from stepserve.load_tests.bench_peers import capacity_at, merge_runs
+from stepserve.load_tests.bench_peers import capacity_at, cpu_between, merge_runs
 
 
 def test_capacity_is_the_highest_rate_below_which_every_median_meets_the_slo():
@@ -21,3 +22,11 @@ def test_a_systems_repeats_merge_into_one_result_with_the_median_idle():
     assert merged["system"] == "stepserve" and merged["idle_cores"] == 0.17 and merged["idle_processes"] == {"a": 0.17}
     assert merged["idle_cores_runs"] == [0.20, 0.14, 0.17]
     assert [p["repeat"] for p in merged["points"]] == [0, 1, 2]
+
+
+def test_cpu_between_two_readings_sums_a_title_and_leaves_out_a_process_that_started_meanwhile():
+    before = {1: ("ray::DenoiserWorker", 10.0), 2: ("ray::DenoiserWorker", 20.0), 3: ("raylet", 5.0)}
+    after = {1: ("ray::DenoiserWorker", 11.5), 2: ("ray::DenoiserWorker", 21.0), 3: ("raylet", 5.25),
+             4: ("ray::ServeReplica:stepserve:Router", 3.0)}
+    assert cpu_between(before, after) == {"ray::DenoiserWorker": 2.5, "raylet": 0.25}
+    assert list(cpu_between(before, after)) == ["ray::DenoiserWorker", "raylet"]  # largest first

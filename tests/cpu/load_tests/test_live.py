@@ -176,7 +176,9 @@ def test_videos_are_jobs_long_polled_until_completed(server_url):
                                             video_poll_s=2.0))
     assert image.ok and 0.3 <= image.latency_s < 1.0
     assert clip.ok and clip.error is None and clip.request_class == "video"
-    assert 0.3 <= clip.latency_s < 0.3 + 0.15  # when it completed, not at a 2 s poll
+    # When it completed, not at the 2 s poll (the margin is for a busy CI machine, whose thread
+    # switches once stretched this to 0.76 s).
+    assert 0.3 <= clip.latency_s < 0.3 + 1.0
     job_id, body = created(1000)
     assert (body["num_frames"], body["size"], body["model"]) == (9, "64x64", "tiny-wan")
     assert body["num_inference_steps"] == 30 and "n" not in body
