@@ -82,6 +82,7 @@ class Router:
         self._load_changed = asyncio.Event()
         self._published_version = -1
         self._edge_report = self.core.load()  # the load the edge's long poll last answered with
+        self._edge_quiet = is_quiet(self._edge_report)
         self._tasks: set[asyncio.Task] = set()
         # A world of process groups only when some model can split a forward over workers.
         self._uses_world = len(self.workers) > 1 and any(family_class(m.family).sequence_parallel for m in models)
@@ -438,8 +439,9 @@ class Router:
             return
         self._published_version = self.core.load_version
         report = self.core.load()
-        if not (is_quiet(report) and is_quiet(self._edge_report)):
-            self._edge_report = report
+        quiet = is_quiet(report)
+        if not (quiet and self._edge_quiet):
+            self._edge_report, self._edge_quiet = report, quiet
             self._load_changed.set()
         self.metrics.queue_length.labels("image").set(self.core.queue_length(RequestKind.T2I))
         self.metrics.queue_length.labels("video").set(self.core.queue_length(RequestKind.T2V))

@@ -42,8 +42,7 @@ class FloorRouter:
 
 
 class FloorStore:
-    async def ready(self) -> bool:
-        return True
+    pass
 
 
 @serve.ingress(api)
