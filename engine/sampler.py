@@ -25,29 +25,35 @@ import numpy as np
 import torch
 from diffusers.configuration_utils import FrozenDict
 
+from stepserve.engine.addons import ControlRows, LoraRows, StepAddons
 from stepserve.engine.families.base import DiffusionFamily, RowConditioning, TextEmbeddings
 from stepserve.policies.types import RequestSpec
 
 
 @dataclass(frozen=True)
 class Conditioning:
-    """A request's text embeddings, one text each ([1, ...] per name); negative only when CFG is on."""
+    """A request's text embeddings, one text each ([1, ...] per name), negative only when CFG is
+    on; and one prepared control image ([1, 3, H, W], `prepare_control_image`) per ControlNet of
+    its spec, in order."""
 
     prompt: TextEmbeddings
     negative: TextEmbeddings | None = None
+    control: tuple[torch.Tensor, ...] = ()
 
     @classmethod
-    def from_numpy(cls, prompt: dict[str, np.ndarray], negative: dict[str, np.ndarray] | None) -> "Conditioning":
+    def from_numpy(cls, prompt: dict[str, np.ndarray], negative: dict[str, np.ndarray] | None,
+                   control: tuple[np.ndarray, ...] = ()) -> "Conditioning":
         """From the text encoder's arrays. Copies: arrays from the object store are read-only views
         of it, and a request keeps its conditioning for its whole life (and exports it)."""
         def tensors(arrays: dict[str, np.ndarray]) -> TextEmbeddings:
             return {name: torch.from_numpy(np.array(array)) for name, array in arrays.items()}
-        return cls(tensors(prompt), None if negative is None else tensors(negative))
+        return cls(tensors(prompt), None if negative is None else tensors(negative),
+                   tuple(torch.from_numpy(np.array(image)) for image in control))
 
 
 # 2: schedulers restore from their instance dict (no set_timesteps); 3: the text context became
-# the per-row conditioning dict.
-STATE_FORMAT = 3
+# the per-row conditioning dict; 4: control images.
+STATE_FORMAT = 4
 
 
 class Sampler:
@@ -69,6 +75,7 @@ class Sampler:
                 raise ValueError(f"request {spec.request_id}: prompt and negative prompt embeddings differ in kind")
             text = {name: torch.cat([uncond[name], text[name]]) for name in text}  # the pipelines' [uncond, cond]
         self.cond = family.row_conditioning(spec, text)
+        self.control = _control_rows(spec, family, conditioning.control)
         self.step_index = 0
         self._bind(family)
 
@@ -113,6 +120,13 @@ class Sampler:
         sample = self._scale_model_input(self.scheduler, sample, t)
         return sample, t.reshape(1).expand(self.rows), self.cond
 
+    def addons(self, first_row: int) -> StepAddons:
+        """Its ControlNets and LoRAs at the next step, for its rows starting at `first_row` of a forward."""
+        rows = slice(first_row, first_row + self.rows)
+        controls = tuple(ControlRows(use.name, rows, image, use.scale_at(self.step_index, self.steps_total))
+                         for use, image in zip(self.spec.controlnets, self.control))
+        return StepAddons(controls, tuple(LoraRows(use.name, rows, use.scale) for use in self.spec.loras))
+
     def advance(self, noise_pred: torch.Tensor) -> None:
         """Take this request's step from its rows of the forward's output."""
         if self.uses_cfg:
@@ -126,7 +140,9 @@ class Sampler:
     def step(self, family: DiffusionFamily, sp_group: Any = None) -> None:
         """One step on its own: forward (sequence-parallel over `sp_group` if given), advance."""
         sample, timesteps, cond = self.model_input()
-        self.advance(family.denoise(sample, timesteps, cond, sp_group=sp_group))
+        addons = self.addons(0)
+        extra = {"addons": addons} if addons else {}
+        self.advance(family.denoise(sample, timesteps, cond, sp_group=sp_group, **extra))
 
     # ---- moving between workers ---------------------------------------------------------
 
@@ -141,6 +157,7 @@ class Sampler:
             "step_index": self.step_index,
             "latents": copy_to(self.latents, device),
             "cond": copy_to(self.cond, device),
+            "control": copy_to(self.control, device),
             "generator_state": self.generator.get_state(),
             "scheduler": scheduler_state(self.scheduler, device, self.latents.device),
         }
@@ -159,6 +176,9 @@ class Sampler:
         self.latents = copy_to(state["latents"], family.device)
         self.cond = {name: value.to(device=family.device, dtype=family.dtype, copy=True)
                      for name, value in state["cond"].items()}
+        self.control = tuple(image.to(device=family.device, dtype=family.dtype, copy=True)
+                             for image in state["control"])
+        _check_addons(self.spec, family)
         self.generator = torch.Generator("cpu")
         self.generator.set_state(state["generator_state"])
         self.scheduler = restore_scheduler(state["scheduler"], family.device)
@@ -178,6 +198,34 @@ def _check_kind(spec: RequestSpec, family: DiffusionFamily) -> None:
         # Its rows would be [uncond, cond] where the model expects one guided row.
         raise ValueError(f"request {spec.request_id} asks for classifier-free guidance, but model "
                          f"{family.source.name!r} is guidance-distilled (its spec must say cfg=False)")
+
+
+def _check_addons(spec: RequestSpec, family: DiffusionFamily) -> None:
+    if not (spec.controlnets or spec.loras):
+        return
+    if not family.takes_addons:
+        raise ValueError(f"model {family.source.name!r} ({family.source.family}) takes no ControlNets or LoRAs")
+    for what, uses, served in (("ControlNet", spec.controlnets, family.controlnets),
+                               ("LoRA", spec.loras, family.loras)):
+        missing = sorted({use.name for use in uses} - set(served))
+        if missing:
+            raise ValueError(f"{what} {missing} not loaded for model {family.source.name!r}")
+
+
+def _control_rows(spec: RequestSpec, family: DiffusionFamily, images: tuple[torch.Tensor, ...]) -> tuple:
+    """One control image per ControlNet of `spec`, repeated for each of its rows (the pipelines'
+    `prepare_image` under CFG), on the family's device and dtype."""
+    _check_addons(spec, family)
+    if len(images) != len(spec.controlnets):
+        raise ValueError(f"request {spec.request_id}: {len(spec.controlnets)} ControlNets but {len(images)} "
+                         "control images")
+    rows = []
+    for use, image in zip(spec.controlnets, images):
+        if tuple(image.shape) != (1, 3, spec.height, spec.width):
+            raise ValueError(f"request {spec.request_id}: control image for {use.name!r} is "
+                             f"{tuple(image.shape)}, not (1, 3, {spec.height}, {spec.width})")
+        rows.append(torch.cat([image] * spec.rows).to(device=family.device, dtype=family.dtype))
+    return tuple(rows)
 
 
 def scheduler_state(scheduler: Any, device: torch.device, home: torch.device) -> dict[str, Any]:

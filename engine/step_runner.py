@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from stepserve.engine.addons import StepAddons
 from stepserve.engine.families.base import DiffusionFamily
 from stepserve.engine.png import encode_png
 from stepserve.engine.sampler import Conditioning, Sampler
@@ -200,7 +201,10 @@ class _PlanRun:
             cond = {name: torch.cat([x[2][name] for x in inputs]) for name in inputs[0][2]}
         try:
             process_group = sp_group(group.ranks) if group.ranks and sp_group is not None else None
-            noise_pred = family.denoise(sample, timesteps, cond, sp_group=process_group)
+            addons = _group_addons([sampler for _, sampler, _ in members])
+            # Only families that take add-ons take the keyword (admission refused the others' requests).
+            extra = {"addons": addons} if addons else {}
+            noise_pred = family.denoise(sample, timesteps, cond, sp_group=process_group, **extra)
         except Exception as exc:
             # Over ranks, a forward fails mostly because a partner died or never came: the
             # request's state is then only as good as its last checkpoint.
@@ -272,6 +276,18 @@ class _PlanRun:
             return None
         self.samplers.pop(rid, None)
         return output
+
+
+def _group_addons(samplers: list[Sampler]) -> StepAddons:
+    """The forward's add-ons: each member's at the rows it has in the concatenated batch."""
+    controls, loras, first_row = [], [], 0
+    for sampler in samplers:
+        if sampler.spec.controlnets or sampler.spec.loras:
+            mine = sampler.addons(first_row)
+            controls += mine.controls
+            loras += mine.loras
+        first_row += sampler.rows
+    return StepAddons(tuple(controls), tuple(loras))
 
 
 def _decode_png(family: DiffusionFamily, latents: torch.Tensor) -> bytes:

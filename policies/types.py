@@ -32,6 +32,37 @@ class ShapeKey:
 
 
 @dataclass(frozen=True)
+class ControlNetUse:
+    """One ControlNet a request is conditioned on (its control image travels with the request's
+    conditioning, not here: specs stay small). As the diffusers ControlNet pipelines'
+    `controlnet_conditioning_scale`, `control_guidance_start` and `control_guidance_end`."""
+
+    name: str
+    conditioning_scale: float = 1.0
+    start: float = 0.0  # fraction of the steps before which it is off
+    end: float = 1.0  # fraction of the steps after which it is off
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.start < self.end <= 1.0:
+            raise ValueError(f"ControlNet {self.name!r}: need 0 <= start < end <= 1, got {self.start}, {self.end}")
+
+    def scale_at(self, step: int, steps_total: int) -> float:
+        """Its residuals' scale at step `step` of `steps_total`: the pipelines' `controlnet_keep`
+        times `conditioning_scale`, computed as they compute it (so the floats are the same)."""
+        keep = 1.0 - float(step / steps_total < self.start or (step + 1) / steps_total > self.end)
+        return self.conditioning_scale * keep
+
+
+@dataclass(frozen=True)
+class LoraUse:
+    """One LoRA a request is styled with, at `scale` (diffusers' adapter weight: the update
+    `scale * alpha / rank * B @ A` is added to each layer it targets)."""
+
+    name: str
+    scale: float = 1.0
+
+
+@dataclass(frozen=True)
 class RequestSpec:
     """One image or video to generate. Immutable once the ingress has validated it.
 
@@ -56,6 +87,9 @@ class RequestSpec:
     # `guidance_scale` > 1). Guidance-distilled models (Flux) take the scale as an input of one
     # row instead: the ingress sets this from the family (`DiffusionFamily.classifier_free_guidance`).
     cfg: bool = True
+    # Add-ons, in the order the request names them (ControlNet residuals are summed in it).
+    controlnets: tuple[ControlNetUse, ...] = ()
+    loras: tuple[LoraUse, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, RequestKind):
@@ -66,6 +100,9 @@ class RequestSpec:
             raise ValueError(f"request {self.request_id!r}: num_frames and num_inference_steps must be >= 1")
         if self.slo_s is not None and not self.slo_s > 0:
             raise ValueError(f"request {self.request_id!r}: slo_s must be > 0 or None, got {self.slo_s!r}")
+        names = [use.name for use in self.loras]
+        if len(set(names)) != len(names):  # (one ControlNet twice, with two images, is fine)
+            raise ValueError(f"request {self.request_id!r}: a LoRA is named twice in {names}")
 
     @property
     def uses_cfg(self) -> bool:

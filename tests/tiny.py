@@ -1,12 +1,14 @@
 """Shared builders for tests: the tiny model, request specs, and the plain-diffusers reference."""
 
+import numpy as np
+import PIL.Image
 import torch
 
 from stepserve.engine.families import ModelSource, family_class
 from stepserve.engine.sampler import Conditioning
-from stepserve.engine.step_runner import Admission
+from stepserve.engine.step_runner import Admission, StepRunner
 from stepserve.engine.text_encoding import encode_conditioning
-from stepserve.policies.types import RequestSpec
+from stepserve.policies.types import RequestSpec, StepGroup, WorkerPlan
 
 TINY = ModelSource(name="tiny-sd", family="sd15", preset="tiny", seed=0)
 TINY_SDXL = ModelSource(name="tiny-sdxl", family="sdxl", preset="tiny", seed=0)
@@ -47,3 +49,45 @@ def solo_pipeline_image(family, spec: RequestSpec):
             num_inference_steps=spec.num_inference_steps, guidance_scale=spec.guidance_scale,
             generator=torch.Generator("cpu").manual_seed(spec.seed), output_type="np", **t5,
         ).images[0]
+
+
+def run_continuous_batch(family, arrivals: dict[int, list], rounds: int = 100, admit=None) -> dict[str, np.ndarray]:
+    """Drive a StepRunner like continuous batching does: everyone resident steps each round,
+    newcomers join at step boundaries, and a request finishes in the plan of its last step.
+    `arrivals` maps a round to the specs arriving then; `admit(spec)` gives each one's admission
+    (default: a fresh start with its text conditioning). Returns the finished latents by id."""
+    admit = admit or (lambda spec: admission_for(family, spec))
+    runner = StepRunner("w0", {family.source.name: family})
+    left: dict[str, int] = {}
+    done = {}
+    for rnd in range(rounds):
+        new = arrivals.get(rnd, [])
+        admissions = {s.request_id: admit(s) for s in new}
+        left.update({s.request_id: s.num_inference_steps for s in new})
+        if not left:
+            if rnd > max(arrivals):
+                break
+            continue
+        stepping = tuple(left)
+        finish = tuple(rid for rid in stepping if left[rid] == 1)
+        plan = WorkerPlan("w0", admit=tuple(admissions), groups=(StepGroup(stepping),), finish=finish, plan_id=rnd)
+        report, payloads = runner.execute(plan, admissions)
+        assert not report.failed, report.failed
+        assert (report.plan_id, report.batch_size) == (rnd, len(stepping))
+        for rid in stepping:
+            left[rid] -= 1
+        assert {p.request_id: p.steps_total - p.steps_done for p in report.progress} == {
+            rid: left[rid] for rid in stepping
+        }
+        for rid, latents in zip(finish, payloads):
+            assert latents.dtype == np.float32 and latents.shape[:2] == (1, family.latent_channels)
+            done[rid] = latents
+            del left[rid]
+        assert runner.resident == tuple(left)
+    return done
+
+
+def control_image(seed: int, size: int = 64) -> PIL.Image.Image:
+    """A random RGB image, deterministic by seed (what a ControlNet is conditioned on in tests)."""
+    pixels = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
+    return PIL.Image.fromarray(pixels)

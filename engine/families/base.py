@@ -109,6 +109,9 @@ class DiffusionFamily(ABC):
     # Guidance by a second, unconditional row per request (`RequestSpec.cfg`); False where the
     # model is guidance-distilled and takes `guidance_scale` as an input (Flux).
     classifier_free_guidance: ClassVar[bool] = True
+    # Takes ControlNets and LoRAs: `denoise` accepts `addons` (`engine.addons.StepAddons`) and the
+    # family holds them by name in `controlnets` and `loras`.
+    takes_addons: ClassVar[bool] = False
 
     source: ModelSource
     device: torch.device

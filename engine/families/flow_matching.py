@@ -20,6 +20,7 @@ from stepserve.engine.families.sd15 import SD15Family
 class FlowMatchingImageFamily(SD15Family):
     size_multiple = 16
     xformers_attention = False  # joint attention has its own processors
+    takes_addons = False  # their ControlNets (SD3ControlNetModel, FluxControlNetModel) are not served yet
 
     def scale_model_input(self, scheduler: Any, sample: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return sample

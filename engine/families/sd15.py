@@ -13,10 +13,15 @@ from typing import Any, ClassVar, Collection, Sequence
 import diffusers
 import numpy as np
 import torch
-from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionPipeline, UNet2DConditionModel
+from diffusers import (
+    AutoencoderKL, ControlNetModel, EulerDiscreteScheduler, StableDiffusionPipeline, UNet2DConditionModel,
+)
 from diffusers.utils.torch_utils import randn_tensor
 from transformers import CLIPTextModel, CLIPTokenizer, PreTrainedTokenizerBase
 
+from stepserve.engine.addons import StepAddons
+from stepserve.engine.addons.controlnet import control_residuals
+from stepserve.engine.addons.lora import LoraWeights, lora_rows
 from stepserve.engine.families.base import (
     ALL_PARTS, DENOISER, LOCAL, TEXT, VAE, DiffusionFamily, ModelSource, RowConditioning, TextEmbeddings,
     cast_module, folder_scheduler,
@@ -113,6 +118,7 @@ class SD15Family(DiffusionFamily):
     modules: ClassVar[tuple[str, ...]] = (TEXT, DENOISER, VAE)
     # xformers attention on CUDA where installed (an optional extra): for UNets; DiTs use SDPA.
     xformers_attention: ClassVar[bool] = True
+    takes_addons = True
 
     def __init__(self, source: ModelSource, components: dict[str, Any], device: torch.device):
         self.source = source
@@ -129,6 +135,8 @@ class SD15Family(DiffusionFamily):
             scheduler = scheduler_cls.from_config(scheduler.config)
         self.denoiser = components.get(DENOISER)
         self.vae = components.get(VAE)
+        self.controlnets: dict[str, ControlNetModel] = {}
+        self.loras: dict[str, LoraWeights] = {}
         if self.denoiser is not None and device.type == "cuda" and self.xformers_attention \
                 and importlib.util.find_spec("xformers"):
             self.denoiser.enable_xformers_memory_efficient_attention()
@@ -182,12 +190,38 @@ class SD15Family(DiffusionFamily):
         if sp_group is not None:
             raise ValueError(f"model {self.source.name!r} ({self.source.family}) cannot run sequence-parallel")
 
+    def add_controlnet(self, name: str, controlnet: ControlNetModel) -> None:
+        """Serve `controlnet` as `name` on this family's device and dtype."""
+        if controlnet.config.global_pool_conditions:
+            raise ValueError(f"ControlNet {name!r} pools its conditions (guess mode only); not served")
+        cast_module(controlnet.to(self.device).eval().requires_grad_(False), self.dtype)
+        self.controlnets[name] = controlnet
+
+    def add_lora(self, lora: LoraWeights) -> None:
+        """Serve `lora` by its name; its layers must be this family's denoiser's."""
+        missing = [m for m in lora.layers if not _has_submodule(self.denoiser, m)]
+        if missing:
+            raise ValueError(f"LoRA {lora.name!r} targets layers the denoiser does not have: {missing[:3]}")
+        self.loras[lora.name] = lora.to(self.device, self.dtype)
+
+    def denoiser_inputs(self, cond: RowConditioning) -> dict[str, Any]:
+        """The UNet's (and its ControlNets') per-row inputs besides sample and timestep."""
+        return {"encoder_hidden_states": cond["context"]}
+
     @torch.inference_mode()
     def denoise(
-        self, sample: torch.Tensor, timesteps: torch.Tensor, cond: RowConditioning, sp_group: Any = None
+        self, sample: torch.Tensor, timesteps: torch.Tensor, cond: RowConditioning, sp_group: Any = None,
+        addons: StepAddons | None = None,
     ) -> torch.Tensor:
         self.refuse_sequence_parallel(sp_group)
-        return self.denoiser(sample, timesteps, encoder_hidden_states=cond["context"], return_dict=False)[0]
+        inputs = self.denoiser_inputs(cond)
+        addons = addons or StepAddons()
+        residuals = control_residuals(self.controlnets, sample, timesteps, inputs, addons.controls)
+        if residuals is not None:
+            inputs = {**inputs, "down_block_additional_residuals": residuals[0],
+                      "mid_block_additional_residual": residuals[1]}
+        with lora_rows(self.denoiser, self.loras, addons.loras):
+            return self.denoiser(sample, timesteps, **inputs, return_dict=False)[0]
 
     @torch.inference_mode()
     def decode(self, latents: torch.Tensor) -> np.ndarray:
@@ -196,3 +230,11 @@ class SD15Family(DiffusionFamily):
         return self.pipe.image_processor.postprocess(
             image, output_type="np", do_denormalize=[True] * image.shape[0]
         )
+
+
+def _has_submodule(module: torch.nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True

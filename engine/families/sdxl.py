@@ -144,11 +144,6 @@ class SDXLFamily(SD15Family):
         time_ids = torch.tensor([list(size + (0, 0) + size)], dtype=text["context"].dtype, device=self.device)
         return {**text, "time_ids": time_ids.repeat(text["context"].shape[0], 1)}
 
-    @torch.inference_mode()
-    def denoise(
-        self, sample: torch.Tensor, timesteps: torch.Tensor, cond: RowConditioning, sp_group: Any = None
-    ) -> torch.Tensor:
-        self.refuse_sequence_parallel(sp_group)
-        added = {"text_embeds": cond["pooled"], "time_ids": cond["time_ids"]}
-        return self.denoiser(sample, timesteps, encoder_hidden_states=cond["context"], added_cond_kwargs=added,
-                         return_dict=False)[0]
+    def denoiser_inputs(self, cond: RowConditioning) -> dict[str, Any]:
+        return {"encoder_hidden_states": cond["context"],
+                "added_cond_kwargs": {"text_embeds": cond["pooled"], "time_ids": cond["time_ids"]}}

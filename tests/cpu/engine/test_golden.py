@@ -11,42 +11,9 @@ import torch
 from stepserve.engine.step_runner import Admission, StepRunner
 from stepserve.policies.types import StepGroup, WorkerPlan
 
-from tests.tiny import admission_for, make_spec, solo_pipeline_image
+from tests.tiny import admission_for, make_spec, run_continuous_batch, solo_pipeline_image
 
 ATOL = 2e-5  # fp32 CPU; batching changes GEMM blocking only
-
-
-def _run(family, arrivals: dict[int, list], rounds: int = 100) -> dict[str, np.ndarray]:
-    """Drive a StepRunner like continuous batching does: everyone resident steps each round,
-    newcomers join at step boundaries, and a request finishes in the plan of its last step."""
-    runner = StepRunner("w0", {family.source.name: family})
-    left: dict[str, int] = {}
-    done = {}
-    for rnd in range(rounds):
-        new = arrivals.get(rnd, [])
-        admissions = {s.request_id: admission_for(family, s) for s in new}
-        left.update({s.request_id: s.num_inference_steps for s in new})
-        if not left:
-            if rnd > max(arrivals):
-                break
-            continue
-        stepping = tuple(left)
-        finish = tuple(rid for rid in stepping if left[rid] == 1)
-        plan = WorkerPlan("w0", admit=tuple(admissions), groups=(StepGroup(stepping),), finish=finish, plan_id=rnd)
-        report, payloads = runner.execute(plan, admissions)
-        assert not report.failed, report.failed
-        assert (report.plan_id, report.batch_size) == (rnd, len(stepping))
-        for rid in stepping:
-            left[rid] -= 1
-        assert {p.request_id: p.steps_total - p.steps_done for p in report.progress} == {
-            rid: left[rid] for rid in stepping
-        }
-        for rid, latents in zip(finish, payloads):
-            assert latents.dtype == np.float32 and latents.shape[:2] == (1, family.latent_channels)
-            done[rid] = latents
-            del left[rid]
-        assert runner.resident == tuple(left)
-    return done
 
 
 def _image(family, latents: np.ndarray) -> np.ndarray:
@@ -62,7 +29,7 @@ def test_mixed_batch_matches_solo_pipeline(image_family):
         2: [target, spec("b", steps=12, seed=2, guidance=1.0, prompt="no cfg here")],
         4: [spec("c", steps=4, seed=3, guidance=9.0, prompt="late joiner")],
     }
-    latents = _run(family, others)
+    latents = run_continuous_batch(family, others)
     assert set(latents) == {"a", "b", "c", "target"}
     for s in [target, others[0][0], others[2][1], others[4][0]]:
         image = _image(family, latents[s.request_id])
@@ -72,7 +39,7 @@ def test_mixed_batch_matches_solo_pipeline(image_family):
 
 def test_batched_forward_differs_by_request(tiny_family):
     """Guard against a test that cannot fail: different seeds must give different images."""
-    latents = _run(tiny_family, {0: [make_spec("x", seed=1), make_spec("y", seed=2)]})
+    latents = run_continuous_batch(tiny_family, {0: [make_spec("x", seed=1), make_spec("y", seed=2)]})
     assert not np.allclose(latents["x"], latents["y"])
 
 
@@ -81,7 +48,7 @@ def test_non_square_sizes(tiny_family, size):
     h, w = size
     spec = make_spec("r", steps=3, seed=7)
     spec = type(spec)(**{**spec.__dict__, "height": h, "width": w})
-    image = _image(tiny_family, _run(tiny_family, {0: [spec]})["r"])
+    image = _image(tiny_family, run_continuous_batch(tiny_family, {0: [spec]})["r"])
     assert image.shape == (h, w, 3)
     np.testing.assert_allclose(image, solo_pipeline_image(tiny_family, spec), atol=ATOL)
 

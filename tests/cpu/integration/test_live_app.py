@@ -11,7 +11,6 @@ import numpy as np
 import openai
 import pytest
 import ray
-import torch
 from diffusers.image_processor import VaeImageProcessor
 from PIL import Image
 from ray import serve

@@ -1,0 +1,121 @@
+"""Add-on plumbing: what a request may name, what a worker refuses, and a ControlNet request
+moved between workers mid-way."""
+
+import dataclasses
+import pickle
+import re
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+
+from stepserve.engine.addons.controlnet import prepare_control_image
+from stepserve.engine.addons.lora import load_lora_file
+from stepserve.engine.addons.presets import preset_controlnet, preset_lora, save_lora_file
+from stepserve.engine.families import ALL_PARTS, DENOISER, load_family
+from stepserve.engine.sampler import Conditioning, Sampler
+from stepserve.engine.step_runner import Admission, StepRunner
+from stepserve.policies.types import ControlNetUse, LoraUse, StepGroup, WorkerPlan
+
+from tests.tiny import TINY, conditioning_for, control_image, make_spec
+
+
+@pytest.fixture(scope="module")
+def family():
+    family = load_family(TINY, ALL_PARTS, "cpu")
+    family.add_controlnet("canny", preset_controlnet("sd15", "tiny", 1))
+    family.add_lora(preset_lora("papercut", family.denoiser, 11))
+    return family
+
+
+def with_control(family, spec, size=64) -> Conditioning:
+    text = conditioning_for(family, spec)
+    image = torch.from_numpy(prepare_control_image(control_image(1, size), size, size, family.vae_scale_factor))
+    return Conditioning(text.prompt, text.negative, (image,) * len(spec.controlnets))
+
+
+def test_controlnet_scale_follows_the_pipelines_keep_rule():
+    use = ControlNetUse("canny", 0.5, start=0.25, end=0.75)
+    assert [use.scale_at(i, 8) for i in range(8)] == [0.0, 0.0, 0.5, 0.5, 0.5, 0.5, 0.0, 0.0]
+    with pytest.raises(ValueError, match="start < end"):
+        ControlNetUse("canny", start=0.5, end=0.5)
+
+
+def test_a_lora_named_twice_is_refused():
+    with pytest.raises(ValueError, match="named twice"):
+        dataclasses.replace(make_spec("r"), loras=(LoraUse("a"), LoraUse("a", 0.5)))
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(controlnets=(ControlNetUse("scribble"),)), r"ControlNet \['scribble'\] not loaded"),
+    (dict(loras=(LoraUse("watercolor"),)), r"LoRA \['watercolor'\] not loaded"),
+])
+def test_an_unknown_addon_fails_only_its_own_admission(family, change, message):
+    bad = dataclasses.replace(make_spec("bad"), **change)
+    good = make_spec("good")
+    runner = StepRunner("w0", {family.source.name: family})
+    admissions = {"bad": Admission(bad, conditioning=with_control(family, bad)),
+                  "good": Admission(good, conditioning=conditioning_for(family, good))}
+    report, _ = runner.execute(WorkerPlan("w0", admit=("bad", "good"), groups=(StepGroup(("bad", "good")),)),
+                               admissions)
+    assert [f.request_id for f in report.failed] == ["bad"]
+    assert report.failed[0].message.startswith("admission failed")
+    assert re.search(message, report.failed[0].message)
+    assert runner.resident == ("good",)
+
+
+def test_a_control_image_of_the_wrong_size_or_count_is_refused(family):
+    spec = dataclasses.replace(make_spec("r"), controlnets=(ControlNetUse("canny"),))
+    with pytest.raises(ValueError, match=r"not \(1, 3, 64, 64\)"):
+        Sampler(spec, family, with_control(family, spec, size=32))
+    text = conditioning_for(family, spec)
+    with pytest.raises(ValueError, match="1 ControlNets but 0 control images"):
+        Sampler(spec, family, text)
+
+
+def test_a_family_without_addons_refuses_them(tiny_sd3):
+    spec = dataclasses.replace(make_spec("r", model="tiny-sd3"), loras=(LoraUse("papercut"),))
+    with pytest.raises(ValueError, match="takes no ControlNets or LoRAs"):
+        Sampler(spec, tiny_sd3, conditioning_for(tiny_sd3, spec))
+
+
+def test_a_controlnet_request_moved_mid_way_equals_an_unmoved_one(family):
+    spec = dataclasses.replace(make_spec("r", steps=4, seed=3), controlnets=(ControlNetUse("canny", 0.7, end=0.6),),
+                               loras=(LoraUse("papercut", 0.8),))
+    models = {family.source.name: family}
+    step = (StepGroup(("r",)),)
+    whole = StepRunner("w0", models)
+    whole.execute(WorkerPlan("w0", admit=("r",), groups=step), {"r": Admission(spec, with_control(family, spec))})
+    whole.execute(WorkerPlan("w0", groups=step), {})
+    whole.execute(WorkerPlan("w0", groups=step), {})
+    _, (expected,) = whole.execute(WorkerPlan("w0", groups=step, finish=("r",)), {})
+
+    first, second = StepRunner("w1", models), StepRunner("w2", models)
+    first.execute(WorkerPlan("w1", admit=("r",), groups=step), {"r": Admission(spec, with_control(family, spec))})
+    _, (state,) = first.execute(WorkerPlan("w1", groups=step, export=("r",)), {})
+    second.execute(WorkerPlan("w2", admit=("r",), groups=step), {"r": Admission(spec, state=pickle.loads(
+        pickle.dumps(state)))})
+    _, (moved,) = second.execute(WorkerPlan("w2", groups=step, finish=("r",)), {})
+    np.testing.assert_array_equal(moved, expected)
+
+
+def test_lora_files_are_safetensors_of_the_denoiser_only(tmp_path):
+    denoiser = load_family(TINY, {DENOISER}, "cpu").denoiser
+    lora = preset_lora("p", denoiser, 1)
+    path = save_lora_file(lora, str(tmp_path / "ok"))
+    assert load_lora_file("p", path).layers.keys() == lora.layers.keys()  # a file, or its folder
+    with pytest.raises(FileNotFoundError):
+        load_lora_file("p", str(tmp_path / "missing"))
+    pickled = tmp_path / "lora.bin"
+    pickled.write_bytes(b"not safetensors")
+    with pytest.raises(ValueError, match="only .safetensors"):
+        load_lora_file("p", str(pickled))
+    text_encoder = tmp_path / "te" / "pytorch_lora_weights.safetensors"
+    text_encoder.parent.mkdir()
+    tensors = safetensors.torch.load_file(path)
+    tensors["text_encoder.text_model.encoder.layers.0.self_attn.q_proj.lora_A.weight"] = torch.zeros(4, 32)
+    tensors["text_encoder.text_model.encoder.layers.0.self_attn.q_proj.lora_B.weight"] = torch.zeros(32, 4)
+    safetensors.torch.save_file(tensors, str(text_encoder))
+    with pytest.raises(ValueError, match="only denoiser LoRAs"):
+        load_lora_file("p", str(text_encoder))
