@@ -22,6 +22,7 @@ import ray
 import torch
 
 from stepserve.actors.sp_world import DEFAULT_TIMEOUT_S, SPWorld, backend_for, rendezvous_address
+from stepserve.engine.addons.source import AddonSource, load_addon
 from stepserve.engine.families import DENOISER, TEXT, VAE, ModelSource, family_class, load_family
 from stepserve.engine.sampler import Conditioning
 from stepserve.engine.step_runner import Admission, StepRunner
@@ -47,11 +48,14 @@ class AdmissionRef:
     """The router's admission bundle: the spec, and an object ref to either the text encoder's
     (prompt, negative-or-None) embeddings, an `engine.text_encoding.Pair` (`resume=False`), or a
     state another worker exported (`resume=True`). A fresh start with no ref (None) is encoded by
-    the worker (`text_encoder.on_workers`)."""
+    the worker (`text_encoder.on_workers`). `inputs`: for a fresh start of a request with
+    ControlNets, an object ref to its control pixels (a tuple, one uint8 [H, W, 3] array per
+    ControlNet, as the ingress prepared them)."""
 
     spec: RequestSpec
     source: Any  # ray.ObjectRef, or None: the worker encodes the prompts
     resume: bool = False
+    inputs: Any = None  # ray.ObjectRef or None
 
 
 def resolve_device(device: str) -> str:
@@ -74,14 +78,17 @@ def worker_parts(source: ModelSource, decode_images: bool = False, encode_text: 
 
 class DenoiserWorker:
     def __init__(self, worker_id: str, models: Sequence[ModelSource], device: str = "auto",
-                 torch_threads: int | None = None, decode_images: bool = False, text_cache_size: int | None = None):
+                 torch_threads: int | None = None, decode_images: bool = False, text_cache_size: int | None = None,
+                 addons: Sequence[AddonSource] = ()):
         """`text_cache_size`: None, the text encoder deployment encodes prompts; else this worker
-        does, keeping that many embeddings."""
+        does, keeping that many embeddings. `addons`: the ControlNets and LoRAs it serves."""
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.device = resolve_device(device)
         encodes = text_cache_size is not None
         families = {m.name: load_family(m, worker_parts(m, decode_images, encodes), self.device) for m in models}
+        for addon in addons:
+            load_addon(addon, families[addon.model])
         self.text = CachedTextEncoder(families, text_cache_size) if encodes else None
         # New on every process start: a restarted actor has lost every resident request.
         self.incarnation = uuid4().hex
@@ -122,20 +129,24 @@ class DenoiserWorker:
         here = [ref for ref in refs if ref.source is None and not ref.resume]
         values = dict(zip((ref.spec.request_id for ref in here), self._encode([ref.spec for ref in here])))
         values.update(_fetch([ref for ref in refs if ref.source is not None or ref.resume]))
+        with_inputs = [ref for ref in refs if ref.inputs is not None and not ref.resume]
+        inputs = _fetch([replace(ref, source=ref.inputs) for ref in with_inputs])
         resolved: dict[str, Admission] = {}
         unresolved: dict[str, RequestFailure] = {}
         for ref in refs:
             rid = ref.spec.request_id
-            value = values[rid]
+            value, control = values[rid], inputs.get(rid, ())
+            what = "state unavailable" if ref.resume else "text encoding failed"
+            if isinstance(control, Exception):
+                value, what = control, "control images unavailable"
             if isinstance(value, Exception):
-                what = "state unavailable" if ref.resume else "text encoding failed"
                 unresolved[rid] = RequestFailure(rid, f"{what}: {_reason(value)}", lost=isinstance(value, LOST))
                 continue
             try:
                 if ref.resume:
                     resolved[rid] = Admission(ref.spec, state=value)
                 else:
-                    resolved[rid] = Admission(ref.spec, conditioning=Conditioning.from_numpy(*value))
+                    resolved[rid] = Admission(ref.spec, conditioning=Conditioning.from_numpy(*value, control))
             except Exception as exc:
                 unresolved[rid] = RequestFailure(rid, f"admission failed: {_reason(exc)}", lost=False)
         return resolved, unresolved

@@ -9,6 +9,7 @@ from typing import Sequence
 import ray
 
 from stepserve.actors.denoiser import CONTROL, DenoiserWorker
+from stepserve.engine.addons.source import AddonSource
 from stepserve.engine.families import ModelSource
 
 
@@ -23,6 +24,7 @@ class WorkerPoolSpec:
     decode_images: bool = False  # a finished image leaves its worker as a PNG (`vae_decoder.on_workers`)
     encode_text: bool = False  # a worker encodes the prompts of what it admits (`text_encoder.on_workers`)
     text_cache_size: int = 4096  # embeddings each worker keeps when it encodes prompts
+    addons: tuple[AddonSource, ...] = ()  # ControlNets and LoRAs every worker serves (`controlnets`, `loras`)
 
 
 def start_workers(spec: WorkerPoolSpec, models: Sequence[ModelSource],
@@ -45,5 +47,5 @@ def start_workers(spec: WorkerPoolSpec, models: Sequence[ModelSource],
             name=names[worker_id], num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, max_restarts=-1,
             max_concurrency=1,
         ).remote(worker_id, list(models), spec.device, spec.torch_threads, spec.decode_images,
-                 spec.text_cache_size if spec.encode_text else None)
+                 spec.text_cache_size if spec.encode_text else None, spec.addons)
     return workers, names

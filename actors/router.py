@@ -102,13 +102,15 @@ class Router:
         await asyncio.gather(*(w.ready.remote() for w in self.workers.values()))
         return True
 
-    async def submit(self, spec: RequestSpec) -> bytes:
+    async def submit(self, spec: RequestSpec, inputs: list | None = None) -> bytes:
         """Queue an image and return its PNG once decoded. Submitting an id that is live with the
-        same spec joins it (an idempotent retry); with another spec it is a duplicate."""
+        same spec joins it (an idempotent retry); with another spec it is a duplicate. `inputs`:
+        [object ref of its control pixels] for a request with ControlNets (in a list, so Ray hands
+        over the ref, not its value: a top-level ref argument is resolved)."""
         rid = spec.request_id
         waiter = self._waiters.get(rid)
         if waiter is None or self.core.spec(rid) != spec:
-            self._submit(spec)  # a live id with another spec raises DuplicateRequestError here
+            self._submit(spec, inputs[0] if inputs else None)  # a live id with another spec: DuplicateRequestError
             waiter = self._waiters[rid] = asyncio.get_running_loop().create_future()
             self._callers[rid] = 0
         self._callers[rid] += 1
@@ -189,8 +191,9 @@ class Router:
 
     # -- requests --------------------------------------------------------------------------
 
-    def _submit(self, spec: RequestSpec) -> None:
-        self.core.submit(spec, time.monotonic(), self._tail_s(spec))  # QueueFull/Duplicate go to the caller
+    def _submit(self, spec: RequestSpec, inputs: Any = None) -> None:
+        # QueueFull/Duplicate go to the caller.
+        self.core.submit(spec, time.monotonic(), self._tail_s(spec), inputs)
         if self.text_encoder is None:  # its worker encodes its prompts when it admits it
             self.core.mark_ready(spec.request_id, None, time.monotonic())
             self._kick.set()
@@ -243,7 +246,7 @@ class Router:
     def _send(self, plan: WorkerPlan, admissions: tuple[Admission, ...]) -> list[ray.ObjectRef]:
         """Dispatch one plan; returns refs to what it will return (owned here, so they outlive
         the worker). Ray runs one caller's calls to an actor in order."""
-        refs = [AdmissionRef(a.spec, a.source, a.resume) for a in admissions]
+        refs = [AdmissionRef(a.spec, a.source, a.resume, a.inputs) for a in admissions]
         for rid in plan.admit:
             state = self.core.state(rid)
             if state.admit_time is None:

@@ -124,11 +124,13 @@ class CoreConfig:
 @dataclass(frozen=True)
 class Admission:
     """What a worker needs to make a request resident: its spec and the handle of its text
-    conditioning (a fresh start) or of the state it resumes from."""
+    conditioning (a fresh start) or of the state it resumes from; for a fresh start, the handle
+    of its other inputs (control images), if it has any."""
 
     spec: RequestSpec
     source: object
     resume: bool
+    inputs: object | None = None
 
 
 # `send(plan, admissions)` dispatches a plan and returns one handle per `plan.outputs` entry.
@@ -166,18 +168,19 @@ class RequestState:
 
 
 class _Request:
-    __slots__ = ("spec", "arrival", "deadline", "status", "conditioning", "host_state", "host_steps", "host_from",
+    __slots__ = ("spec", "arrival", "deadline", "status", "conditioning", "inputs", "host_state", "host_steps", "host_from",
                  "checkpoint", "checkpoint_steps", "checkpoint_time", "steps_done", "steps_planned", "workers",
                  "ready_time", "admit_time", "denoised_time", "finish_time", "error", "pauses", "recoveries", "degrees",
                  "epoch", "view")
 
-    def __init__(self, spec: RequestSpec, arrival: float, deadline: float) -> None:
+    def __init__(self, spec: RequestSpec, arrival: float, deadline: float, inputs: object | None) -> None:
         self.spec = spec
         self.arrival = arrival
         self.deadline = deadline
         self.status = RequestStatus.QUEUED
         # The handle of its text embeddings once ready (None: its worker encodes the prompts).
         self.conditioning: object | None = None
+        self.inputs = inputs  # the handle of its control images (None: it has none)
         self.host_state: object | None = None  # its state in host memory while PAUSED
         self.host_steps = 0
         self.host_from: tuple[str, int] | None = None  # the (worker, plan id) producing host_state, until reported
@@ -306,10 +309,11 @@ class RouterCore:
 
     # ---- requests in ----------------------------------------------------------------------
 
-    def submit(self, spec: RequestSpec, now: float, tail_s: float = 0.0) -> None:
+    def submit(self, spec: RequestSpec, now: float, tail_s: float = 0.0, inputs: object | None = None) -> None:
         """Queue a request. `tail_s`: the predicted time from its last denoising step to its
         response (decode, encoding, the way out); the scheduler plans denoising to end that
-        much before the SLO."""
+        much before the SLO. `inputs`: the handle of its control images, handed to the worker
+        that admits it."""
         old = self._requests.get(spec.request_id)
         if old is not None and not old.status.is_terminal:
             raise DuplicateRequestError(f"request {spec.request_id!r} is already {old.status.value}")
@@ -320,7 +324,7 @@ class RouterCore:
             raise ValueError(f"request {spec.request_id!r}: tail_s must be a finite number >= 0, got {tail_s!r}")
         deadline = math.inf if spec.slo_s is None else now + spec.slo_s - tail_s
         self._requests.pop(spec.request_id, None)
-        record = _Request(spec, now, deadline)
+        record = _Request(spec, now, deadline, inputs)
         self._requests[spec.request_id] = record
         self._count(record, +1)
         self._waiting[spec.request_id] = None
@@ -478,7 +482,7 @@ class RouterCore:
             if record.status is RequestStatus.PAUSED:
                 out.append(Admission(record.spec, record.host_state, True))
             else:
-                out.append(Admission(record.spec, record.conditioning, False))
+                out.append(Admission(record.spec, record.conditioning, False, record.inputs))
         return tuple(out)
 
     def _dispatch(self, plan: WorkerPlan, admissions: tuple[Admission, ...], now: float, send: Send) -> WorkerPlan:
@@ -964,7 +968,7 @@ class RouterCore:
         record.finish_time = now
         record.error = message
         # Whatever the handles point at can be freed now.
-        record.conditioning = record.host_state = record.checkpoint = None
+        record.conditioning = record.inputs = record.host_state = record.checkpoint = None
 
     def _changed_load(self) -> None:
         """What `load` reports changed (a count, the live workers, a drain rate): the edge's long

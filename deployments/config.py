@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from stepserve.actors.pool import WorkerPoolSpec
 from stepserve.actors.router_core import CoreConfig
+from stepserve.engine.addons.source import AddonKind, AddonSource
 from stepserve.engine.families import FAMILIES, ModelSource, family_class
 from stepserve.policies import needs_costs
 from stepserve.policies.registry import validate_policy
@@ -111,6 +112,23 @@ class ModelConfig(_Strict):
             name=self.name, family=self.family, preset=self.preset, path=self.path, seed=self.seed,
             dtype=self.dtype, scheduler=self.scheduler,
         )
+
+
+class AddonConfig(_Strict):
+    name: str = Field(description="Id clients send in a request's `controlnets[].name` / `loras[].name`.")
+    model: str = Field(description="The served model (a `models[].name`, of a family that takes add-ons: sd15, "
+                                   "sdxl) it applies to.")
+    preset: str | None = Field(
+        default=None, description="Random weights sized for the model's preset (must equal the model's `preset`); "
+                                  "excludes `path`.")
+    path: str | None = Field(
+        default=None, description="Local weights, safetensors only: a diffusers ControlNet folder; a LoRA "
+                                  ".safetensors file or a folder holding pytorch_lora_weights.safetensors. Excludes "
+                                  "`preset`.")
+    seed: int = Field(default=0, description="Weight seed for presets.")
+
+    def to_source(self, kind: AddonKind) -> AddonSource:
+        return AddonSource(kind, self.name, self.model, self.preset, self.path, self.seed)
 
 
 class WorkersConfig(_Strict):
@@ -249,7 +267,18 @@ class LimitsConfig(_Strict):
     max_n: int = Field(default=4, ge=1, description="Largest `n` (images per request).")
     max_prompt_chars: int = Field(default=4000, ge=1, description="Longest prompt/negative_prompt in characters.")
     max_guidance_scale: float = Field(default=30.0, ge=0, description="Largest guidance_scale accepted.")
-    max_body_bytes: int = Field(default=1 << 20, ge=1024, description="Largest HTTP request body.")
+    max_body_bytes: int = Field(
+        default=16 << 20, ge=1024,
+        description="Largest HTTP request body (control images come base64-encoded in it).")
+    max_controlnets: int = Field(default=3, ge=0, description="Most ControlNets one request may use.")
+    max_loras: int = Field(default=4, ge=0, description="Most LoRAs one request may use.")
+    max_image_bytes: int = Field(default=8 << 20, ge=1024, description="Largest input image file (decoded from base64).")
+    max_image_pixels: int = Field(
+        default=4096 * 4096, ge=64,
+        description="Most pixels an input image may declare; larger ones (decompression bombs) are refused before "
+                    "they are decoded.")
+    max_addon_scale: float = Field(default=5.0, ge=0, description="Largest ControlNet conditioning_scale or LoRA "
+                                                                  "scale accepted (also negated, for LoRAs).")
 
 
 class AppConfig(_Strict):
@@ -261,6 +290,10 @@ class AppConfig(_Strict):
     ingress: ComponentConfig = Field(default_factory=ComponentConfig, description="HTTP/handle ingress.")
     jobs: JobsConfig = Field(default_factory=JobsConfig, description="Video job store: retention and byte budget.")
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Request validation limits.")
+    controlnets: list[AddonConfig] = Field(
+        default_factory=list, description="Served ControlNets; every worker serving their model holds them.")
+    loras: list[AddonConfig] = Field(
+        default_factory=list, description="Served LoRAs; every worker serving their model holds them.")
     api_keys: list[str] = Field(
         default_factory=list,
         description="Accepted bearer tokens; with any key (here or in api_keys_env) every route but /health needs "
@@ -303,6 +336,33 @@ class AppConfig(_Strict):
         if len(set(names)) != len(names):
             raise ValueError(f"model names must be unique: {names}")
         return models
+
+    @model_validator(mode="after")
+    def _check_addons(self) -> "AppConfig":
+        for kind, addons in ((AddonKind.CONTROLNET, self.controlnets), (AddonKind.LORA, self.loras)):
+            names = [(a.model, a.name) for a in addons]
+            if len(set(names)) != len(names):
+                raise ValueError(f"{kind.value} names must be unique per model: {names}")
+            for addon in addons:
+                model = self.model(addon.model)
+                what = f"{kind.value} {addon.name!r}"
+                if model is None:
+                    raise ValueError(f"{what}: model {addon.model!r} is not served")
+                if not family_class(model.family).takes_addons:
+                    raise ValueError(f"{what}: model {model.name!r} ({model.family}) takes no ControlNets or LoRAs")
+                addon.to_source(kind)  # preset xor path
+                if addon.preset is not None and addon.preset != model.preset:
+                    raise ValueError(f"{what}: preset {addon.preset!r} does not fit model {model.name!r} "
+                                     f"(preset {model.preset!r})")
+        return self
+
+    def addon_sources(self) -> tuple[AddonSource, ...]:
+        return tuple([a.to_source(AddonKind.CONTROLNET) for a in self.controlnets]
+                     + [a.to_source(AddonKind.LORA) for a in self.loras])
+
+    def addon(self, kind: AddonKind, model: str, name: str) -> AddonConfig | None:
+        addons = self.controlnets if kind is AddonKind.CONTROLNET else self.loras
+        return next((a for a in addons if a.model == model and a.name == name), None)
 
     @field_validator("api_keys", "metrics_api_keys")
     @classmethod

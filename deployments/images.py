@@ -16,9 +16,12 @@ import time
 import uuid
 from typing import Any
 
+import ray
+
 from stepserve.actors.router_core import DuplicateRequestError
 from stepserve.deployments.config import AppConfig
 from stepserve.deployments.edge import AdmissionGate, as_api_error
+from stepserve.deployments.image_inputs import control_inputs
 from stepserve.deployments.jobs import IdempotencyConflict
 from stepserve.deployments.protocol import ImageGenerationRequest
 from stepserve.deployments.validation import parse_request, to_specs
@@ -40,6 +43,11 @@ class ImageRequests:
         req = parse_request(payload)
         rid = request_id_for(client_id)
         specs = to_specs(req, self.config, rid, default_seed=key_seed(client_id))
+        # Control images are decoded and resized off the event loop; they wait in the object
+        # store (not in the router's memory) for the worker that admits the request.
+        control = await asyncio.to_thread(control_inputs, req, specs[0].width, specs[0].height, self.config.limits) \
+            if req.controlnets else ()
+        inputs = [ray.put(control)] if control else None
         digest = request_digest(req)
         try:
             if client_id is not None:
@@ -49,7 +57,7 @@ class ImageRequests:
             for _ in specs:
                 self.gate.check(RequestKind.T2I, rid)
             submitted = time.perf_counter()
-            pngs = await asyncio.gather(*(self.router.submit.remote(spec) for spec in specs))
+            pngs = await asyncio.gather(*(self.router.submit.remote(spec, inputs) for spec in specs))
             answered = time.perf_counter()
         except BaseException as exc:
             # Free the siblings of a failed request (a disconnect cancels them all already). A

@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from ray import serve
 
-from stepserve.deployments.config import AppConfig
+from stepserve.deployments.config import AppConfig, ModelConfig
 from stepserve.deployments.edge import AdmissionGate, as_api_error, mapped
 from stepserve.deployments.errors import APIError, invalid, server_error
 from stepserve.deployments.images import ImageRequests, request_id_for
@@ -33,6 +33,7 @@ from stepserve.deployments.protocol import ImageGenerationRequest
 from stepserve.deployments.video_encoding import FORMAT_HEADER
 from stepserve.deployments.video_validation import VideoCreateRequest
 from stepserve.deployments.videos import VideoJobs, is_form, preferred_wait_s, read_form
+from stepserve.engine.families import family_class
 
 logger = logging.getLogger("stepserve.ingress")
 
@@ -91,6 +92,16 @@ def idempotency_key(request: Request) -> str | None:
     if not key.strip() or len(key) > MAX_IDEMPOTENCY_KEY:
         raise invalid("Idempotency-Key", f"Idempotency-Key must be 1 to {MAX_IDEMPOTENCY_KEY} characters")
     return key
+
+
+def model_entry(config: AppConfig, model: ModelConfig) -> dict[str, Any]:
+    """A model as GET /v1/models lists it; with the ControlNets and LoRAs served for it where its
+    family takes them."""
+    entry = {"id": model.name, "object": "model", "created": 0, "owned_by": "stepserve", "kind": model.kind.value}
+    if family_class(model.family).takes_addons:
+        entry["controlnets"] = [a.name for a in config.controlnets if a.model == model.name]
+        entry["loras"] = [a.name for a in config.loras if a.model == model.name]
+    return entry
 
 
 class HTTPMetrics:
@@ -233,9 +244,7 @@ class Ingress:
     async def http_models(self, request: Request) -> Response:
         async def handle() -> Response:
             self._authorize(request)
-            data = [{"id": m.name, "object": "model", "created": 0, "owned_by": "stepserve", "kind": m.kind.value}
-                    for m in self.config.models]
-            return JSONResponse({"object": "list", "data": data})
+            return JSONResponse({"object": "list", "data": [model_entry(self.config, m) for m in self.config.models]})
 
         return await self._observed("/v1/models", handle)
 

@@ -10,6 +10,27 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 
+class ControlNetInput(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="A served ControlNet of the model (GET /v1/models lists them).")
+    image: str = Field(description="The control image (PNG, JPEG or WebP): base64, or a data: URL. Resized to "
+                                   "the output size as the diffusers ControlNet pipelines resize it.")
+    conditioning_scale: float = Field(default=1.0, description="Weight of its residuals (diffusers' "
+                                                               "controlnet_conditioning_scale).")
+    start: float = Field(default=0.0, description="Fraction of the steps before which it is off "
+                                                  "(control_guidance_start).")
+    end: float = Field(default=1.0, description="Fraction of the steps after which it is off "
+                                                "(control_guidance_end).")
+
+
+class LoraInput(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="A served LoRA of the model (GET /v1/models lists them).")
+    scale: float = Field(default=1.0, description="Its adapter weight (diffusers' set_adapters weight).")
+
+
 class ImageGenerationRequest(BaseModel):
     # Unknown fields are an error, not silently ignored: a typo must not change the image.
     model_config = ConfigDict(extra="forbid")
@@ -26,6 +47,9 @@ class ImageGenerationRequest(BaseModel):
     guidance_scale: float | None = Field(default=None, description="Classifier-free guidance; <= 1 turns CFG off.")
     seed: int | None = Field(default=None, description="Noise seed; random when omitted (returned per image).")
     user: str | None = Field(default=None, description="Accepted for OpenAI compatibility; unused.")
+    controlnets: list[ControlNetInput] | None = Field(
+        default=None, description="ControlNets conditioning the image; their residuals are summed in this order.")
+    loras: list[LoraInput] | None = Field(default=None, description="LoRAs styling the image.")
 
 
 class ImageData(BaseModel):

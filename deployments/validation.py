@@ -14,8 +14,9 @@ from pydantic import BaseModel, ValidationError
 from stepserve.deployments.config import AppConfig, LimitsConfig, ModelConfig, check_size
 from stepserve.deployments.errors import APIError, invalid
 from stepserve.deployments.protocol import ImageGenerationRequest
+from stepserve.engine.addons.source import AddonKind
 from stepserve.engine.families import family_class
-from stepserve.policies.types import RequestSpec
+from stepserve.policies.types import ControlNetUse, LoraUse, RequestSpec
 
 MAX_SEED = 2**63 - 1
 # C0 controls but tab, LF and CR: invisible, never part of a real prompt, and NUL cuts text short
@@ -117,11 +118,46 @@ def to_specs(payload: object, config: AppConfig, request_id: str, default_seed: 
         raise invalid("seed", f"seed must be between 0 and {MAX_SEED - req.n}")
     family = family_class(model.family)
     width, height = parse_size(req.size, model, family.size_multiple)
+    controlnets, loras = addon_uses(req, model, config)
     return [
         RequestSpec(
             request_id=request_id if req.n == 1 else f"{request_id}-{i}", model=model.name, prompt=req.prompt,
             negative_prompt=req.negative_prompt or "", width=width, height=height, num_inference_steps=steps,
             guidance_scale=guidance, seed=seed + i, slo_s=model.slo_s, cfg=family.classifier_free_guidance,
+            controlnets=controlnets, loras=loras,
         )
         for i in range(req.n)
     ]
+
+
+def addon_uses(req: ImageGenerationRequest, model: ModelConfig,
+               config: AppConfig) -> tuple[tuple[ControlNetUse, ...], tuple[LoraUse, ...]]:
+    """The request's ControlNets and LoRAs (not yet their images): served for `model` (404
+    otherwise), within the limits."""
+    limits = config.limits
+    requested = (("controlnets", AddonKind.CONTROLNET, req.controlnets or [], limits.max_controlnets),
+                 ("loras", AddonKind.LORA, req.loras or [], limits.max_loras))
+    for field, kind, items, most in requested:
+        if items and not family_class(model.family).takes_addons:
+            raise invalid(field, f"{model.name} ({model.family}) takes no ControlNets or LoRAs")
+        if len(items) > most:
+            raise invalid(field, f"at most {most} {field} per request, got {len(items)}")
+        for i, item in enumerate(items):
+            if config.addon(kind, model.name, item.name) is None:
+                raise APIError(404, f"{kind.value} {item.name!r} is not served for {model.name}; see GET /v1/models",
+                               param=f"{field}.{i}.name", code=f"{kind.value}_not_found")
+    bound = limits.max_addon_scale
+    controlnets = []
+    for i, c in enumerate(req.controlnets or []):
+        if not 0 <= c.conditioning_scale <= bound:  # also rejects NaN
+            raise invalid(f"controlnets.{i}.conditioning_scale", f"conditioning_scale must be between 0 and {bound}")
+        if not 0 <= c.start < c.end <= 1:
+            raise invalid(f"controlnets.{i}.start", "need 0 <= start < end <= 1")
+        controlnets.append(ControlNetUse(c.name, c.conditioning_scale, c.start, c.end))
+    for i, lora in enumerate(req.loras or []):
+        if not -bound <= lora.scale <= bound:
+            raise invalid(f"loras.{i}.scale", f"scale must be between {-bound} and {bound}")
+    names = [lora.name for lora in req.loras or []]
+    if len(set(names)) != len(names):
+        raise invalid("loras", f"a LoRA is named twice in {names}")
+    return tuple(controlnets), tuple(LoraUse(lora.name, lora.scale) for lora in req.loras or [])

@@ -26,6 +26,7 @@ import torch
 from diffusers.configuration_utils import FrozenDict
 
 from stepserve.engine.addons import ControlRows, LoraRows, StepAddons
+from stepserve.engine.addons.controlnet import control_tensor
 from stepserve.engine.families.base import DiffusionFamily, RowConditioning, TextEmbeddings
 from stepserve.policies.types import RequestSpec
 
@@ -33,8 +34,8 @@ from stepserve.policies.types import RequestSpec
 @dataclass(frozen=True)
 class Conditioning:
     """A request's text embeddings, one text each ([1, ...] per name), negative only when CFG is
-    on; and one prepared control image ([1, 3, H, W], `prepare_control_image`) per ControlNet of
-    its spec, in order."""
+    on; and one control image (float [1, 3, H, W] in [0, 1], `addons.controlnet.control_tensor`)
+    per ControlNet of its spec, in order."""
 
     prompt: TextEmbeddings
     negative: TextEmbeddings | None = None
@@ -43,12 +44,13 @@ class Conditioning:
     @classmethod
     def from_numpy(cls, prompt: dict[str, np.ndarray], negative: dict[str, np.ndarray] | None,
                    control: tuple[np.ndarray, ...] = ()) -> "Conditioning":
-        """From the text encoder's arrays. Copies: arrays from the object store are read-only views
-        of it, and a request keeps its conditioning for its whole life (and exports it)."""
+        """From the text encoder's arrays and the ingress's control pixels (uint8 [H, W, 3],
+        `addons.controlnet.control_pixels`). Copies: arrays from the object store are read-only
+        views of it, and a request keeps its conditioning for its whole life (and exports it)."""
         def tensors(arrays: dict[str, np.ndarray]) -> TextEmbeddings:
             return {name: torch.from_numpy(np.array(array)) for name, array in arrays.items()}
         return cls(tensors(prompt), None if negative is None else tensors(negative),
-                   tuple(torch.from_numpy(np.array(image)) for image in control))
+                   tuple(control_tensor(pixels) for pixels in control))
 
 
 # 2: schedulers restore from their instance dict (no set_timesteps); 3: the text context became

@@ -8,8 +8,8 @@ scale is applied after the forward, per request: `ControlNetModel` multiplies by
 and multiplying by 1.0 first changes nothing, so a request's residuals have the same floats as
 the pipeline's.
 
-Control images are prepared where requests are validated (`prepare_control_image`), never in the
-step loop.
+Control images are resized where requests are validated (`control_pixels`) and made tensors when
+a worker admits the request (`control_tensor`), never in the step loop.
 """
 
 from __future__ import annotations
@@ -90,8 +90,20 @@ def _rows(inputs: Mapping[str, Any], index: torch.Tensor) -> dict[str, Any]:
             for key, value in inputs.items()}
 
 
-def prepare_control_image(image: PIL.Image.Image, height: int, width: int, vae_scale_factor: int) -> np.ndarray:
-    """A control image as the ControlNet pipelines prepare it (`prepare_image`: RGB, resized to
-    the output size, in [0, 1]): float32 [1, 3, height, width]."""
-    processor = VaeImageProcessor(vae_scale_factor=vae_scale_factor, do_convert_rgb=True, do_normalize=False)
-    return processor.preprocess(image, height=height, width=width).to(torch.float32).numpy()
+def control_pixels(image: PIL.Image.Image, height: int, width: int) -> np.ndarray:
+    """The first half of the ControlNet pipelines' `prepare_image` (`VaeImageProcessor.preprocess`
+    of a PIL image, as they configure it): resized to the output size, then RGB. uint8 [height,
+    width, 3]: a quarter of the float image's bytes, to carry from the ingress to a worker."""
+    processor = _processor()
+    return np.array(processor.convert_to_rgb(processor.resize(image, height, width)))
+
+
+def control_tensor(pixels: np.ndarray) -> torch.Tensor:
+    """The second half: float32 [1, 3, H, W] in [0, 1], as `pil_to_numpy` + `numpy_to_pt` make it."""
+    return torch.from_numpy((pixels.astype(np.float32) / 255.0).transpose(2, 0, 1).copy()).unsqueeze(0)
+
+
+def _processor() -> VaeImageProcessor:
+    # As `StableDiffusion(XL)ControlNetPipeline.control_image_processor`; its scale factor only
+    # matters when no size is given, and a size always is.
+    return VaeImageProcessor(vae_scale_factor=8, do_convert_rgb=True, do_normalize=False)

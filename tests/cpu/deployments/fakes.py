@@ -142,7 +142,7 @@ class FakeRouter:
 
     # -- the router's methods ----------------------------------------------------------------
 
-    async def _submit(self, spec: RequestSpec) -> bytes:
+    async def _submit(self, spec: RequestSpec, inputs: list | None = None) -> bytes:
         rid = spec.request_id
         waiter = self._images.get(rid)
         if waiter is None or self.specs[rid] != spec:

@@ -95,7 +95,7 @@ def test_without_a_seed_the_same_key_draws_the_same_seed(http, router):
     assert_error(http.post("/v1/images/generations", json=CAT, headers=key), 429, "overloaded")
     router.refuse = None
     body = http.post("/v1/images/generations", json=CAT, headers=key).json()
-    (refused,), (served,) = router.submit.calls
+    (refused, _), (served, _) = router.submit.calls
     # Same request id and seed: the retry is the same request (it would join a live first try).
     assert (refused.request_id, refused.seed) == (served.request_id, served.seed) == (
         request_id_for("seedless"), key_seed("seedless"))
@@ -147,7 +147,7 @@ def test_5xx_bodies_hold_nothing_of_the_failure(http, router, raised, status, co
 
 
 def test_a_dead_router_is_503_with_retry_after(http, router):
-    async def dead(spec):
+    async def dead(spec, inputs):
         raise ray.exceptions.RayActorError(error_msg=LEAKY_TEXT)
 
     router.submit.fn = dead
@@ -161,10 +161,10 @@ def test_a_failed_sibling_frees_the_others(http, router):
     router.hold_images = True
     accept = router.submit.fn
 
-    async def second_fails(spec):
+    async def second_fails(spec, inputs):
         if spec.request_id.endswith("-1"):
             raise RuntimeError(LEAKY_TEXT)
-        return await accept(spec)
+        return await accept(spec, inputs)
 
     router.submit.fn = second_fails
     response = http.post("/v1/images/generations", json={**CAT, "n": 2})

@@ -10,7 +10,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from stepserve.engine.addons.controlnet import prepare_control_image
+from stepserve.engine.addons.controlnet import control_pixels, control_tensor
 from stepserve.engine.addons.lora import load_lora_file
 from stepserve.engine.addons.presets import preset_controlnet, preset_lora, save_lora_file
 from stepserve.engine.families import ALL_PARTS, DENOISER, load_family
@@ -31,7 +31,7 @@ def family():
 
 def with_control(family, spec, size=64) -> Conditioning:
     text = conditioning_for(family, spec)
-    image = torch.from_numpy(prepare_control_image(control_image(1, size), size, size, family.vae_scale_factor))
+    image = control_tensor(control_pixels(control_image(1, size), size, size))
     return Conditioning(text.prompt, text.negative, (image,) * len(spec.controlnets))
 
 

@@ -1,0 +1,82 @@
+"""Images that come with requests (ControlNet control images): decoded only after their file size
+and declared pixel count pass, so a decompression bomb or an oversized upload is refused before
+it costs memory, and every failure is a 4xx naming the field.
+
+Pure: no Ray, no I/O beyond the bytes given.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import re
+import warnings
+
+import numpy as np
+import PIL.Image
+
+from stepserve.deployments.config import LimitsConfig
+from stepserve.deployments.errors import APIError, invalid
+from stepserve.deployments.protocol import ImageGenerationRequest
+from stepserve.engine.addons.controlnet import control_pixels
+
+FORMATS = ("PNG", "JPEG", "WEBP")
+DATA_URL = re.compile(r"data:image/[A-Za-z0-9.+-]+;base64,")
+
+
+def decode_base64_image(text: str, param: str, limits: LimitsConfig) -> PIL.Image.Image:
+    """An image sent as base64 (or a `data:image/...;base64,` URL)."""
+    match = DATA_URL.match(text)
+    payload = text[match.end():] if match else text
+    if len(payload) > (limits.max_image_bytes + 2) // 3 * 4:  # base64 of max_image_bytes, before decoding it
+        raise _too_large(param, limits)
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise invalid(param, f"{param} is not valid base64", code="invalid_image") from None
+    return decode_image(data, param, limits)
+
+
+def decode_image(data: bytes, param: str, limits: LimitsConfig) -> PIL.Image.Image:
+    """A PNG, JPEG or WebP file's image, fully decoded."""
+    if len(data) > limits.max_image_bytes:
+        raise _too_large(param, limits)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", PIL.Image.DecompressionBombWarning)
+            image = PIL.Image.open(io.BytesIO(data), formats=FORMATS)  # reads the header only
+    except (PIL.Image.DecompressionBombError, PIL.Image.DecompressionBombWarning):
+        raise _too_many_pixels(param, None, limits) from None
+    except Exception:
+        raise invalid(param, f"{param} is not a PNG, JPEG or WebP image", code="invalid_image") from None
+    width, height = image.size
+    if width * height > limits.max_image_pixels:
+        raise _too_many_pixels(param, (width, height), limits)
+    if width < 1 or height < 1:
+        raise invalid(param, f"{param} has no pixels ({width}x{height})", code="invalid_image")
+    try:
+        image.load()
+    except Exception:
+        raise invalid(param, f"{param} is truncated or corrupt", code="invalid_image") from None
+    return image
+
+
+def control_inputs(req: ImageGenerationRequest, width: int, height: int,
+                   limits: LimitsConfig) -> tuple[np.ndarray, ...]:
+    """Each ControlNet's control image, decoded and resized to the output size (uint8 [H, W, 3],
+    `control_pixels`), in the request's order."""
+    return tuple(
+        control_pixels(decode_base64_image(c.image, f"controlnets.{i}.image", limits), height, width)
+        for i, c in enumerate(req.controlnets or ())
+    )
+
+
+def _too_large(param: str, limits: LimitsConfig) -> APIError:
+    return APIError(413, f"{param} exceeds {limits.max_image_bytes} bytes", param=param, code="image_too_large")
+
+
+def _too_many_pixels(param: str, size: tuple[int, int] | None, limits: LimitsConfig) -> APIError:
+    declared = "" if size is None else f" ({size[0]}x{size[1]})"
+    return invalid(param, f"{param} declares more than {limits.max_image_pixels} pixels{declared}",
+                   code="image_too_large")
