@@ -13,7 +13,7 @@ video's frames.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 from uuid import uuid4
@@ -22,7 +22,8 @@ import ray
 import torch
 
 from stepserve.actors.sp_world import DEFAULT_TIMEOUT_S, SPWorld, backend_for, rendezvous_address
-from stepserve.engine.addons.source import AddonSource, load_addon
+from stepserve.actors.lora_store import StoreLoras, stores_by_node
+from stepserve.engine.addons.source import AddonKind, AddonSource, load_addon
 from stepserve.engine.families import DENOISER, TEXT, VAE, ModelSource, family_class, load_family
 from stepserve.engine.sampler import Conditioning
 from stepserve.engine.step_runner import Admission, StepRunner
@@ -79,20 +80,28 @@ def worker_parts(source: ModelSource, decode_images: bool = False, encode_text: 
 class DenoiserWorker:
     def __init__(self, worker_id: str, models: Sequence[ModelSource], device: str = "auto",
                  torch_threads: int | None = None, decode_images: bool = False, text_cache_size: int | None = None,
-                 addons: Sequence[AddonSource] = ()):
+                 addons: Sequence[AddonSource] = (), lora_stores: Mapping[str, Any] | None = None,
+                 lora_join_by: float = 0.0, max_resident_loras: int = 32):
         """`text_cache_size`: None, the text encoder deployment encodes prompts; else this worker
-        does, keeping that many embeddings. `addons`: the ControlNets and LoRAs it serves."""
+        does, keeping that many embeddings. `addons`: the ControlNets it holds and the LoRAs it
+        serves; LoRAs come from `lora_stores` (by node id; this node's, or any) as requests need
+        them, or, with no store, are all loaded here at start."""
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.device = resolve_device(device)
         encodes = text_cache_size is not None
         families = {m.name: load_family(m, worker_parts(m, decode_images, encodes), self.device) for m in models}
+        loras = None
+        if lora_stores:
+            store = stores_by_node(lora_stores, ray.get_runtime_context().get_node_id())
+            loras = StoreLoras(store, families, max_resident_loras)
         for addon in addons:
-            load_addon(addon, families[addon.model])
+            if loras is None or addon.kind is not AddonKind.LORA:
+                load_addon(addon, families[addon.model])
         self.text = CachedTextEncoder(families, text_cache_size) if encodes else None
         # New on every process start: a restarted actor has lost every resident request.
         self.incarnation = uuid4().hex
-        self.runner = StepRunner(worker_id, families, self.incarnation, decode_images)
+        self.runner = StepRunner(worker_id, families, self.incarnation, decode_images, loras, lora_join_by)
         self.sp_world: SPWorld | None = None
         self._interrupted = 0  # the plan id the router last asked to cut short
         self._held_since: float | None = None  # when the last plan ended with requests resident

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from stepserve.actors.denoiser import CONTROL, DenoiserWorker
-from stepserve.engine.addons.source import AddonSource
+from stepserve.actors.lora_store import LoraStore
+from stepserve.engine.addons.source import AddonKind, AddonSource
 from stepserve.engine.families import ModelSource
 
 
@@ -25,12 +27,39 @@ class WorkerPoolSpec:
     encode_text: bool = False  # a worker encodes the prompts of what it admits (`text_encoder.on_workers`)
     text_cache_size: int = 4096  # embeddings each worker keeps when it encodes prompts
     addons: tuple[AddonSource, ...] = ()  # ControlNets and LoRAs every worker serves (`controlnets`, `loras`)
+    lora_join_by: float = 0.0  # `lora_loading.join_by`
+    lora_store_bytes: int = 8 << 30  # `lora_loading.store_bytes`
+    max_resident_loras: int = 32  # `lora_loading.max_resident`
+
+    @property
+    def loras(self) -> tuple[AddonSource, ...]:
+        return tuple(a for a in self.addons if a.kind is AddonKind.LORA)
 
 
-def start_workers(spec: WorkerPoolSpec, models: Sequence[ModelSource],
-                  name_prefix: str) -> tuple[dict[str, ray.actor.ActorHandle], dict[str, str]]:
+def start_lora_stores(spec: WorkerPoolSpec, models: Sequence[ModelSource], name_prefix: str) -> dict[str, Any]:
+    """One LoRA store per live node (none when no LoRA is served), by node id: the workers of a
+    node share its store's host memory."""
+    if not spec.loras:
+        return {}
+    remote_cls = ray.remote(LoraStore)
+    token = uuid.uuid4().hex[:8]
+    stores = {}
+    for node in ray.nodes():
+        if not node["Alive"]:
+            continue
+        node_id = node["NodeID"]
+        stores[node_id] = remote_cls.options(
+            name=f"{name_prefix}-loras-{node_id[:8]}-{token}", num_cpus=0, max_restarts=-1,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        ).remote(spec.loras, list(models), spec.lora_store_bytes)
+    return stores
+
+
+def start_workers(spec: WorkerPoolSpec, models: Sequence[ModelSource], name_prefix: str,
+                  lora_stores: dict[str, Any] | None = None) -> tuple[dict[str, ray.actor.ActorHandle], dict[str, str]]:
     """Create the workers; each loads its models in its constructor (await `ready` to know).
-    Returns their handles and their actor names, by worker id.
+    Returns their handles and their actor names, by worker id. `lora_stores`: from
+    `start_lora_stores`.
 
     Each is a named actor, `<prefix>-w<i>-<token>`, so an operator can find it with `ray list
     actors`; the token keeps a restarted router's workers apart from the ones its predecessor is
@@ -47,5 +76,6 @@ def start_workers(spec: WorkerPoolSpec, models: Sequence[ModelSource],
             name=names[worker_id], num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, max_restarts=-1,
             max_concurrency=1,
         ).remote(worker_id, list(models), spec.device, spec.torch_threads, spec.decode_images,
-                 spec.text_cache_size if spec.encode_text else None, spec.addons)
+                 spec.text_cache_size if spec.encode_text else None, spec.addons, lora_stores or {},
+                 spec.lora_join_by, spec.max_resident_loras)
     return workers, names

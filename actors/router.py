@@ -26,7 +26,7 @@ import ray
 
 from stepserve.actors.denoiser import AdmissionRef
 from stepserve.actors.metrics import RouterMetrics
-from stepserve.actors.pool import WorkerPoolSpec, start_workers
+from stepserve.actors.pool import WorkerPoolSpec, start_lora_stores, start_workers
 from stepserve.actors.router_core import Admission, CoreConfig, Outcome, RouterCore, WorkerSlot
 from stepserve.engine.families import ModelSource, family_class
 from stepserve.engine.text_encoding import text_item
@@ -67,7 +67,9 @@ class Router:
     async def __init__(self, models: Sequence[ModelSource], pool: WorkerPoolSpec, spec: RouterSpec,
                        text_encoder: Any | None, decoder: Any | None, store: Any, name: str = "stepserve"):
         self.text_encoder, self.decoder, self.store = text_encoder, decoder, store
-        self.workers, self._actor_names = start_workers(pool, models, name)
+        self.lora_stores = start_lora_stores(pool, models, name)  # by node id; none without LoRAs
+        self.lora_join_by = pool.lora_join_by
+        self.workers, self._actor_names = start_workers(pool, models, name, self.lora_stores)
         costs = load_profile(*spec.profiles) if spec.profiles else None
         policy = make_policy(spec.policy, spec.policy_options, costs if needs_costs(spec.policy) else None)
         slots = [WorkerSlot(wid, pool.max_batch_size, rank) for rank, wid in enumerate(self.workers)]
@@ -194,11 +196,18 @@ class Router:
     def _submit(self, spec: RequestSpec, inputs: Any = None) -> None:
         # QueueFull/Duplicate go to the caller.
         self.core.submit(spec, time.monotonic(), self._tail_s(spec), inputs)
-        if self.text_encoder is None:  # its worker encodes its prompts when it admits it
+        loras = bool(spec.loras and self.lora_stores)
+        # When its LoRAs may not join late (exact), it is ready only once the stores hold them:
+        # a worker must not stall its batch on a file read. Else they load while it runs.
+        waits_for_loras = loras and self.lora_join_by == 0
+        if loras and not waits_for_loras:
+            self._spawn(self._prepare(spec, text=False, loras=True, then_ready=False))
+        if self.text_encoder is not None or waits_for_loras:
+            self._spawn(self._prepare(spec, text=self.text_encoder is not None, loras=waits_for_loras,
+                                      then_ready=True))
+        else:  # its worker encodes its prompts when it admits it
             self.core.mark_ready(spec.request_id, None, time.monotonic())
             self._kick.set()
-        else:
-            self._spawn(self._encode(spec))
         self._published()
 
     def _tail_s(self, spec: RequestSpec) -> float:
@@ -210,20 +219,39 @@ class Router:
         except LookupError:
             return 0.0
 
-    async def _encode(self, spec: RequestSpec) -> None:
-        """Ask for the embeddings; the request is ready once they exist. They are never fetched
-        here: the worker that admits the request reads them (and a failed encoding fails the
-        request there, on its own)."""
+    async def _prepare(self, spec: RequestSpec, text: bool, loras: bool, then_ready: bool) -> None:
+        """Ask for its embeddings (`text`) and have every LoRA store hold its LoRAs (`loras`; a
+        worker on any node may admit it); once that is done, it is ready if `then_ready`. The
+        embeddings are never fetched here: the worker that admits the request reads them (and a
+        failed encoding fails the request there, on its own)."""
+        jobs = ([self._embeddings(spec)] if text else []) + ([self._prefetch_loras(spec)] if loras else [])
+        try:
+            done = await asyncio.gather(*jobs)
+        except _Unprepared as exc:
+            self._fail(spec.request_id, str(exc))
+            return
+        if then_ready:
+            self.core.mark_ready(spec.request_id, done[0] if text else None, time.monotonic())
+            self._kick.set()
+
+    async def _embeddings(self, spec: RequestSpec) -> Any:
+        """The ref of its embeddings, once they exist."""
         try:
             response = self.text_encoder.encode.remote(*text_item(spec))
             ref = await response._to_object_ref()
             await ref._ready()
         except Exception:
             logger.exception("text encoding of %s could not be requested", spec.request_id)
-            self._fail(spec.request_id, "text encoder unavailable")
-            return
-        self.core.mark_ready(spec.request_id, ref, time.monotonic())
-        self._kick.set()
+            raise _Unprepared("text encoder unavailable") from None
+        return ref
+
+    async def _prefetch_loras(self, spec: RequestSpec) -> None:
+        names = [use.name for use in spec.loras]
+        try:
+            await asyncio.gather(*(store.prefetch.remote(spec.model, names) for store in self.lora_stores.values()))
+        except Exception as exc:
+            cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) and exc.cause is not None else exc
+            raise _Unprepared(f"LoRA unavailable: {type(cause).__name__}: {cause}") from None
 
     # -- the scheduling task -------------------------------------------------------------------
 
@@ -450,3 +478,7 @@ class Router:
         self.metrics.queue_length.labels("video").set(self.core.queue_length(RequestKind.T2V))
         self.metrics.running.set(self.core.count(RequestStatus.RUNNING))
         self.metrics.decoding.set(self.core.count(RequestStatus.DECODING))
+
+
+class _Unprepared(Exception):
+    """A request cannot become ready (its text encoder or LoRA store failed): the message says why."""

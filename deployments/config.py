@@ -131,6 +131,19 @@ class AddonConfig(_Strict):
         return AddonSource(kind, self.name, self.model, self.preset, self.path, self.seed)
 
 
+class LoraLoadingConfig(_Strict):
+    join_by: float = Field(
+        default=0.0, ge=0, lt=1,
+        description="Bounded asynchronous LoRA loading (SwiftDiffusion §4.2): the fraction of a request's steps that "
+                    "may run before its LoRAs have arrived (they join at the first step after they do, at this "
+                    "fraction at the latest). 0 (exact): a request waits in the queue until the LoRA store holds its "
+                    "LoRAs, and applies them from its first step. `stepserve lora-bound` measures the paper's "
+                    "cosine-similarity bound for a model and LoRA.")
+    store_bytes: int = Field(default=8 << 30, ge=1 << 20,
+                             description="Host memory per node for LoRA weights (the node's LoRA store, LRU).")
+    max_resident: int = Field(default=32, ge=1, description="LoRAs each worker keeps in its device memory (LRU).")
+
+
 class WorkersConfig(_Strict):
     num_workers: int = Field(default=2, ge=1, description="Denoiser workers (one per GPU on a GPU cluster).")
     max_batch_size: int = Field(default=8, ge=1, description="Requests resident and stepping together per worker.")
@@ -293,7 +306,10 @@ class AppConfig(_Strict):
     controlnets: list[AddonConfig] = Field(
         default_factory=list, description="Served ControlNets; every worker serving their model holds them.")
     loras: list[AddonConfig] = Field(
-        default_factory=list, description="Served LoRAs; every worker serving their model holds them.")
+        default_factory=list,
+        description="Served LoRAs (any number): read into a node's LoRA store when a request first needs one, and "
+                    "into a worker when it admits one.")
+    lora_loading: LoraLoadingConfig = Field(default_factory=LoraLoadingConfig, description="How LoRAs load.")
     api_keys: list[str] = Field(
         default_factory=list,
         description="Accepted bearer tokens; with any key (here or in api_keys_env) every route but /health needs "

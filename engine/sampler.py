@@ -54,7 +54,7 @@ class Conditioning:
 
 
 # 2: schedulers restore from their instance dict (no set_timesteps); 3: the text context became
-# the per-row conditioning dict; 4: control images.
+# the per-row conditioning dict; 4: control images and joined LoRAs.
 STATE_FORMAT = 4
 
 
@@ -78,6 +78,7 @@ class Sampler:
             text = {name: torch.cat([uncond[name], text[name]]) for name in text}  # the pipelines' [uncond, cond]
         self.cond = family.row_conditioning(spec, text)
         self.control = _control_rows(spec, family, conditioning.control)
+        self.loras_joined: dict[str, int] = {}  # LoRA name -> the step from which it applies
         self.step_index = 0
         self._bind(family)
 
@@ -109,6 +110,21 @@ class Sampler:
     def done(self) -> bool:
         return self.step_index >= self.steps_total
 
+    @property
+    def pending_loras(self) -> list[str]:
+        """Its LoRAs that do not apply yet (still loading when it started), in its order."""
+        return [use.name for use in self.spec.loras if use.name not in self.loras_joined]
+
+    def lora_deadline(self, join_by: float) -> int:
+        """The step by which all its LoRAs must apply when they may join late: the first
+        `join_by` of its steps may run without them (bounded asynchronous loading; 0: exact)."""
+        return min(int(join_by * self.steps_total), self.steps_total - 1)
+
+    def join_loras(self, names: list[str]) -> None:
+        """These LoRAs apply from its next step on."""
+        for name in names:
+            self.loras_joined.setdefault(name, self.step_index)
+
     # ---- stepping -----------------------------------------------------------------------
 
     def model_input(self) -> tuple[torch.Tensor, torch.Tensor, RowConditioning]:
@@ -127,7 +143,8 @@ class Sampler:
         rows = slice(first_row, first_row + self.rows)
         controls = tuple(ControlRows(use.name, rows, image, use.scale_at(self.step_index, self.steps_total))
                          for use, image in zip(self.spec.controlnets, self.control))
-        return StepAddons(controls, tuple(LoraRows(use.name, rows, use.scale) for use in self.spec.loras))
+        loras = tuple(LoraRows(use.name, rows, use.scale) for use in self.spec.loras if use.name in self.loras_joined)
+        return StepAddons(controls, loras)
 
     def advance(self, noise_pred: torch.Tensor) -> None:
         """Take this request's step from its rows of the forward's output."""
@@ -141,6 +158,8 @@ class Sampler:
     @torch.inference_mode()
     def step(self, family: DiffusionFamily, sp_group: Any = None) -> None:
         """One step on its own: forward (sequence-parallel over `sp_group` if given), advance."""
+        if self.pending_loras:  # alone, it applies what the family has
+            self.join_loras([name for name in self.pending_loras if name in family.loras])
         sample, timesteps, cond = self.model_input()
         addons = self.addons(0)
         extra = {"addons": addons} if addons else {}
@@ -160,6 +179,7 @@ class Sampler:
             "latents": copy_to(self.latents, device),
             "cond": copy_to(self.cond, device),
             "control": copy_to(self.control, device),
+            "loras_joined": dict(self.loras_joined),
             "generator_state": self.generator.get_state(),
             "scheduler": scheduler_state(self.scheduler, device, self.latents.device),
         }
@@ -180,6 +200,7 @@ class Sampler:
                      for name, value in state["cond"].items()}
         self.control = tuple(image.to(device=family.device, dtype=family.dtype, copy=True)
                              for image in state["control"])
+        self.loras_joined = dict(state["loras_joined"])
         _check_addons(self.spec, family)
         self.generator = torch.Generator("cpu")
         self.generator.set_state(state["generator_state"])
@@ -207,11 +228,10 @@ def _check_addons(spec: RequestSpec, family: DiffusionFamily) -> None:
         return
     if not family.takes_addons:
         raise ValueError(f"model {family.source.name!r} ({family.source.family}) takes no ControlNets or LoRAs")
-    for what, uses, served in (("ControlNet", spec.controlnets, family.controlnets),
-                               ("LoRA", spec.loras, family.loras)):
-        missing = sorted({use.name for use in uses} - set(served))
-        if missing:
-            raise ValueError(f"{what} {missing} not loaded for model {family.source.name!r}")
+    # (Whether its LoRAs are loaded is the step runner's to check: they may arrive later.)
+    missing = sorted({use.name for use in spec.controlnets} - set(family.controlnets))
+    if missing:
+        raise ValueError(f"ControlNet {missing} not loaded for model {family.source.name!r}")
 
 
 def _control_rows(spec: RequestSpec, family: DiffusionFamily, images: tuple[torch.Tensor, ...]) -> tuple:

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from stepserve.engine.addons import StepAddons
+from stepserve.engine.addons.lora import LoraLoader
 from stepserve.engine.families.base import DiffusionFamily
 from stepserve.engine.png import encode_png
 from stepserve.engine.sampler import Conditioning, Sampler
@@ -49,13 +50,20 @@ class Admission:
 
 class StepRunner:
     def __init__(self, worker_id: str, families: Mapping[str, DiffusionFamily], incarnation: str = "",
-                 decode_images: bool = False):
+                 decode_images: bool = False, loras: LoraLoader | None = None, lora_join_by: float = 0.0):
         """`decode_images`: a finished image leaves as its PNG, decoded by this worker's VAE, not as
-        its latents (`vae_decoder.on_workers`). A video always leaves decoded (`decode_on_worker`)."""
+        its latents (`vae_decoder.on_workers`). A video always leaves decoded (`decode_on_worker`).
+        `loras`: brings LoRAs that are not in the families yet (None: every LoRA a request names
+        must be loaded already); `lora_join_by`: the fraction of a request's steps that may run
+        before its LoRAs have arrived (0: none, exact)."""
+        if not 0.0 <= lora_join_by < 1.0:
+            raise ValueError(f"lora_join_by must be in [0, 1), got {lora_join_by}")
         self.worker_id = worker_id
         self.families = dict(families)
         self.incarnation = incarnation
         self.decode_images = decode_images
+        self.loras = loras
+        self.lora_join_by = lora_join_by
         self.samplers: dict[str, Sampler] = {}
         self._cuda_devices = {f.device for f in self.families.values() if f.device.type == "cuda"}
 
@@ -104,6 +112,8 @@ class StepRunner:
         payloads += [run.finish(rid, cut) for rid in plan.finish]
         for rid in plan.release:
             self.samplers.pop(rid, None)
+        if self.loras is not None:
+            self.loras.trim({(s.spec.model, use.name) for s in self.samplers.values() for use in s.spec.loras})
         for device in self._cuda_devices:  # kernels are asynchronous; count them in the plan's time
             torch.cuda.synchronize(device)
         report = StepReport(
@@ -168,11 +178,37 @@ class _PlanRun:
                 sampler = Sampler.from_state(admission.state, family)
             else:
                 sampler = Sampler(spec, family, admission.conditioning)
+            self._bring_loras(sampler, family)
         except Exception as exc:  # one bad admission must not take the worker (or the plan) down
             self.fail(rid, f"admission failed: {type(exc).__name__}: {exc}", lost=False)
             return
         self.samplers[rid] = sampler
         self.touched[rid] = None
+
+    def _bring_loras(self, sampler: Sampler, family: DiffusionFamily) -> None:
+        missing = [use.name for use in sampler.spec.loras if use.name not in family.loras]
+        if missing and self.runner.loras is None:
+            raise ValueError(f"LoRA {missing} not loaded for model {family.source.name!r}")
+        for name in missing:
+            self.runner.loras.request(sampler.spec.model, name)
+
+    def _apply_loras(self, sampler: Sampler) -> None:
+        """Its LoRAs for the next step: the joined ones must be here (it may have moved from
+        another worker); pending ones join once here, and by its deadline at the latest."""
+        spec = sampler.spec
+        family = self.family(spec)
+        loader = self.runner.loras
+        if loader is not None:
+            loader.poll()
+            for name in sampler.loras_joined:
+                if name not in family.loras:
+                    loader.wait(spec.model, name)
+        pending = sampler.pending_loras
+        if pending and loader is not None and sampler.step_index >= sampler.lora_deadline(self.runner.lora_join_by):
+            for name in pending:
+                if name not in family.loras:
+                    loader.wait(spec.model, name)
+        sampler.join_loras([name for name in pending if name in family.loras])
 
     def step(self, group: StepGroup, sp_group: Callable[[tuple[int, ...]], Any] | None) -> None:
         """One forward for the group's resident members; each advances one step."""
@@ -182,6 +218,8 @@ class _PlanRun:
             if sampler is None:
                 continue
             try:
+                if sampler.spec.loras:
+                    self._apply_loras(sampler)
                 members.append((rid, sampler, sampler.model_input()))
             except Exception as exc:
                 self.fail(rid, f"denoising step failed: {type(exc).__name__}: {exc}", lost=False)

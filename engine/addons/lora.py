@@ -17,6 +17,7 @@ import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -103,6 +104,24 @@ def load_lora_file(name: str, path: str) -> LoraWeights:
         folder, weight_name=file, use_safetensors=True, local_files_only=True, return_lora_metadata=True,
     )
     return LoraWeights.from_state_dict(name, state, alphas, metadata)
+
+
+class LoraLoader(Protocol):
+    """Brings LoRAs into a worker's families while it steps (the worker's side of the LoRA store):
+    a request may start before its LoRA has arrived (SwiftDiffusion's bounded asynchronous
+    loading). Every method adds what has arrived to its model's family (`add_lora`)."""
+
+    def request(self, model: str, name: str) -> None:
+        """Start bringing it here, if it is not here or coming."""
+
+    def poll(self) -> None:
+        """Add whatever has arrived; never waits."""
+
+    def wait(self, model: str, name: str) -> None:
+        """Block until it is here; raises if it cannot come."""
+
+    def trim(self, keep: set[tuple[str, str]]) -> None:
+        """Drop LoRAs beyond the worker's capacity, never those in `keep` (model, name)."""
 
 
 @dataclass(frozen=True)

@@ -204,6 +204,9 @@ class SD15Family(DiffusionFamily):
             raise ValueError(f"LoRA {lora.name!r} targets layers the denoiser does not have: {missing[:3]}")
         self.loras[lora.name] = lora.to(self.device, self.dtype)
 
+    def remove_lora(self, name: str) -> None:
+        self.loras.pop(name, None)
+
     def denoiser_inputs(self, cond: RowConditioning) -> dict[str, Any]:
         """The UNet's (and its ControlNets') per-row inputs besides sample and timestep."""
         return {"encoder_hidden_states": cond["context"]}

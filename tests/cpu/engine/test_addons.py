@@ -119,3 +119,83 @@ def test_lora_files_are_safetensors_of_the_denoiser_only(tmp_path):
     safetensors.torch.save_file(tensors, str(text_encoder))
     with pytest.raises(ValueError, match="only denoiser LoRAs"):
         load_lora_file("p", str(text_encoder))
+
+
+class ArrivingLoras:
+    """A `LoraLoader` test double (the real one, over the LoRA store, runs in the live tests):
+    each LoRA arrives `after` polls after it was requested; `wait` brings it at once."""
+
+    def __init__(self, families, loras, after: int):
+        self.families, self.loras, self.after = families, loras, after
+        self.coming: dict[tuple[str, str], int] = {}
+        self.waited: list[str] = []
+        self.trimmed: list[set] = []
+
+    def request(self, model, name):
+        self.coming.setdefault((model, name), self.after)
+
+    def poll(self):
+        for key in list(self.coming):
+            self.coming[key] -= 1
+            if self.coming[key] < 0:
+                self._install(key)
+
+    def wait(self, model, name):
+        self.waited.append(name)
+        self._install((model, name))
+
+    def trim(self, keep):
+        self.trimmed.append(keep)
+
+    def _install(self, key):
+        del self.coming[key]
+        self.families[key[0]].add_lora(self.loras[key[1]])
+
+
+@pytest.fixture
+def bare_family():
+    """A family holding no LoRA: the loader brings them."""
+    return load_family(TINY, ALL_PARTS, "cpu")
+
+
+def run_alone(runner, spec, steps):
+    step = (StepGroup((spec.request_id,)),)
+    runner.execute(WorkerPlan("w0", admit=(spec.request_id,), groups=step),
+                   {spec.request_id: Admission(spec, conditioning_for(runner.families[spec.model], spec))})
+    for _ in range(steps - 2):
+        runner.execute(WorkerPlan("w0", groups=step), {})
+    report, (latents,) = runner.execute(WorkerPlan("w0", groups=step, finish=(spec.request_id,)), {})
+    assert not report.failed, report.failed
+    return latents
+
+
+def test_exact_lora_loading_waits_for_the_lora_before_the_first_step(family, bare_family):
+    spec = dataclasses.replace(make_spec("r", steps=4, seed=5), loras=(LoraUse("papercut", 0.8),))
+    loader = ArrivingLoras({bare_family.source.name: bare_family}, family.loras, after=10)
+    late = StepRunner("w0", {bare_family.source.name: bare_family}, loras=loader, lora_join_by=0.0)
+    exact = StepRunner("w1", {family.source.name: family})
+    np.testing.assert_array_equal(run_alone(late, spec, 4), run_alone(exact, spec, 4))
+    assert loader.waited == ["papercut"]
+    assert loader.trimmed[-1] == set()  # nothing resident holds it any more
+
+
+def test_a_late_lora_joins_when_it_arrives_and_by_its_deadline_at_the_latest(family, bare_family):
+    spec = dataclasses.replace(make_spec("r", steps=8, seed=5), loras=(LoraUse("papercut", 0.8),))
+    families = {bare_family.source.name: bare_family}
+    arrives = StepRunner("w0", families, loras=ArrivingLoras(families, family.loras, after=2), lora_join_by=0.5)
+    step = (StepGroup(("r",)),)
+    arrives.execute(WorkerPlan("w0", admit=("r",), groups=step), {"r": Admission(spec, conditioning_for(
+        bare_family, spec))})
+    for _ in range(3):
+        arrives.execute(WorkerPlan("w0", groups=step), {})
+    assert arrives.samplers["r"].loras_joined == {"papercut": 2}  # arrived on the third poll
+
+    bare_family.remove_lora("papercut")
+    slow = ArrivingLoras(families, family.loras, after=100)
+    bounded = StepRunner("w1", families, loras=slow, lora_join_by=0.5)
+    late = run_alone(bounded, dataclasses.replace(spec, request_id="s"), 8)
+    assert slow.waited == ["papercut"]  # it had not come by step 4 of 8: the step waited for it
+    exact = run_alone(StepRunner("w2", {family.source.name: family}), spec, 8)
+    without = run_alone(StepRunner("w3", {family.source.name: family}), dataclasses.replace(spec, loras=()), 8)
+    # Joining at step 4 of 8 gives an image between none and exact, and not equal to either.
+    assert 0 < np.abs(late - exact).max() < np.abs(without - exact).max()
