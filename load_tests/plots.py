@@ -336,3 +336,26 @@ def plot_peers(systems: Sequence[Mapping], title: str, path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     figure.savefig(path, dpi=110)
+
+
+def plot_lora_bound(result: Mapping, title: str, path: Path) -> None:
+    """Left: cosine similarity of the latents with and without the LoRA per step (one line per
+    seed) and the threshold's bound; right: PSNR and SSIM of the image vs exact by join step."""
+    fig = _figure(11, 4)
+    sims, fidelity = fig.subplots(1, 2)
+    ssim_axis = fidelity.twinx()
+    fig.suptitle(title)
+    for i, seed in enumerate(result["seeds"]):
+        color = f"C{i}"
+        sims.plot(range(len(seed["similarity"])), seed["similarity"], color=color, label=f"seed {seed['seed']}")
+        sims.axvline(seed["bound_step"], color=color, linestyle=":", linewidth=0.8)
+        finite = [f for f in seed["fidelity"] if f["join_step"] > 0]
+        fidelity.plot([f["join_step"] for f in finite], [f["psnr_db"] for f in finite], "o-", color=color)
+        ssim_axis.plot([f["join_step"] for f in finite], [f["ssim"] for f in finite], "s--", color=color, alpha=0.6)
+    sims.set_xlabel("denoising step")
+    sims.set_ylabel("cosine similarity (with vs without LoRA)")
+    sims.legend(fontsize=8)
+    fidelity.set_xlabel("step the LoRA joins at")
+    fidelity.set_ylabel("PSNR vs exact, dB (o-)")
+    ssim_axis.set_ylabel("SSIM vs exact (s--)")
+    fig.savefig(path, dpi=110)

@@ -99,6 +99,8 @@ PASS_THROUGH = (
     ("simulate", "stepserve.load_tests.sim.__main__", "discrete-event simulation of a workload (see --help)"),
     ("compare", "stepserve.load_tests.compare_policies", "simulated policy comparison report (see --help)"),
     ("bench", "stepserve.load_tests.bench_batching", "live benchmark: continuous vs static batching (see --help)"),
+    ("lora-bound", "stepserve.load_tests.bench_lora_bound",
+     "how late a LoRA may join, and the fidelity of joining late (see --help)"),
 )
 
 
