@@ -22,6 +22,7 @@ import ray
 import torch
 
 from stepserve.actors.sp_world import DEFAULT_TIMEOUT_S, SPWorld, backend_for, rendezvous_address
+from stepserve.actors.controlnet_client import ServiceControlNets
 from stepserve.actors.lora_store import StoreLoras, stores_by_node
 from stepserve.engine.addons.source import AddonKind, AddonSource, load_addon
 from stepserve.engine.families import DENOISER, TEXT, VAE, ModelSource, family_class, load_family
@@ -81,11 +82,12 @@ class DenoiserWorker:
     def __init__(self, worker_id: str, models: Sequence[ModelSource], device: str = "auto",
                  torch_threads: int | None = None, decode_images: bool = False, text_cache_size: int | None = None,
                  addons: Sequence[AddonSource] = (), lora_stores: Mapping[str, Any] | None = None,
-                 lora_join_by: float = 0.0, max_resident_loras: int = 32):
+                 lora_join_by: float = 0.0, max_resident_loras: int = 32, controlnet_service: Any | None = None):
         """`text_cache_size`: None, the text encoder deployment encodes prompts; else this worker
         does, keeping that many embeddings. `addons`: the ControlNets it holds and the LoRAs it
         serves; LoRAs come from `lora_stores` (by node id; this node's, or any) as requests need
-        them, or, with no store, are all loaded here at start."""
+        them, or, with no store, are all loaded here at start. `controlnet_service`: a handle to the
+        ControlNet deployment, which then runs the ControlNets instead of this worker."""
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.device = resolve_device(device)
@@ -96,8 +98,13 @@ class DenoiserWorker:
             store = stores_by_node(lora_stores, ray.get_runtime_context().get_node_id())
             loras = StoreLoras(store, families, max_resident_loras)
         for addon in addons:
-            if loras is None or addon.kind is not AddonKind.LORA:
+            here = loras is None if addon.kind is AddonKind.LORA else controlnet_service is None
+            if here:
                 load_addon(addon, families[addon.model])
+        if controlnet_service is not None:
+            for family in families.values():
+                if family.takes_addons:
+                    family.controlnet_service = ServiceControlNets(controlnet_service)
         self.text = CachedTextEncoder(families, text_cache_size) if encodes else None
         # New on every process start: a restarted actor has lost every resident request.
         self.incarnation = uuid4().hex

@@ -12,6 +12,7 @@ once no worker holds it either).
 from __future__ import annotations
 
 import asyncio
+import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -55,6 +56,7 @@ class LoraStore:
         self._held: OrderedDict[tuple[str, str], tuple[Any, int]] = OrderedDict()  # LRU: (ref, bytes)
         self._loading: dict[tuple[str, str], asyncio.Future] = {}
         self._denoisers: dict[str, torch.nn.Module] = {}
+        self._building = threading.Lock()
         self.loads = 0  # files read (or presets built): what a cache miss costs
 
     async def fetch(self, model: str, name: str) -> list:
@@ -94,9 +96,10 @@ class LoraStore:
     def _read(self, source: AddonSource) -> LoraWeights:
         if source.path is not None:
             return load_lora_file(source.name, source.path)
-        denoiser = self._denoisers.get(source.model)
-        if denoiser is None:
-            denoiser = self._denoisers[source.model] = load_family(self.models[source.model], {DENOISER}).denoiser
+        with self._building:  # reads run on threads; a preset's denoiser is built once
+            denoiser = self._denoisers.get(source.model)
+            if denoiser is None:
+                denoiser = self._denoisers[source.model] = load_family(self.models[source.model], {DENOISER}).denoiser
         return preset_lora(source.name, denoiser, source.seed)
 
     def _evict(self) -> None:

@@ -56,10 +56,11 @@ def start_lora_stores(spec: WorkerPoolSpec, models: Sequence[ModelSource], name_
 
 
 def start_workers(spec: WorkerPoolSpec, models: Sequence[ModelSource], name_prefix: str,
-                  lora_stores: dict[str, Any] | None = None) -> tuple[dict[str, ray.actor.ActorHandle], dict[str, str]]:
+                  lora_stores: dict[str, Any] | None = None,
+                  controlnet_service: Any | None = None) -> tuple[dict[str, ray.actor.ActorHandle], dict[str, str]]:
     """Create the workers; each loads its models in its constructor (await `ready` to know).
     Returns their handles and their actor names, by worker id. `lora_stores`: from
-    `start_lora_stores`.
+    `start_lora_stores`; `controlnet_service`: a handle to the ControlNet deployment, if any.
 
     Each is a named actor, `<prefix>-w<i>-<token>`, so an operator can find it with `ray list
     actors`; the token keeps a restarted router's workers apart from the ones its predecessor is
@@ -77,5 +78,5 @@ def start_workers(spec: WorkerPoolSpec, models: Sequence[ModelSource], name_pref
             max_concurrency=1,
         ).remote(worker_id, list(models), spec.device, spec.torch_threads, spec.decode_images,
                  spec.text_cache_size if spec.encode_text else None, spec.addons, lora_stores or {},
-                 spec.lora_join_by, spec.max_resident_loras)
+                 spec.lora_join_by, spec.max_resident_loras, controlnet_service)
     return workers, names

@@ -65,11 +65,12 @@ class Router:
     # public method is async too: Serve runs sync methods in a thread pool, and the core must
     # only ever be touched from the event loop.
     async def __init__(self, models: Sequence[ModelSource], pool: WorkerPoolSpec, spec: RouterSpec,
-                       text_encoder: Any | None, decoder: Any | None, store: Any, name: str = "stepserve"):
+                       text_encoder: Any | None, decoder: Any | None, store: Any, name: str = "stepserve",
+                       controlnet_service: Any | None = None):
         self.text_encoder, self.decoder, self.store = text_encoder, decoder, store
         self.lora_stores = start_lora_stores(pool, models, name)  # by node id; none without LoRAs
         self.lora_join_by = pool.lora_join_by
-        self.workers, self._actor_names = start_workers(pool, models, name, self.lora_stores)
+        self.workers, self._actor_names = start_workers(pool, models, name, self.lora_stores, controlnet_service)
         costs = load_profile(*spec.profiles) if spec.profiles else None
         policy = make_policy(spec.policy, spec.policy_options, costs if needs_costs(spec.policy) else None)
         slots = [WorkerSlot(wid, pool.max_batch_size, rank) for rank, wid in enumerate(self.workers)]

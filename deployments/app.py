@@ -1,6 +1,7 @@
-"""The application graph: Ingress → Router (→ denoiser workers) → TextEncoder, VAEDecoder, JobStore
-(no TextEncoder when the workers encode prompts, `text_encoder.on_workers`; no VAEDecoder when
-they decode images, `vae_decoder.on_workers`).
+"""The application graph: Ingress → Router (→ denoiser workers, LoRA stores → ControlNetService)
+→ TextEncoder, VAEDecoder, JobStore (no TextEncoder when the workers encode prompts,
+`text_encoder.on_workers`; no VAEDecoder when they decode images, `vae_decoder.on_workers`; a
+ControlNetService only with `controlnet_service.enabled`; LoRA stores only with LoRAs).
 
 `build_app(args)` is used from Python and from Serve YAML (`import_path:
 stepserve.deployments.app:build_app`, `args:` holding an `AppConfig`).
@@ -16,10 +17,12 @@ from ray.serve import Application
 
 from stepserve.actors.router import Router, RouterSpec
 from stepserve.deployments.config import AppConfig, ComponentConfig
+from stepserve.deployments.controlnet_service import ControlNetService
 from stepserve.deployments.ingress import Ingress
 from stepserve.deployments.job_store import JobStore
 from stepserve.deployments.text_encoder import TextEncoder
 from stepserve.deployments.vae_decoder import VAEDecoder
+from stepserve.engine.addons.source import AddonKind
 
 # Every in-flight image holds a call open on the ingress and the router for its whole life, and
 # every video status long poll (`Prefer: wait`) one on the job store; admission
@@ -74,6 +77,14 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
         logging_config=INTERNAL_LOGGING,
     ).bind(jobs.ttl_s, jobs.max_bytes, jobs.max_jobs)
 
+    cs = config.controlnet_service
+    controlnets = None if not (cs.enabled and config.controlnets) else serve.deployment(
+        ControlNetService, name="ControlNetService").options(
+        num_replicas=cs.num_replicas, max_ongoing_requests=cs.max_ongoing_requests,
+        ray_actor_options=_model_options(config, cs),
+    ).bind([a.to_source(AddonKind.CONTROLNET) for a in config.controlnets], sources, cs.device, cs.torch_threads,
+           cs.cache_size)
+
     rc = config.router
     core = replace(rc.core_config(), images_decode_on_workers=vd.on_workers, text_encode_on_workers=te.on_workers)
     spec = RouterSpec(rc.policy, config.policy_options(), tuple(rc.profiles), core)
@@ -84,7 +95,7 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
     router = serve.deployment(Router, name="Router").options(
         num_replicas=1, max_ongoing_requests=LONG_CALLS, ray_actor_options=actor_options(config, 0),
         logging_config=INTERNAL_LOGGING,
-    ).bind(sources, pool, spec, text_encoder, vae_decoder, store)
+    ).bind(sources, pool, spec, text_encoder, vae_decoder, store, controlnet_service=controlnets)
 
     ing = config.ingress
     return serve.deployment(Ingress, name="Ingress").options(

@@ -276,6 +276,19 @@ class VAEDecoderConfig(ComponentConfig):
                     "hundreds of ms.")
 
 
+class ControlNetServiceConfig(ComponentConfig):
+    enabled: bool = Field(
+        default=False,
+        description="Run the ControlNets in their own deployment (SwiftDiffusion's ControlNet-as-a-Service), scaled "
+                    "apart from the workers: a worker sends a step's ControlNet forwards there before its UNet starts "
+                    "and adds their residuals once its mid block is done, so the ControlNets run in parallel with the "
+                    "UNet's encoder (exact). Off: each worker holds the ControlNets and runs them before its UNet, as "
+                    "diffusers does. Pays where the service has devices of its own (GPUs); on a few shared CPU cores "
+                    "the two compete for the same cores.")
+    cache_size: int = Field(default=8, ge=1, description="ControlNets each replica keeps in device memory (LRU).")
+    max_ongoing_requests: int = Field(default=4, ge=1, description="ControlNet forwards one replica runs at once.")
+
+
 class LimitsConfig(_Strict):
     max_n: int = Field(default=4, ge=1, description="Largest `n` (images per request).")
     max_prompt_chars: int = Field(default=4000, ge=1, description="Longest prompt/negative_prompt in characters.")
@@ -310,6 +323,8 @@ class AppConfig(_Strict):
         description="Served LoRAs (any number): read into a node's LoRA store when a request first needs one, and "
                     "into a worker when it admits one.")
     lora_loading: LoraLoadingConfig = Field(default_factory=LoraLoadingConfig, description="How LoRAs load.")
+    controlnet_service: ControlNetServiceConfig = Field(
+        default_factory=ControlNetServiceConfig, description="Where ControlNets run.")
     api_keys: list[str] = Field(
         default_factory=list,
         description="Accepted bearer tokens; with any key (here or in api_keys_env) every route but /health needs "

@@ -230,7 +230,7 @@ def _check_addons(spec: RequestSpec, family: DiffusionFamily) -> None:
         raise ValueError(f"model {family.source.name!r} ({family.source.family}) takes no ControlNets or LoRAs")
     # (Whether its LoRAs are loaded is the step runner's to check: they may arrive later.)
     missing = sorted({use.name for use in spec.controlnets} - set(family.controlnets))
-    if missing:
+    if missing and family.controlnet_service is None:  # (the service knows its own)
         raise ValueError(f"ControlNet {missing} not loaded for model {family.source.name!r}")
 
 

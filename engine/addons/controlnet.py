@@ -14,9 +14,9 @@ a worker admits the request (`control_tensor`), never in the step loop.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import PIL.Image
@@ -45,34 +45,56 @@ def control_residuals(
     """The summed residuals of `uses` for a forward of `sample` ([B, C, h, w]) at `timesteps`
     ([B]); `inputs` are the ControlNets' other per-row inputs (`encoder_hidden_states`, and
     SDXL's `added_cond_kwargs` dict), each with B rows. None when nothing contributes."""
-    active = [use for use in uses if use.scale != 0.0]
+    active = active_uses(uses)
     if not active:
         return None
-    by_net: dict[str, list[int]] = {}  # positions in `active`: one request may use a ControlNet twice
-    for position, use in enumerate(active):
-        by_net.setdefault(use.name, []).append(position)
-    scaled: dict[int, Residuals] = {}
-    for name, positions in by_net.items():
+    per_use: list[Residuals | None] = [None] * len(active)
+    for name, positions in by_controlnet(active).items():
         group = [active[p] for p in positions]
-        index = torch.cat([torch.arange(use.rows.start, use.rows.stop) for use in group]).to(sample.device)
-        down, mid = nets[name](
-            sample[index], timesteps[index], controlnet_cond=torch.cat([use.image for use in group]),
-            conditioning_scale=1.0, return_dict=False, **_rows(inputs, index),
-        )
-        offset = 0
-        for position, use in zip(positions, group):
-            part = slice(offset, offset + use.rows.stop - use.rows.start)
-            scaled[position] = ([d[part] * use.scale for d in down], mid[part] * use.scale)
-            offset = part.stop
-    # Per request (rows), its residuals summed in its own order.
-    total_down = [torch.zeros((sample.shape[0], *d.shape[1:]), dtype=d.dtype, device=d.device)
-                  for d in scaled[0][0]]
-    first_mid = scaled[0][1]
-    total_mid = torch.zeros((sample.shape[0], *first_mid.shape[1:]), dtype=first_mid.dtype, device=first_mid.device)
-    summed: dict[tuple[int, int], Residuals] = {}
+        for position, residuals in zip(positions, net_residuals(nets[name], sample, timesteps, inputs, group)):
+            per_use[position] = residuals
+    return sum_residuals(sample.shape[0], active, per_use)
+
+
+def active_uses(uses: Sequence[ControlRows]) -> list[ControlRows]:
+    """The uses that contribute at this step (scale 0: off by its start/end)."""
+    return [use for use in uses if use.scale != 0.0]
+
+
+def by_controlnet(active: Sequence[ControlRows]) -> dict[str, list[int]]:
+    """Positions in `active` by ControlNet (one request may use a ControlNet twice, two images)."""
+    out: dict[str, list[int]] = {}
     for position, use in enumerate(active):
+        out.setdefault(use.name, []).append(position)
+    return out
+
+
+def net_residuals(net: ControlNetModel, sample: torch.Tensor, timesteps: torch.Tensor, inputs: Mapping[str, Any],
+                  group: Sequence[ControlRows]) -> list[Residuals]:
+    """One ControlNet's forward over the rows of every use in `group` (all of it), and each use's
+    residuals, scaled."""
+    index = group_rows(group).to(sample.device)
+    down, mid = net(
+        sample[index], timesteps[index], controlnet_cond=torch.cat([use.image for use in group]),
+        conditioning_scale=1.0, return_dict=False, **rows_of(inputs, index),
+    )
+    out, offset = [], 0
+    for use in group:
+        part = slice(offset, offset + use.rows.stop - use.rows.start)
+        out.append(([d[part] * use.scale for d in down], mid[part] * use.scale))
+        offset = part.stop
+    return out
+
+
+def sum_residuals(batch: int, active: Sequence[ControlRows], per_use: Sequence[Residuals]) -> Residuals:
+    """Each request's residuals summed in its own order (`MultiControlNetModel`), at its rows of a
+    `batch`-row forward; zeros at the rows of requests without any."""
+    first_down, first_mid = per_use[0]
+    total_down = [d.new_zeros((batch, *d.shape[1:])) for d in first_down]
+    total_mid = first_mid.new_zeros((batch, *first_mid.shape[1:]))
+    summed: dict[tuple[int, int], Residuals] = {}
+    for use, (down, mid) in zip(active, per_use):
         key = (use.rows.start, use.rows.stop)
-        down, mid = scaled[position]
         if key in summed:
             prev_down, prev_mid = summed[key]
             down, mid = [p + d for p, d in zip(prev_down, down)], prev_mid + mid
@@ -84,10 +106,24 @@ def control_residuals(
     return total_down, total_mid
 
 
-def _rows(inputs: Mapping[str, Any], index: torch.Tensor) -> dict[str, Any]:
+def rows_of(inputs: Mapping[str, Any], index: torch.Tensor) -> dict[str, Any]:
     """`inputs` with every tensor (also inside nested dicts) cut to the rows of `index`."""
-    return {key: _rows(value, index) if isinstance(value, Mapping) else value[index]
+    return {key: rows_of(value, index) if isinstance(value, Mapping) else value[index]
             for key, value in inputs.items()}
+
+
+def group_rows(group: Sequence[ControlRows]) -> torch.Tensor:
+    """The rows of a ControlNet's forward over `group`: each use's rows, in order."""
+    return torch.cat([torch.arange(use.rows.start, use.rows.stop) for use in group])
+
+
+class ControlNetService(Protocol):
+    """ControlNets that run outside the worker (`deployments.controlnet_service`), in parallel
+    with its UNet: `start` sends one ControlNet's forward over its rows and returns what waits for
+    its uses' residuals (`net_residuals`'s, on the caller's device)."""
+
+    def start(self, model: str, name: str, sample: torch.Tensor, timesteps: torch.Tensor,
+              inputs: Mapping[str, Any], group: Sequence[ControlRows]) -> Callable[[], list[Residuals]]: ...
 
 
 def control_pixels(image: PIL.Image.Image, height: int, width: int) -> np.ndarray:

@@ -10,7 +10,7 @@ from diffusers import ControlNetModel
 
 from stepserve.engine.addons.lora import load_lora_file
 from stepserve.engine.addons.presets import preset_controlnet, preset_lora
-from stepserve.engine.families.base import LOCAL, DiffusionFamily
+from stepserve.engine.families.base import LOCAL, DiffusionFamily, ModelSource
 
 
 class AddonKind(str, Enum):
@@ -36,6 +36,18 @@ class AddonSource:
             raise ValueError(f"{self.kind.value} {self.name!r}: give exactly one of preset or path")
 
 
+def controlnet_model(source: AddonSource, model: ModelSource) -> ControlNetModel:
+    """The ControlNet `source` names, for base model `model`, float32 on the host."""
+    if source.preset is not None:
+        if source.preset != model.preset:
+            raise ValueError(f"ControlNet {source.name!r}: preset {source.preset!r} does not fit model "
+                             f"{model.name!r} (preset {model.preset!r})")
+        return preset_controlnet(model.family, source.preset, source.seed)
+    if not os.path.isdir(source.path):
+        raise FileNotFoundError(f"ControlNet {source.name!r}: folder {source.path!r} does not exist")
+    return ControlNetModel.from_pretrained(source.path, **LOCAL)
+
+
 def load_addon(source: AddonSource, family: DiffusionFamily) -> None:
     """Build or read `source` and serve it on `family` (its model's, with the denoiser loaded)."""
     if not family.takes_addons:
@@ -45,13 +57,7 @@ def load_addon(source: AddonSource, family: DiffusionFamily) -> None:
         raise ValueError(f"{source.kind.value} {source.name!r}: preset {source.preset!r} does not fit model "
                          f"{family.source.name!r} (preset {family.source.preset!r})")
     if source.kind is AddonKind.CONTROLNET:
-        if source.preset is not None:
-            controlnet = preset_controlnet(family.source.family, source.preset, source.seed)
-        else:
-            if not os.path.isdir(source.path):
-                raise FileNotFoundError(f"ControlNet {source.name!r}: folder {source.path!r} does not exist")
-            controlnet = ControlNetModel.from_pretrained(source.path, **LOCAL)
-        family.add_controlnet(source.name, controlnet)
+        family.add_controlnet(source.name, controlnet_model(source, family.source))
     else:
         lora = preset_lora(source.name, family.denoiser, source.seed) if source.preset is not None \
             else load_lora_file(source.name, source.path)

@@ -8,7 +8,7 @@ served result stays equal to the pipeline's.
 from __future__ import annotations
 
 import importlib.util
-from typing import Any, ClassVar, Collection, Sequence
+from typing import Any, Callable, ClassVar, Collection, Sequence
 
 import diffusers
 import numpy as np
@@ -20,7 +20,10 @@ from diffusers.utils.torch_utils import randn_tensor
 from transformers import CLIPTextModel, CLIPTokenizer, PreTrainedTokenizerBase
 
 from stepserve.engine.addons import StepAddons
-from stepserve.engine.addons.controlnet import control_residuals
+from stepserve.engine.addons.controlnet import (
+    ControlNetService, Residuals, active_uses, by_controlnet, control_residuals, sum_residuals,
+)
+from stepserve.engine.addons.overlap import late_residuals
 from stepserve.engine.addons.lora import LoraWeights, lora_rows
 from stepserve.engine.families.base import (
     ALL_PARTS, DENOISER, LOCAL, TEXT, VAE, DiffusionFamily, ModelSource, RowConditioning, TextEmbeddings,
@@ -136,6 +139,8 @@ class SD15Family(DiffusionFamily):
         self.denoiser = components.get(DENOISER)
         self.vae = components.get(VAE)
         self.controlnets: dict[str, ControlNetModel] = {}
+        # Where the ControlNets run when not here (SwiftDiffusion's ControlNet-as-a-Service).
+        self.controlnet_service: ControlNetService | None = None
         self.loras: dict[str, LoraWeights] = {}
         if self.denoiser is not None and device.type == "cuda" and self.xformers_attention \
                 and importlib.util.find_spec("xformers"):
@@ -219,12 +224,34 @@ class SD15Family(DiffusionFamily):
         self.refuse_sequence_parallel(sp_group)
         inputs = self.denoiser_inputs(cond)
         addons = addons or StepAddons()
-        residuals = control_residuals(self.controlnets, sample, timesteps, inputs, addons.controls)
-        if residuals is not None:
-            inputs = {**inputs, "down_block_additional_residuals": residuals[0],
-                      "mid_block_additional_residual": residuals[1]}
         with lora_rows(self.denoiser, self.loras, addons.loras):
+            if self.controlnet_service is not None and active_uses(addons.controls):
+                # The ControlNets run in the service while the UNet's encoder half runs here.
+                with late_residuals(self.denoiser, self._service_residuals(sample, timesteps, inputs, addons)):
+                    return self.denoiser(sample, timesteps, **inputs, return_dict=False)[0]
+            # Here, before the UNet, as the diffusers pipelines run them.
+            residuals = control_residuals(self.controlnets, sample, timesteps, inputs, addons.controls)
+            if residuals is not None:
+                inputs = {**inputs, "down_block_additional_residuals": residuals[0],
+                          "mid_block_additional_residual": residuals[1]}
             return self.denoiser(sample, timesteps, **inputs, return_dict=False)[0]
+
+    def _service_residuals(self, sample: torch.Tensor, timesteps: torch.Tensor, inputs: dict[str, Any],
+                           addons: StepAddons) -> Callable[[], Residuals]:
+        """Send each ControlNet's forward to the service now; returns what waits for them all and
+        sums each request's residuals in its order."""
+        active = active_uses(addons.controls)
+        sent = [(positions, self.controlnet_service.start(self.source.name, name, sample, timesteps, inputs,
+                                                          [active[p] for p in positions]))
+                for name, positions in by_controlnet(active).items()]
+
+        def wait() -> Residuals:
+            per_use: list = [None] * len(active)
+            for positions, residuals in sent:
+                for position, r in zip(positions, residuals()):
+                    per_use[position] = r
+            return sum_residuals(sample.shape[0], active, per_use)
+        return wait
 
     @torch.inference_mode()
     def decode(self, latents: torch.Tensor) -> np.ndarray:

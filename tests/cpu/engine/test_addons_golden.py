@@ -2,15 +2,18 @@
 alone: `StableDiffusion(XL)ControlNetPipeline` (one ControlNet, or three as a
 `MultiControlNetModel`) and the plain pipeline with `load_lora_weights` + `fuse_lora`."""
 
+import concurrent.futures
 import dataclasses
 
 import numpy as np
 import pytest
 import torch
 
-from stepserve.engine.addons.controlnet import control_pixels, control_tensor
+from stepserve.deployments.controlnet_service import ControlNetService
+from stepserve.engine.addons.controlnet import control_pixels, control_tensor, group_rows, rows_of
 from stepserve.engine.addons.lora import load_lora_file
 from stepserve.engine.addons.presets import preset_controlnet
+from stepserve.engine.addons.source import AddonKind, AddonSource
 from stepserve.engine.families import ALL_PARTS, load_family
 from stepserve.engine.sampler import Conditioning
 from stepserve.engine.step_runner import Admission
@@ -70,3 +73,42 @@ def test_controlnet_and_lora_requests_in_a_mixed_batch_equal_their_pipelines(ser
         if s is not plain:  # the add-ons change the image: the comparison can fail
             without = reference_image(family.source, dataclasses.replace(s, controlnets=(), loras=()), IMAGES, {})
             assert np.abs(expected - without).max() > 0.01, s.request_id
+
+
+class InProcessService:
+    """The worker's side of the ControlNet service with the transport left out: the real
+    `ControlNetService` class, called on a thread so the UNet's encoder half runs meanwhile, as
+    it does beside the deployment (served for real in tests/cpu/addons_live)."""
+
+    def __init__(self, service):
+        self.service = service
+        self.pool = concurrent.futures.ThreadPoolExecutor(2)
+
+    def start(self, model, name, sample, timesteps, inputs, group):
+        index = group_rows(group)
+        future = self.pool.submit(self.service.residuals, model, name, sample[index], timesteps[index],
+                                  rows_of(inputs, index), torch.cat([u.image for u in group]),
+                                  [u.rows.stop - u.rows.start for u in group], [u.scale for u in group])
+        return future.result
+
+
+def test_controlnets_served_by_the_service_while_the_unet_runs_equal_their_pipelines(served):
+    family, folders = served
+    sources = [AddonSource(AddonKind.CONTROLNET, name, family.source.name, preset=family.source.preset, seed=seed)
+               for name, seed in CONTROLNETS.items()]
+    family.controlnet_service = InProcessService(ControlNetService(sources, [family.source], "cpu", cache_size=2))
+    try:
+        three_cn = dataclasses.replace(
+            make_spec("three", steps=5, seed=7, model=family.source.name), loras=(LoraUse("papercut", 0.5),),
+            controlnets=(ControlNetUse("pose", 0.9), ControlNetUse("canny", 1.1, end=0.7), ControlNetUse("depth")))
+        one_cn = dataclasses.replace(make_spec("one", steps=4, seed=8, model=family.source.name),
+                                     controlnets=(ControlNetUse("canny", 0.6, start=0.2),))
+        plain = make_spec("plain", steps=6, seed=9, model=family.source.name)
+        latents = run_continuous_batch(family, {0: [plain, three_cn], 1: [one_cn]},
+                                       admit=lambda s: admission(family, s))
+    finally:
+        family.controlnet_service = None
+    for s in (plain, three_cn, one_cn):
+        served_image = family.decode(torch.from_numpy(latents[s.request_id]))[0]
+        np.testing.assert_allclose(served_image, reference_image(family.source, s, IMAGES, folders), atol=ATOL,
+                                   err_msg=s.request_id)

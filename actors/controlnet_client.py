@@ -1,0 +1,39 @@
+"""A worker's side of the ControlNet service (`deployments.controlnet_service`): one Serve call per
+ControlNet of a forward, sent before the worker's UNet starts and awaited once its mid block is done
+(`engine.addons.overlap`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from stepserve.engine.addons.controlnet import ControlRows, Residuals, group_rows, rows_of
+
+
+class ServiceControlNets:
+    """`engine.addons.controlnet.ControlNetService` over a handle to the deployment."""
+
+    def __init__(self, handle: Any):
+        # The worker calls from its plan's thread, outside any event loop, so the handle must run
+        # its request routing on a loop of its own. Serve would take that from the environment,
+        # which the worker inherits from the router (`serve_one_loop` turns it off there).
+        handle._init(_run_router_in_separate_loop=True)
+        self.handle = handle
+
+    def start(self, model: str, name: str, sample: torch.Tensor, timesteps: torch.Tensor,
+              inputs: Mapping[str, Any], group: Sequence[ControlRows]) -> Callable[[], list[Residuals]]:
+        index = group_rows(group).to(sample.device)
+        response = self.handle.residuals.remote(
+            model, name, sample[index].cpu(), timesteps[index].cpu(), _cpu(rows_of(inputs, index)),
+            torch.cat([use.image for use in group]).cpu(), [use.rows.stop - use.rows.start for use in group],
+            [use.scale for use in group])
+
+        def wait() -> list[Residuals]:
+            return [([d.to(sample.device) for d in down], mid.to(sample.device)) for down, mid in response.result()]
+        return wait
+
+
+def _cpu(inputs: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: _cpu(v) if isinstance(v, Mapping) else v.cpu() for k, v in inputs.items()}
