@@ -4,6 +4,7 @@ ControlNet of a forward, sent before the worker's UNet starts and awaited once i
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -33,6 +34,24 @@ class ServiceControlNets:
         def wait() -> list[Residuals]:
             return [([d.to(sample.device) for d in down], mid.to(sample.device)) for down, mid in response.result()]
         return wait
+
+
+class InProcessControlNets:
+    """The service's replica class in this process, each call on a thread so the UNet's encoder
+    half runs meanwhile as it does beside the deployment: for benchmarks and tests of what the
+    service computes (the deployment itself is tested live)."""
+
+    def __init__(self, service: Any, threads: int = 2):
+        self.service = service
+        self.pool = concurrent.futures.ThreadPoolExecutor(threads)
+
+    def start(self, model: str, name: str, sample: torch.Tensor, timesteps: torch.Tensor,
+              inputs: Mapping[str, Any], group: Sequence[ControlRows]) -> Callable[[], list[Residuals]]:
+        index = group_rows(group).to(sample.device)
+        future = self.pool.submit(self.service.residuals, model, name, sample[index], timesteps[index],
+                                  rows_of(inputs, index), torch.cat([use.image for use in group]),
+                                  [use.rows.stop - use.rows.start for use in group], [use.scale for use in group])
+        return future.result
 
 
 def _cpu(inputs: Mapping[str, Any]) -> dict[str, Any]:

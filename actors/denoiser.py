@@ -82,12 +82,14 @@ class DenoiserWorker:
     def __init__(self, worker_id: str, models: Sequence[ModelSource], device: str = "auto",
                  torch_threads: int | None = None, decode_images: bool = False, text_cache_size: int | None = None,
                  addons: Sequence[AddonSource] = (), lora_stores: Mapping[str, Any] | None = None,
-                 lora_join_by: float = 0.0, max_resident_loras: int = 32, controlnet_service: Any | None = None):
+                 lora_join_by: float = 0.0, max_resident_loras: int = 32, controlnet_service: Any | None = None,
+                 controlnet_stale: bool = False):
         """`text_cache_size`: None, the text encoder deployment encodes prompts; else this worker
         does, keeping that many embeddings. `addons`: the ControlNets it holds and the LoRAs it
         serves; LoRAs come from `lora_stores` (by node id; this node's, or any) as requests need
         them, or, with no store, are all loaded here at start. `controlnet_service`: a handle to the
-        ControlNet deployment, which then runs the ControlNets instead of this worker."""
+        ControlNet deployment, which then runs the ControlNets instead of this worker; with
+        `controlnet_stale`, a step may add the residuals of its request's previous step."""
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.device = resolve_device(device)
@@ -105,6 +107,7 @@ class DenoiserWorker:
             for family in families.values():
                 if family.takes_addons:
                     family.controlnet_service = ServiceControlNets(controlnet_service)
+                    family.controlnet_stale = controlnet_stale
         self.text = CachedTextEncoder(families, text_cache_size) if encodes else None
         # New on every process start: a restarted actor has lost every resident request.
         self.incarnation = uuid4().hex

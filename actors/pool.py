@@ -30,6 +30,8 @@ class WorkerPoolSpec:
     lora_join_by: float = 0.0  # `lora_loading.join_by`
     lora_store_bytes: int = 8 << 30  # `lora_loading.store_bytes`
     max_resident_loras: int = 32  # `lora_loading.max_resident`
+    preload_loras: bool = False  # `lora_loading.preload`: every worker loads every LoRA at start, no stores
+    controlnet_stale: bool = False  # `controlnet_service.stale`
 
     @property
     def loras(self) -> tuple[AddonSource, ...]:
@@ -37,9 +39,9 @@ class WorkerPoolSpec:
 
 
 def start_lora_stores(spec: WorkerPoolSpec, models: Sequence[ModelSource], name_prefix: str) -> dict[str, Any]:
-    """One LoRA store per live node (none when no LoRA is served), by node id: the workers of a
-    node share its store's host memory."""
-    if not spec.loras:
+    """One LoRA store per live node (none when no LoRA is served, or all are preloaded), by node
+    id: the workers of a node share its store's host memory."""
+    if not spec.loras or spec.preload_loras:
         return {}
     remote_cls = ray.remote(LoraStore)
     token = uuid.uuid4().hex[:8]
@@ -78,5 +80,5 @@ def start_workers(spec: WorkerPoolSpec, models: Sequence[ModelSource], name_pref
             max_concurrency=1,
         ).remote(worker_id, list(models), spec.device, spec.torch_threads, spec.decode_images,
                  spec.text_cache_size if spec.encode_text else None, spec.addons, lora_stores or {},
-                 spec.lora_join_by, spec.max_resident_loras, controlnet_service)
+                 spec.lora_join_by, spec.max_resident_loras, controlnet_service, spec.controlnet_stale)
     return workers, names

@@ -138,7 +138,11 @@ class LoraLoadingConfig(_Strict):
                     "may run before its LoRAs have arrived (they join at the first step after they do, at this "
                     "fraction at the latest). 0 (exact): a request waits in the queue until the LoRA store holds its "
                     "LoRAs, and applies them from its first step. `stepserve lora-bound` measures the paper's "
-                    "cosine-similarity bound for a model and LoRA.")
+                    "cosine-similarity bound for a model and LoRA. Unused with `preload`.")
+    preload: bool = Field(
+        default=False,
+        description="Load every configured LoRA on every worker at start and keep it there (no LoRA store): for a "
+                    "catalog small enough to fit each worker's memory. Off: LoRAs load when requests need them.")
     store_bytes: int = Field(default=8 << 30, ge=1 << 20,
                              description="Host memory per node for LoRA weights (the node's LoRA store, LRU).")
     max_resident: int = Field(default=32, ge=1, description="LoRAs each worker keeps in its device memory (LRU).")
@@ -286,6 +290,12 @@ class ControlNetServiceConfig(ComponentConfig):
                     "diffusers does. Pays where the service has devices of its own (GPUs); on a few shared CPU cores "
                     "the two compete for the same cores.")
     cache_size: int = Field(default=8, ge=1, description="ControlNets each replica keeps in device memory (LRU).")
+    stale: bool = Field(
+        default=False,
+        description="One step stale (SwiftDiffusion's pipelined ControlNet, for slow links): a step adds the residuals "
+                    "of its request's previous step, computed while that step ran, so neither the ControlNet nor the "
+                    "transfer is waited for (the first step of a request, or of a ControlNet's start..end, waits). An "
+                    "approximation: `python -m stepserve.load_tests.bench_stale_controlnet` measures its fidelity.")
     max_ongoing_requests: int = Field(default=4, ge=1, description="ControlNet forwards one replica runs at once.")
 
 

@@ -26,7 +26,7 @@ import torch
 from diffusers.configuration_utils import FrozenDict
 
 from stepserve.engine.addons import ControlRows, LoraRows, StepAddons
-from stepserve.engine.addons.controlnet import control_tensor
+from stepserve.engine.addons.controlnet import StaleResiduals, control_tensor
 from stepserve.engine.families.base import DiffusionFamily, RowConditioning, TextEmbeddings
 from stepserve.policies.types import RequestSpec
 
@@ -78,6 +78,7 @@ class Sampler:
             text = {name: torch.cat([uncond[name], text[name]]) for name in text}  # the pipelines' [uncond, cond]
         self.cond = family.row_conditioning(spec, text)
         self.control = _control_rows(spec, family, conditioning.control)
+        self.stale = _stale_holders(spec, family)
         self.loras_joined: dict[str, int] = {}  # LoRA name -> the step from which it applies
         self.step_index = 0
         self._bind(family)
@@ -141,8 +142,15 @@ class Sampler:
     def addons(self, first_row: int) -> StepAddons:
         """Its ControlNets and LoRAs at the next step, for its rows starting at `first_row` of a forward."""
         rows = slice(first_row, first_row + self.rows)
-        controls = tuple(ControlRows(use.name, rows, image, use.scale_at(self.step_index, self.steps_total))
-                         for use, image in zip(self.spec.controlnets, self.control))
+        last = self.step_index == self.steps_total - 1
+        controls = []
+        for i, (use, image) in enumerate(zip(self.spec.controlnets, self.control)):
+            scale = use.scale_at(self.step_index, self.steps_total)
+            stale = self.stale[i] if self.stale else None
+            if stale is not None and scale == 0.0:
+                stale.clear()  # off for now: residuals from before would be more than one step old
+            controls.append(ControlRows(use.name, rows, image, scale, stale, last))
+        controls = tuple(controls)
         loras = tuple(LoraRows(use.name, rows, use.scale) for use in self.spec.loras if use.name in self.loras_joined)
         return StepAddons(controls, loras)
 
@@ -201,6 +209,7 @@ class Sampler:
         self.control = tuple(image.to(device=family.device, dtype=family.dtype, copy=True)
                              for image in state["control"])
         self.loras_joined = dict(state["loras_joined"])
+        self.stale = _stale_holders(self.spec, family)  # stale residuals stay behind: one step waits
         _check_addons(self.spec, family)
         self.generator = torch.Generator("cpu")
         self.generator.set_state(state["generator_state"])
@@ -232,6 +241,12 @@ def _check_addons(spec: RequestSpec, family: DiffusionFamily) -> None:
     missing = sorted({use.name for use in spec.controlnets} - set(family.controlnets))
     if missing and family.controlnet_service is None:  # (the service knows its own)
         raise ValueError(f"ControlNet {missing} not loaded for model {family.source.name!r}")
+
+
+def _stale_holders(spec: RequestSpec, family: DiffusionFamily) -> tuple[StaleResiduals, ...]:
+    if spec.controlnets and family.controlnet_stale:
+        return tuple(StaleResiduals() for _ in spec.controlnets)
+    return ()
 
 
 def _control_rows(spec: RequestSpec, family: DiffusionFamily, images: tuple[torch.Tensor, ...]) -> tuple:

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 import httpx
+import openai
 
 from stepserve.load_tests.records import RequestRecord
 from stepserve.load_tests.workload import ScheduledRequest
@@ -86,6 +87,20 @@ async def _image(client: httpx.AsyncClient, request: ScheduledRequest) -> tuple[
     return response.status_code, None if response.status_code == 200 else _error_message(response)
 
 
+async def _image_via_openai(client: openai.AsyncOpenAI, request: ScheduledRequest) -> tuple[int, str | None]:
+    """The same request through the official client: OpenAI's fields as arguments, every
+    extension (steps, seed, add-ons...) in `extra_body`."""
+    body = request.body()
+    model = body.pop("model", None)
+    try:
+        await client.images.generate(
+            prompt=body.pop("prompt"), size=body.pop("size"), n=body.pop("n"), response_format="b64_json",
+            extra_body=body, **({} if model is None else {"model": model}))
+    except openai.APIStatusError as exc:
+        return exc.status_code, exc.message
+    return 200, None
+
+
 async def _video(client: httpx.AsyncClient, request: ScheduledRequest, poll_s: float,
                  job: dict[str, str]) -> tuple[int | None, str | None]:
     """Create the job and long-poll it until it ends; (200, None) once it is completed. `job` gets
@@ -124,7 +139,8 @@ async def _cancel_video(client: httpx.AsyncClient, video_id: str, budget_s: floa
 
 
 async def _one(client: httpx.AsyncClient, request: ScheduledRequest, start: float, timeout_s: float,
-               deadline_s: float, video_poll_s: float = VIDEO_POLL_S) -> RequestRecord:
+               deadline_s: float, video_poll_s: float = VIDEO_POLL_S,
+               sdk: openai.AsyncOpenAI | None = None) -> RequestRecord:
     def now() -> float:
         return time.perf_counter() - start
 
@@ -138,7 +154,10 @@ async def _one(client: httpx.AsyncClient, request: ScheduledRequest, start: floa
     # The run deadline caps every wait, so the run ends on time without cancelling anything.
     budget = min(timeout_s, deadline_s - sent)
     job: dict[str, str] = {}
-    call = _video(client, request, video_poll_s, job) if request.is_video else _image(client, request)
+    if request.is_video:
+        call = _video(client, request, video_poll_s, job)
+    else:
+        call = _image(client, request) if sdk is None else _image_via_openai(sdk, request)
     try:
         status, error = await asyncio.wait_for(call, budget)
     except asyncio.TimeoutError:
@@ -158,8 +177,10 @@ async def _one(client: httpx.AsyncClient, request: ScheduledRequest, start: floa
 
 
 async def run_open_loop(base_url: str, requests: Sequence[ScheduledRequest], request_timeout_s: float,
-                        deadline_s: float, video_poll_s: float = VIDEO_POLL_S) -> list[RequestRecord]:
+                        deadline_s: float, video_poll_s: float = VIDEO_POLL_S,
+                        via_openai: bool = False) -> list[RequestRecord]:
     """Send every request at its offset; returns one record per request, in workload order.
+    `via_openai`: images go through the official `openai` client (videos keep the job API).
 
     A request waits at most `request_timeout_s` for its answer (a video: for its job to end,
     long-polled, or polled every `video_poll_s` by a server that cannot), and nothing waits past `deadline_s` after the start; what is
@@ -167,8 +188,15 @@ async def run_open_loop(base_url: str, requests: Sequence[ScheduledRequest], req
     """
     if not video_poll_s > 0:
         raise ValueError(f"video_poll_s must be > 0, got {video_poll_s}")
+    sdk = openai.AsyncOpenAI(
+        base_url=f"{check_loopback(base_url)}/v1", api_key="unused", max_retries=0, timeout=request_timeout_s,
+        http_client=loopback_client(base_url)) if via_openai else None
     async with loopback_client(base_url) as client:
         start = time.perf_counter()
-        return list(await asyncio.gather(
-            *(_one(client, r, start, request_timeout_s, deadline_s, video_poll_s) for r in requests)
-        ))
+        try:
+            return list(await asyncio.gather(
+                *(_one(client, r, start, request_timeout_s, deadline_s, video_poll_s, sdk) for r in requests)
+            ))
+        finally:
+            if sdk is not None:
+                await sdk.close()

@@ -22,19 +22,25 @@ import secrets
 import time
 from typing import Any, Literal
 
+import numpy as np
 import torch
+from diffusers import MultiControlNetModel, StableDiffusionControlNetPipeline, StableDiffusionXLControlNetPipeline
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, ValidationError
 from ray import serve
 from ray.serve import Application
 
-from stepserve.deployments.config import ModelConfig
+from stepserve.deployments.config import AddonConfig, LimitsConfig, ModelConfig
+from stepserve.deployments.errors import APIError
+from stepserve.deployments.image_inputs import decode_base64_image
 from stepserve.deployments.protocol import ImageGenerationRequest
+from stepserve.engine.addons.source import AddonKind, controlnet_model
 from stepserve.engine.png import encode_png
 from stepserve.engine.families import ALL_PARTS, load_family
 
 GENERATIONS = "/v1/images/generations"
+CONTROLNET_PIPELINES = {"sd15": StableDiffusionControlNetPipeline, "sdxl": StableDiffusionXLControlNetPipeline}
 
 
 class PeerConfig(BaseModel):
@@ -49,6 +55,11 @@ class PeerConfig(BaseModel):
     max_batch_size: int = Field(default=8, ge=1, description="batched: most requests per pipeline call.")
     batch_wait_timeout_s: float = Field(default=0.5, ge=0, description="batched: how long a batch waits to fill.")
     ingress_num_cpus: float = Field(default=0.1, ge=0, description="CPUs of the ingress replica.")
+    controlnets: list[AddonConfig] = Field(
+        default_factory=list, description="per_request: ControlNets held by each replica and run before its UNet.")
+    loras: list[AddonConfig] = Field(
+        default_factory=list, description="per_request: LoRA files, loaded into the pipeline for each request that "
+                                          "uses them (load_lora_weights + fuse_lora, unfused and unloaded after).")
 
 
 class Rejected(Exception):
@@ -79,8 +90,14 @@ def parse(body: Any, model: ModelConfig) -> dict[str, Any]:
         raise Rejected(400, f"num_inference_steps must be in 1..{model.max_steps}", "num_inference_steps")
     guidance = model.default_guidance_scale if req.guidance_scale is None else req.guidance_scale
     seed = req.seed if req.seed is not None else secrets.randbelow(2**31)
+    try:
+        controlnets = [(c.name, decode_base64_image(c.image, "image", LimitsConfig()), c.conditioning_scale, c.start,
+                        c.end) for c in req.controlnets or ()]
+    except APIError as exc:
+        raise Rejected(exc.status, exc.message, exc.param) from None
     return {"prompt": req.prompt, "negative_prompt": req.negative_prompt, "width": width, "height": height,
-            "num_inference_steps": steps, "guidance_scale": guidance, "seed": seed}
+            "num_inference_steps": steps, "guidance_scale": guidance, "seed": seed, "controlnets": controlnets,
+            "loras": [(lora.name, lora.scale) for lora in req.loras or ()]}
 
 
 class PipelineModel:
@@ -104,8 +121,57 @@ class PipelineModel:
 
 
 class PerRequestPeer(PipelineModel):
+    def __init__(self, model: ModelConfig, torch_threads: int, controlnets: list[AddonConfig] = (),
+                 loras: list[AddonConfig] = ()):
+        super().__init__(model, torch_threads)
+        self.controlnets = {c.name: controlnet_model(c.to_source(AddonKind.CONTROLNET), model.to_source())
+                            for c in controlnets}
+        self.lora_paths = {lora.name: lora.path for lora in loras}
+
     def generate(self, request: dict[str, Any]) -> bytes:
+        if request["controlnets"] or request["loras"]:
+            return encode_png(image_with_addons(self.family, self.controlnets, self.lora_paths, request))
         return self.run([request])[0]
+
+
+def image_with_addons(family: Any, controlnets: dict[str, Any], lora_paths: dict[str, str],
+                      request: dict[str, Any]) -> np.ndarray:
+    """One image with add-ons, the diffusers way (SwiftDiffusion's DIFFUSERS baseline): its LoRAs
+    read from their files and fused into the UNet (`load_lora_weights`, `set_adapters`,
+    `fuse_lora`), its ControlNets run before the UNet at every step by the ControlNet pipeline
+    (`MultiControlNetModel` for several), the LoRAs unfused and unloaded after. `family.pipe`'s
+    UNet is changed while this runs."""
+    pipe = family.pipe
+    names = [name for name, _ in request["loras"]]
+    if names:
+        for name in names:
+            pipe.load_lora_weights(lora_paths[name], adapter_name=name)
+        pipe.set_adapters(names, adapter_weights=[scale for _, scale in request["loras"]])
+        pipe.fuse_lora(adapter_names=names)
+    try:
+        extra: dict[str, Any] = {}
+        uses = request["controlnets"]
+        if uses:
+            one = (lambda xs: xs) if len(uses) > 1 else (lambda xs: xs[0])
+            cls = CONTROLNET_PIPELINES[family.source.family]
+            components = {k: v for k, v in pipe.components.items() if k in cls._get_signature_keys(cls)[0]}
+            nets = [controlnets[name] for name, *_ in uses]
+            quiet = {"requires_safety_checker": False} if family.source.family == "sd15" else {}
+            pipe = cls(**components, controlnet=nets[0] if len(nets) == 1 else MultiControlNetModel(nets), **quiet)
+            pipe.set_progress_bar_config(disable=True)
+            extra = dict(image=one([u[1] for u in uses]), controlnet_conditioning_scale=one([u[2] for u in uses]),
+                         control_guidance_start=one([u[3] for u in uses]), control_guidance_end=one([u[4] for u in uses]))
+        with torch.inference_mode():
+            return pipe(
+                request["prompt"], negative_prompt=request["negative_prompt"] or None, height=request["height"],
+                width=request["width"], num_inference_steps=request["num_inference_steps"],
+                guidance_scale=request["guidance_scale"], generator=torch.Generator("cpu").manual_seed(request["seed"]),
+                output_type="np", **extra,
+            ).images[0]
+    finally:
+        if names:
+            family.pipe.unfuse_lora()
+            family.pipe.unload_lora_weights()
 
 
 def shape_of(request: dict[str, Any]) -> tuple:
@@ -119,6 +185,8 @@ class BatchedPeer(PipelineModel):
         self.generate_batch.set_batch_wait_timeout_s(batch_wait_timeout_s)
 
     async def generate(self, request: dict[str, Any]) -> bytes:
+        if request["controlnets"] or request["loras"]:
+            raise ValueError("the batched peer serves no add-ons (one pipeline call serves one adapter set)")
         return await self.generate_batch(request)
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.5)
@@ -170,7 +238,8 @@ def model_deployment(config: PeerConfig) -> Application:
     options = {"num_replicas": config.num_replicas, "ray_actor_options": {"num_cpus": config.num_cpus}}
     if config.mode == "per_request":
         return serve.deployment(PerRequestPeer, name="PerRequestPeer").options(
-            max_ongoing_requests=1, **options).bind(config.model, config.torch_threads)
+            max_ongoing_requests=1, **options).bind(config.model, config.torch_threads, config.controlnets,
+                                                    config.loras)
     return serve.deployment(BatchedPeer, name="BatchedPeer").options(
         max_ongoing_requests=4 * config.max_batch_size, **options,
     ).bind(config.model, config.torch_threads, config.max_batch_size, config.batch_wait_timeout_s)

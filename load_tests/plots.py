@@ -6,6 +6,7 @@ backend or figure registry is touched and nothing needs a display.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -358,4 +359,78 @@ def plot_lora_bound(result: Mapping, title: str, path: Path) -> None:
     fidelity.set_xlabel("step the LoRA joins at")
     fidelity.set_ylabel("PSNR vs exact, dB (o-)")
     ssim_axis.set_ylabel("SSIM vs exact (s--)")
+    fig.savefig(path, dpi=110)
+
+
+def plot_addons(runs: Mapping[str, Sequence[Mapping]], overhead: Sequence[Mapping], title: str, path: Path) -> None:
+    """Left: latency CDF per system (all repeats); right: P50 and P95 per system, with the LoRAs'
+    paired overhead in the title of the panel."""
+    fig = _figure(12, 4.2)
+    cdf, bars = fig.subplots(1, 2, width_ratios=(1.6, 1))
+    fig.suptitle(title)
+    names = list(runs)
+    for i, name in enumerate(names):
+        latencies = sorted(x for run in runs[name] for x in run["latencies"] if x is not None)
+        if latencies:
+            cdf.step(latencies, [(k + 1) / len(latencies) for k in range(len(latencies))], where="post",
+                     color=f"C{i}", label=name)
+    cdf.set_xlabel("latency, s")
+    cdf.set_ylabel("fraction of requests")
+    cdf.legend(fontsize=8)
+    width = 0.38
+    for j, (key, label) in enumerate((("latency_p50_s", "P50"), ("latency_p95_s", "P95"))):
+        values = [statistics.median(r["summary"][key] for r in runs[name] if r["summary"][key] is not None)
+                  for name in names]
+        bars.bar([k + (j - 0.5) * width for k in range(len(names))], values, width, label=label)
+    bars.set_xticks(range(len(names)), names, rotation=20, fontsize=8)
+    bars.set_ylabel("seconds (median over repeats)")
+    shares = {part: [o[part]["mean_fraction"] for o in overhead if o[part].get("requests")]
+              for part in ("loading", "applying")}
+    if all(shares.values()):
+        bars.set_title(f"of a LoRA request's latency, loading its LoRAs: {statistics.median(shares['loading']):.1%}, "
+                       f"applying them: {statistics.median(shares['applying']):.1%}", fontsize=9)
+    bars.legend(fontsize=8)
+    fig.savefig(path, dpi=110)
+
+
+def plot_controlnet_parallel(report: Mapping, path: Path) -> None:
+    """Speed-up of one request's step over running its ControlNets before the UNet, by number of
+    ControlNets: each transport's, and the ideal (free communication)."""
+    fig = _figure(7, 4)
+    ax = fig.add_subplot(1, 1, 1)
+    results = report["results"]
+    counts = sorted({r["controlnets"] for r in results})
+    transports = list(dict.fromkeys(r["transport"] for r in results))
+    width = 0.8 / (len(transports) + 1)
+    ideal = [next(r["ideal_speedup"] for r in results if r["controlnets"] == m) for m in counts]
+    ax.bar([i - 0.4 + width / 2 for i in range(len(counts))], ideal, width, color="0.7", label="ideal")
+    for j, name in enumerate(transports):
+        values = [next(r["speedup"] for r in results if r["controlnets"] == m and r["transport"] == name)
+                  for m in counts]
+        ax.bar([i - 0.4 + width * (j + 1.5) for i in range(len(counts))], values, width, label=name)
+    for m, (achieved, paper_ideal) in report["paper"].items():
+        i = counts.index(int(m))
+        ax.plot([i - 0.4, i + 0.4], [achieved, achieved], "k--", linewidth=0.8)
+    ax.set_xticks(range(len(counts)), [f"{m} ControlNet{'s' * (m > 1)}" for m in counts])
+    ax.set_ylabel("step speed-up over sequential")
+    ax.set_title(f"{report['family']} {report['size']}px, {report['profile']} (dashed: SwiftDiffusion's achieved)",
+                 fontsize=9)
+    ax.legend(fontsize=8)
+    fig.savefig(path, dpi=110)
+
+
+def plot_stale_controlnet(summary: Sequence[Mapping], title: str, path: Path) -> None:
+    """PSNR and SSIM against exact of one-step-stale ControlNets, and of no ControlNets at all."""
+    fig = _figure(9, 3.8)
+    left, right = fig.subplots(1, 2)
+    fig.suptitle(title)
+    labels = [f"{s['controlnets']} CN, {s['steps']} steps" for s in summary]
+    width = 0.38
+    for ax, metric, unit in ((left, "psnr_db", "PSNR vs exact, dB"), (right, "ssim", "SSIM vs exact")):
+        for j, (prefix, label) in enumerate((("stale", "one step stale"), ("no_controlnet", "no ControlNets"))):
+            ax.bar([k + (j - 0.5) * width for k in range(len(summary))], [s[f"{prefix}_{metric}"] for s in summary],
+                   width, label=label)
+        ax.set_xticks(range(len(summary)), labels, rotation=15, fontsize=8)
+        ax.set_ylabel(unit)
+    left.legend(fontsize=8)
     fig.savefig(path, dpi=110)

@@ -28,6 +28,8 @@ from typing import Any, Literal, Protocol, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from stepserve.load_tests.addon_mix import control_image_b64
+
 DEFAULT_PROMPT = "a watercolor painting of a lighthouse on a cliff at dusk"
 WORKLOADS_DIR = Path(__file__).resolve().parent / "workloads"
 
@@ -310,6 +312,8 @@ class ScheduledRequest:
     request_class: str = ""
     num_frames: int | None = None  # a video request when set
     fps: int = 16
+    controlnets: tuple[str, ...] = ()  # ControlNet names (`addon_mix.with_addons`), each with a control image
+    loras: tuple[str, ...] = ()  # LoRA names
 
     @property
     def uses_cfg(self) -> bool:
@@ -335,6 +339,11 @@ class ScheduledRequest:
             body["model"] = self.model
         if self.negative_prompt:
             body["negative_prompt"] = self.negative_prompt
+        if self.controlnets:
+            body["controlnets"] = [{"name": name, "image": control_image_b64(name, self.width, self.height)}
+                                   for name in self.controlnets]
+        if self.loras:
+            body["loras"] = [{"name": name} for name in self.loras]
         return body
 
 

@@ -28,6 +28,21 @@ from diffusers.image_processor import VaeImageProcessor
 Residuals = tuple[list[torch.Tensor], torch.Tensor]
 
 
+class StaleResiduals:
+    """One request's use of one ControlNet, one step stale (`controlnet_service.stale`,
+    SwiftDiffusion's pipelined ControlNet for slow links): a step adds the residuals of the
+    previous step's input while this step's are computed for the next, so neither the
+    ControlNet nor the transfer is waited for. The residuals are kept unscaled; a step scales
+    them by its own scale. Not part of an exported state: after a move, a step waits once."""
+
+    def __init__(self) -> None:
+        self.ready: Residuals | None = None  # of the previous step's input
+        self.coming: Callable[[], Residuals] | None = None  # of this step's input, being computed
+
+    def clear(self) -> None:
+        self.ready = self.coming = None
+
+
 @dataclass(frozen=True)
 class ControlRows:
     """One request's use of one ControlNet in a forward."""
@@ -36,6 +51,8 @@ class ControlRows:
     rows: slice  # the request's rows of the forward's batch
     image: torch.Tensor  # [rows, 3, H, W] in [0, 1]: one copy per row, as the pipelines repeat it under CFG
     scale: float  # conditioning scale at this step (0 outside its start/end: it contributes nothing)
+    stale: StaleResiduals | None = None  # set when the ControlNet may be one step stale
+    last: bool = False  # the request's last step: nothing to compute for a next one
 
 
 def control_residuals(

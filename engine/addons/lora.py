@@ -140,18 +140,43 @@ def _update(layer: LoraLayer, base: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return F.linear(F.linear(x, layer.down), layer.up)
 
 
+@dataclass(frozen=True)
+class _Rows:
+    """One LoRA's rows in a forward, prepared once for all the layers it targets."""
+
+    index: torch.Tensor | None  # None: every row of the batch, in order
+    scales: torch.Tensor | float  # the request scale per row ([n, 1, ...] as the output), or one for all
+
+    @classmethod
+    def of(cls, uses: Sequence[LoraRows], batch: int, device: torch.device) -> "_Rows":
+        index = torch.cat([torch.arange(u.rows.start, u.rows.stop) for u in uses])
+        all_rows = len(index) == batch and bool((index == torch.arange(batch)).all())
+        if len({u.scale for u in uses}) == 1:
+            scales: torch.Tensor | float = uses[0].scale
+        else:
+            scales = torch.cat([torch.full((u.rows.stop - u.rows.start,), u.scale) for u in uses]).to(device)
+        return cls(None if all_rows else index.to(device), scales)
+
+
 @contextmanager
-def lora_rows(denoiser: nn.Module, loras: dict[str, LoraWeights], uses: Sequence[LoraRows]) -> Iterator[None]:
-    """While open, `denoiser`'s forwards add each use's update to its rows. Hooks are installed
-    only for the layers this forward's LoRAs target, and removed after."""
-    by_module: dict[str, list[tuple[LoraLayer, list[LoraRows]]]] = {}
+def lora_rows(denoiser: nn.Module, loras: dict[str, LoraWeights], uses: Sequence[LoraRows],
+              batch: int | None = None) -> Iterator[None]:
+    """While open, `denoiser`'s forwards (of `batch` rows) add each use's update to its rows.
+    Hooks are installed only for the layers this forward's LoRAs target, and removed after."""
     by_lora: dict[str, list[LoraRows]] = {}
     for use in uses:
         if use.scale != 0.0:
             by_lora.setdefault(use.name, []).append(use)
+    if not by_lora:
+        yield
+        return
+    device = next(denoiser.parameters()).device
+    batch = batch if batch is not None else max(u.rows.stop for u in uses)
+    by_module: dict[str, list[tuple[LoraLayer, _Rows]]] = {}
     for lora_name, lora_uses in by_lora.items():
+        rows = _Rows.of(lora_uses, batch, device)
         for module, layer in loras[lora_name].layers.items():
-            by_module.setdefault(module, []).append((layer, lora_uses))
+            by_module.setdefault(module, []).append((layer, rows))
     handles = []
     try:
         for module, updates in by_module.items():
@@ -162,14 +187,19 @@ def lora_rows(denoiser: nn.Module, loras: dict[str, LoraWeights], uses: Sequence
             handle.remove()
 
 
-def _hook(updates: list[tuple[LoraLayer, list[LoraRows]]]):
+def _hook(updates: list[tuple[LoraLayer, _Rows]]):
     def add_updates(base: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        # `output` is the layer's own fresh tensor, seen by nobody yet: updated in place.
         x = args[0]
-        output = output.clone()
-        for layer, uses in updates:
-            index = torch.cat([torch.arange(u.rows.start, u.rows.stop) for u in uses]).to(x.device)
-            scale = torch.cat([torch.full((u.rows.stop - u.rows.start,), u.scale * layer.scaling) for u in uses])
-            scale = scale.to(device=x.device, dtype=output.dtype).view(-1, *([1] * (output.dim() - 1)))
-            output.index_add_(0, index, _update(layer, base, x[index]) * scale)
+        for layer, rows in updates:
+            update = _update(layer, base, x if rows.index is None else x.index_select(0, rows.index))
+            if isinstance(rows.scales, float):
+                update = update * (rows.scales * layer.scaling)
+            else:
+                update = update * (rows.scales * layer.scaling).to(output.dtype).view(-1, *[1] * (output.dim() - 1))
+            if rows.index is None:
+                output.add_(update)
+            else:
+                output.index_add_(0, rows.index, update)
         return output
     return add_updates

@@ -8,6 +8,8 @@ served result stays equal to the pipeline's.
 from __future__ import annotations
 
 import importlib.util
+import functools
+from dataclasses import replace
 from typing import Any, Callable, ClassVar, Collection, Sequence
 
 import diffusers
@@ -139,8 +141,10 @@ class SD15Family(DiffusionFamily):
         self.denoiser = components.get(DENOISER)
         self.vae = components.get(VAE)
         self.controlnets: dict[str, ControlNetModel] = {}
-        # Where the ControlNets run when not here (SwiftDiffusion's ControlNet-as-a-Service).
+        # Where the ControlNets run when not here (SwiftDiffusion's ControlNet-as-a-Service), and
+        # whether their residuals may be one step stale (`controlnet_service.stale`).
         self.controlnet_service: ControlNetService | None = None
+        self.controlnet_stale = False
         self.loras: dict[str, LoraWeights] = {}
         if self.denoiser is not None and device.type == "cuda" and self.xformers_attention \
                 and importlib.util.find_spec("xformers"):
@@ -224,7 +228,7 @@ class SD15Family(DiffusionFamily):
         self.refuse_sequence_parallel(sp_group)
         inputs = self.denoiser_inputs(cond)
         addons = addons or StepAddons()
-        with lora_rows(self.denoiser, self.loras, addons.loras):
+        with lora_rows(self.denoiser, self.loras, addons.loras, batch=sample.shape[0]):
             if self.controlnet_service is not None and active_uses(addons.controls):
                 # The ControlNets run in the service while the UNet's encoder half runs here.
                 with late_residuals(self.denoiser, self._service_residuals(sample, timesteps, inputs, addons)):
@@ -238,18 +242,39 @@ class SD15Family(DiffusionFamily):
 
     def _service_residuals(self, sample: torch.Tensor, timesteps: torch.Tensor, inputs: dict[str, Any],
                            addons: StepAddons) -> Callable[[], Residuals]:
-        """Send each ControlNet's forward to the service now; returns what waits for them all and
-        sums each request's residuals in its order."""
+        """Send the ControlNet forwards this step needs to the service now (each ControlNet's
+        uses in one call, unscaled); returns what waits for them and sums each request's
+        residuals, scaled, in its order. A use that may be one step stale and has its previous
+        step's residuals takes those, and its forward now is for its next step."""
         active = active_uses(addons.controls)
-        sent = [(positions, self.controlnet_service.start(self.source.name, name, sample, timesteps, inputs,
-                                                          [active[p] for p in positions]))
-                for name, positions in by_controlnet(active).items()]
+        for use in active:
+            if use.stale is not None and use.stale.coming is not None:  # last step's, done by now
+                use.stale.ready, use.stale.coming = use.stale.coming(), None
+        now = [use.stale is None or use.stale.ready is None for use in active]  # waited for this step
+        sends = [not (use.stale is not None and use.stale.ready is not None and use.last) for use in active]
+        calls: list[tuple[list[int], Callable[[], list[Residuals]]]] = []
+        for name, positions in by_controlnet(active).items():
+            positions = [p for p in positions if sends[p]]
+            if positions:
+                unscaled = [replace(active[p], scale=1.0) for p in positions]
+                calls.append((positions, self.controlnet_service.start(self.source.name, name, sample, timesteps,
+                                                                       inputs, unscaled)))
+        for positions, residuals in calls:  # the stale uses' next step comes from their call
+            for i, p in enumerate(positions):
+                if not now[p]:
+                    active[p].stale.coming = functools.partial(_nth, residuals, i)
 
         def wait() -> Residuals:
-            per_use: list = [None] * len(active)
-            for positions, residuals in sent:
-                for position, r in zip(positions, residuals()):
-                    per_use[position] = r
+            fresh: dict[int, Residuals] = {}
+            for positions, residuals in calls:
+                if any(now[p] for p in positions):
+                    fresh.update((p, r) for p, r in zip(positions, residuals()) if now[p])
+            per_use = []
+            for p, use in enumerate(active):
+                down, mid = fresh[p] if now[p] else use.stale.ready
+                if use.stale is not None and now[p]:
+                    use.stale.ready = (down, mid)  # this step's input: the next step's stale residuals
+                per_use.append(([d * use.scale for d in down], mid * use.scale))
             return sum_residuals(sample.shape[0], active, per_use)
         return wait
 
@@ -268,3 +293,7 @@ def _has_submodule(module: torch.nn.Module, name: str) -> bool:
     except AttributeError:
         return False
     return True
+
+
+def _nth(residuals: Callable[[], list[Residuals]], i: int) -> Residuals:
+    return residuals()[i]

@@ -2,22 +2,24 @@
 alone: `StableDiffusion(XL)ControlNetPipeline` (one ControlNet, or three as a
 `MultiControlNetModel`) and the plain pipeline with `load_lora_weights` + `fuse_lora`."""
 
-import concurrent.futures
 import dataclasses
+import math
 
 import numpy as np
 import pytest
 import torch
 
+from stepserve.actors.controlnet_client import InProcessControlNets
 from stepserve.deployments.controlnet_service import ControlNetService
-from stepserve.engine.addons.controlnet import control_pixels, control_tensor, group_rows, rows_of
+from stepserve.engine.addons.controlnet import control_pixels, control_tensor
 from stepserve.engine.addons.lora import load_lora_file
 from stepserve.engine.addons.presets import preset_controlnet
 from stepserve.engine.addons.source import AddonKind, AddonSource
 from stepserve.engine.families import ALL_PARTS, load_family
 from stepserve.engine.sampler import Conditioning
-from stepserve.engine.step_runner import Admission
-from stepserve.policies.types import ControlNetUse, LoraUse
+from stepserve.engine.step_runner import Admission, StepRunner
+from stepserve.load_tests.fidelity import psnr
+from stepserve.policies.types import ControlNetUse, LoraUse, StepGroup, WorkerPlan
 
 from tests.addons import CONTROLNETS, reference_image, write_preset_loras
 from tests.tiny import TINY, TINY_SDXL, conditioning_for, control_image, make_spec, run_continuous_batch
@@ -75,28 +77,11 @@ def test_controlnet_and_lora_requests_in_a_mixed_batch_equal_their_pipelines(ser
             assert np.abs(expected - without).max() > 0.01, s.request_id
 
 
-class InProcessService:
-    """The worker's side of the ControlNet service with the transport left out: the real
-    `ControlNetService` class, called on a thread so the UNet's encoder half runs meanwhile, as
-    it does beside the deployment (served for real in tests/cpu/addons_live)."""
-
-    def __init__(self, service):
-        self.service = service
-        self.pool = concurrent.futures.ThreadPoolExecutor(2)
-
-    def start(self, model, name, sample, timesteps, inputs, group):
-        index = group_rows(group)
-        future = self.pool.submit(self.service.residuals, model, name, sample[index], timesteps[index],
-                                  rows_of(inputs, index), torch.cat([u.image for u in group]),
-                                  [u.rows.stop - u.rows.start for u in group], [u.scale for u in group])
-        return future.result
-
-
 def test_controlnets_served_by_the_service_while_the_unet_runs_equal_their_pipelines(served):
     family, folders = served
     sources = [AddonSource(AddonKind.CONTROLNET, name, family.source.name, preset=family.source.preset, seed=seed)
                for name, seed in CONTROLNETS.items()]
-    family.controlnet_service = InProcessService(ControlNetService(sources, [family.source], "cpu", cache_size=2))
+    family.controlnet_service = InProcessControlNets(ControlNetService(sources, [family.source], "cpu", cache_size=2))
     try:
         three_cn = dataclasses.replace(
             make_spec("three", steps=5, seed=7, model=family.source.name), loras=(LoraUse("papercut", 0.5),),
@@ -112,3 +97,35 @@ def test_controlnets_served_by_the_service_while_the_unet_runs_equal_their_pipel
         served_image = family.decode(torch.from_numpy(latents[s.request_id]))[0]
         np.testing.assert_allclose(served_image, reference_image(family.source, s, IMAGES, folders), atol=ATOL,
                                    err_msg=s.request_id)
+
+
+def test_one_step_stale_controlnets_stay_close_to_exact_and_survive_a_move(served):
+    """Stale residuals change the image a little (the approximation is real) and far less than
+    leaving the ControlNets out; a request moved mid-way waits once for fresh residuals."""
+    family, _ = served
+    sources = [AddonSource(AddonKind.CONTROLNET, name, family.source.name, preset=family.source.preset, seed=seed)
+               for name, seed in CONTROLNETS.items()]
+    spec = dataclasses.replace(make_spec("s", steps=6, seed=3, model=family.source.name),
+                               controlnets=(ControlNetUse("depth", 1.0), ControlNetUse("pose", 0.8, start=0.3)))
+    family.controlnet_service = InProcessControlNets(ControlNetService(sources, [family.source], "cpu"))
+    try:
+        exact = run_continuous_batch(family, {0: [spec]}, admit=lambda s: admission(family, s))["s"]
+        family.controlnet_stale = True
+        stale = run_continuous_batch(family, {0: [spec]}, admit=lambda s: admission(family, s))["s"]
+        runner, step = StepRunner("w0", {family.source.name: family}), (StepGroup(("s",)),)
+        runner.execute(WorkerPlan("w0", admit=("s",), groups=step), {"s": admission(family, spec)})
+        runner.execute(WorkerPlan("w0", groups=step), {})
+        _, (state,) = runner.execute(WorkerPlan("w0", groups=step, export=("s",)), {})
+        other = StepRunner("w1", {family.source.name: family})
+        other.execute(WorkerPlan("w1", admit=("s",), groups=step), {"s": Admission(spec, state=state)})
+        other.execute(WorkerPlan("w1", groups=step), {})
+        report, (moved,) = other.execute(WorkerPlan("w1", groups=step, finish=("s",)), {})
+        assert not report.failed and state["step_index"] == 3
+    finally:
+        family.controlnet_service, family.controlnet_stale = None, False
+    without = reference_image(family.source, dataclasses.replace(spec, controlnets=()), IMAGES, {})
+    images = {k: family.decode(torch.from_numpy(v))[0] for k, v in (("exact", exact), ("stale", stale),
+                                                                    ("moved", moved))}
+    assert 35 < psnr(images["stale"], images["exact"]) < math.inf
+    assert psnr(images["stale"], images["exact"]) > psnr(without, images["exact"]) + 5
+    assert 35 < psnr(images["moved"], images["exact"]) < math.inf
