@@ -60,6 +60,12 @@ class RouterMetrics:
             "stepserve_recoveries", "Requests that lost their state to a worker fault and resumed from their "
             "last checkpoint.", registry=r)
 
+        self.lora_wait = Histogram(
+            "stepserve_lora_wait_seconds",
+            "Time spent on LoRAs loading: queue (a request exactly waiting in the queue for the LoRA store to "
+            "hold its LoRAs, per LoRA request) and batch (a plan's time bringing LoRAs to its worker, times the "
+            "requests stepping in it: what the batch waited, summed over its requests).",
+            ["where"], buckets=STAGE_BUCKETS, registry=r)
         self.request_stage = Histogram(
             "stepserve_request_stage_seconds",
             "Where a finished request's time went in the router: text_encode (arrival to embeddings), queue "

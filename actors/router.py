@@ -225,7 +225,7 @@ class Router:
         worker on any node may admit it); once that is done, it is ready if `then_ready`. The
         embeddings are never fetched here: the worker that admits the request reads them (and a
         failed encoding fails the request there, on its own)."""
-        jobs = ([self._embeddings(spec)] if text else []) + ([self._prefetch_loras(spec)] if loras else [])
+        jobs = ([self._embeddings(spec)] if text else []) + ([self._prefetch_loras(spec, then_ready)] if loras else [])
         try:
             done = await asyncio.gather(*jobs)
         except _Unprepared as exc:
@@ -246,10 +246,13 @@ class Router:
             raise _Unprepared("text encoder unavailable") from None
         return ref
 
-    async def _prefetch_loras(self, spec: RequestSpec) -> None:
+    async def _prefetch_loras(self, spec: RequestSpec, waited_for: bool) -> None:
         names = [use.name for use in spec.loras]
+        started = time.perf_counter()
         try:
             await asyncio.gather(*(store.prefetch.remote(spec.model, names) for store in self.lora_stores.values()))
+            if waited_for:
+                self.metrics.lora_wait.labels("queue").observe(time.perf_counter() - started)
         except Exception as exc:
             cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) and exc.cause is not None else exc
             raise _Unprepared(f"LoRA unavailable: {type(cause).__name__}: {cause}") from None
@@ -328,6 +331,8 @@ class Router:
                 self.metrics.worker_wait.labels(wid).observe(report.waited_s)
             if report.batch_size:
                 self.metrics.batch_size.observe(report.batch_size)
+            if report.lora_wait_s:
+                self.metrics.lora_wait.labels("batch").observe(report.lora_wait_s * max(1, report.batch_size))
             self._handle(self.core.apply(report, now))
             self._kick.set()
 

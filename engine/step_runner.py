@@ -125,6 +125,7 @@ class StepRunner:
             batch_size=len(plan.stepping),
             incarnation=self.incarnation,
             steps_run=steps_run if cut else None,
+            lora_wait_s=run.lora_wait_s,
         )
         return report, payloads
 
@@ -138,6 +139,7 @@ class _PlanRun:
         self.samplers = runner.samplers
         self.touched: dict[str, None] = {}  # admitted or stepped, in order
         self.failed: dict[str, RequestFailure] = {}
+        self.lora_wait_s = 0.0  # in `_apply_loras`: the batch waits meanwhile
 
     def fail(self, rid: str, message: str, lost: bool) -> None:
         self.failed.setdefault(rid, RequestFailure(rid, message, lost))
@@ -195,6 +197,13 @@ class _PlanRun:
     def _apply_loras(self, sampler: Sampler) -> None:
         """Its LoRAs for the next step: the joined ones must be here (it may have moved from
         another worker); pending ones join once here, and by its deadline at the latest."""
+        started = time.perf_counter()
+        try:
+            self._bring_joined_and_due(sampler)
+        finally:
+            self.lora_wait_s += time.perf_counter() - started
+
+    def _bring_joined_and_due(self, sampler: Sampler) -> None:
         spec = sampler.spec
         family = self.family(spec)
         loader = self.runner.loras

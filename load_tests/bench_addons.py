@@ -38,6 +38,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
 from stepserve.deployments.config import AppConfig
 from stepserve.engine.addons.presets import preset_lora, save_lora_file
 from stepserve.engine.families import DENOISER, load_family
@@ -47,6 +48,7 @@ from stepserve.load_tests.live import run_open_loop, wait_ready
 from stepserve.load_tests.local_app import bench_serve_config, deployed, free_port, local_ray, log
 from stepserve.load_tests.metrics import summarize
 from stepserve.load_tests.plots import plot_addons
+from stepserve.load_tests.server_metrics import scrape_text
 from stepserve.load_tests.workload import generate, load_workload
 from stepserve.policies.cost_model import load_profile
 from stepserve.runtime import default_config_path, load_serve_config
@@ -111,7 +113,18 @@ def system_configs(base: dict[str, Any], port: int, loras: list[dict[str, Any]],
     return configs
 
 
+def lora_waits(exposition: str) -> dict[str, float]:
+    """stepserve's `stepserve_lora_wait_seconds` sums by where (queue, batch)."""
+    out = {"queue": 0.0, "batch": 0.0}
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            if sample.name == "stepserve_lora_wait_seconds_sum":
+                out[sample.labels["where"]] += sample.value
+    return out
+
+
 def run_system(name: str, config: dict[str, Any], requests: list, args: argparse.Namespace) -> dict[str, Any]:
+    measured = name.startswith("stepserve")  # its own account of the time LoRA loading took
     with deployed(config) as url:
         asyncio.run(wait_ready(url))
         warm = requests[:args.warmup]
@@ -119,12 +132,23 @@ def run_system(name: str, config: dict[str, Any], requests: list, args: argparse
         asyncio.run(run_open_loop(url, warm, args.request_timeout, warm[-1].offset_s + args.request_timeout,
                                   via_openai=True))
         time.sleep(2.0)
+        before = lora_waits(asyncio.run(scrape_text(url))) if measured else None
         records = asyncio.run(run_open_loop(url, requests, args.request_timeout,
                                             requests[-1].offset_s + args.request_timeout, via_openai=True))
+        after = lora_waits(asyncio.run(scrape_text(url))) if measured else None
     summary = summarize(records)
     failed = [r.error for r in records if not r.ok][:3]
     log(f"[{name}] P50 {summary.latency_p50_s} P95 {summary.latency_p95_s} ok {summary.ok}/{summary.count} {failed}")
-    return {"summary": asdict(summary), "latencies": [r.latency_s if r.ok else None for r in records]}
+    out = {"summary": asdict(summary), "latencies": [r.latency_s if r.ok else None for r in records]}
+    if measured:
+        waits = {where: after[where] - before[where] for where in after}
+        total = sum(r.latency_s for r in records if r.ok)
+        out["lora_wait_s"] = waits
+        # What waiting for LoRAs to load cost all requests together, against all their latency.
+        out["lora_loading_share"] = (waits["queue"] + waits["batch"]) / total if total else None
+        log(f"[{name}] LoRA loading: queue {waits['queue']:.2f} s, batch {waits['batch']:.2f} s, "
+            f"{out['lora_loading_share']:.2%} of all latency")
+    return out
 
 
 def lora_overhead(with_loras: list[float | None], without: list[float | None], requests: list) -> dict[str, Any]:
@@ -181,11 +205,13 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "addons.json").write_text(json.dumps(report, indent=1, default=str))
     plot_addons(runs, overhead, f"{args.workload} + Table 1 service {args.service} add-ons, {args.rate:g} req/s",
                 args.out / "addons.png")
-    print(f"{'system':<24}{'P50 ms':>18}{'P95 ms':>18}{'ok':>10}")
     for name, system_runs in runs.items():
-        print(f"{name:<24}{'; '.join(_ms(r['summary']['latency_p50_s']) for r in system_runs):>18}"
-              f"{'; '.join(_ms(r['summary']['latency_p95_s']) for r in system_runs):>18}"
-              f"{'; '.join(str(r['summary']['ok']) for r in system_runs):>10}")
+        print(f"{name}: P50 ms {'; '.join(_ms(r['summary']['latency_p50_s']) for r in system_runs)}, "
+              f"P95 ms {'; '.join(_ms(r['summary']['latency_p95_s']) for r in system_runs)}, ok "
+              f"{'; '.join(str(r['summary']['ok']) for r in system_runs)}")
+        shares = [r["lora_loading_share"] for r in system_runs if r.get("lora_loading_share") is not None]
+        if shares:
+            print(f"{name}: LoRA loading's share of all latency {'; '.join(f'{x:.2%}' for x in shares)}")
     for repeat, o in enumerate(overhead):
         print(f"LoRA overhead, repeat {repeat}: {o}")
     print(f"wrote {args.out / 'addons.json'} and {args.out / 'addons.png'}")

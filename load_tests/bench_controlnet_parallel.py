@@ -135,8 +135,9 @@ def main(argv: list[str] | None = None) -> int:
           f"ControlNet {s.controlnet:.3f} of the UNet; residuals {s.residual_bytes / 2**20:.1f} MiB")
     for r in results:
         paper = PAPER.get(r["controlnets"])
+        versus = f"; paper {paper[0]}x of {paper[1]}x" if paper else ""
         print(f"{r['controlnets']} ControlNet(s), {r['transport']:<6}: speedup {r['speedup']:.2f}x of ideal "
-              f"{r['ideal_speedup']:.2f}x ({r['of_ideal']:.0%})" + (f"; paper {paper[0]}x of {paper[1]}x" if paper else ""))
+              f"{r['ideal_speedup']:.2f}x ({r['of_ideal']:.0%}){versus}")
     return 0
 
 

@@ -160,7 +160,8 @@ def image_with_addons(family: Any, controlnets: dict[str, Any], lora_paths: dict
             pipe = cls(**components, controlnet=nets[0] if len(nets) == 1 else MultiControlNetModel(nets), **quiet)
             pipe.set_progress_bar_config(disable=True)
             extra = dict(image=one([u[1] for u in uses]), controlnet_conditioning_scale=one([u[2] for u in uses]),
-                         control_guidance_start=one([u[3] for u in uses]), control_guidance_end=one([u[4] for u in uses]))
+                         control_guidance_start=one([u[3] for u in uses]),
+                         control_guidance_end=one([u[4] for u in uses]))
         with torch.inference_mode():
             return pipe(
                 request["prompt"], negative_prompt=request["negative_prompt"] or None, height=request["height"],

@@ -406,3 +406,6 @@ class StepReport:
     # on it (the hand-off: the report's trip, the router's round, this plan's trip); None when it
     # held none (then waiting delayed no one).
     waited_s: float | None = None
+    # Seconds of the plan spent bringing LoRAs to the worker (waiting for the store, adding
+    # them): time every request of the batch waited for them.
+    lora_wait_s: float = 0.0

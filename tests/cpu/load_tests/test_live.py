@@ -12,6 +12,7 @@ import itertools
 import socket
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import uvicorn
@@ -57,6 +58,7 @@ class FakeJobs:
 
 
 JOBS = FakeJobs()
+IMAGE_BODIES: list[dict] = []  # every image body, in arrival order
 
 
 def fake_app() -> FastAPI:
@@ -91,6 +93,7 @@ def fake_app() -> FastAPI:
     @app.post("/v1/images/generations")
     async def generate(request: Request) -> JSONResponse:
         body = await request.json()
+        IMAGE_BODIES.append(body)
         if body["num_inference_steps"] == REFUSED_STEPS:
             return JSONResponse({"error": {"message": "the server is at capacity"}}, status_code=429)
         await asyncio.sleep(body["num_inference_steps"] / 100)  # 10 ms per step
@@ -234,3 +237,14 @@ def test_loopback_targets_are_allowed(url):
 def test_other_targets_are_refused(url):
     with pytest.raises(ValueError):
         check_loopback(url)
+
+
+def test_images_through_the_openai_client_carry_every_extension(server_url):
+    with_addons = replace(request(0, 0.0, 2), controlnets=("canny",), loras=("papercut",), negative_prompt="fog")
+    requests = [with_addons, request(1, 0.01, REFUSED_STEPS)]
+    records = asyncio.run(run_open_loop(server_url, requests, 5.0, 10.0, via_openai=True))
+    assert [r.status for r in records] == [200, 429]
+    body = next(b for b in IMAGE_BODIES if b["seed"] == 0 and "loras" in b)
+    assert body["loras"] == [{"name": "papercut"}] and body["controlnets"][0]["name"] == "canny"
+    assert body["controlnets"][0]["image"] and body["negative_prompt"] == "fog" and body["num_inference_steps"] == 2
+    assert body["response_format"] == "b64_json" and body["size"] == "64x64"
