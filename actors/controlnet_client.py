@@ -5,6 +5,7 @@ ControlNet of a forward, sent before the worker's UNet starts and awaited once i
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -31,6 +32,7 @@ class ServiceControlNets:
             torch.cat([use.image for use in group]).cpu(), [use.rows.stop - use.rows.start for use in group],
             [use.scale for use in group])
 
+        @functools.cache  # asked for now by some uses and at the next step by stale ones
         def wait() -> list[Residuals]:
             return [([d.to(sample.device) for d in down], mid.to(sample.device)) for down, mid in response.result()]
         return wait

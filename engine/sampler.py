@@ -209,8 +209,8 @@ class Sampler:
         self.control = tuple(image.to(device=family.device, dtype=family.dtype, copy=True)
                              for image in state["control"])
         self.loras_joined = dict(state["loras_joined"])
-        self.stale = _stale_holders(self.spec, family)  # stale residuals stay behind: one step waits
         _check_addons(self.spec, family)
+        self.stale = _stale_holders(self.spec, family)  # stale residuals stay behind: one step waits
         self.generator = torch.Generator("cpu")
         self.generator.set_state(state["generator_state"])
         self.scheduler = restore_scheduler(state["scheduler"], family.device)
