@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from stepserve.engine.addons.controlnet import ControlRows, Residuals, group_rows, rows_of
+from stepserve.engine.addons.controlnet import ControlRows, Residuals, group_rows, inputs_to, rows_of
 
 
 class ServiceControlNets:
@@ -28,7 +28,7 @@ class ServiceControlNets:
               inputs: Mapping[str, Any], group: Sequence[ControlRows]) -> Callable[[], list[Residuals]]:
         index = group_rows(group).to(sample.device)
         response = self.handle.residuals.remote(
-            model, name, sample[index].cpu(), timesteps[index].cpu(), _cpu(rows_of(inputs, index)),
+            model, name, sample[index].cpu(), timesteps[index].cpu(), inputs_to(rows_of(inputs, index), "cpu"),
             torch.cat([use.image for use in group]).cpu(), [use.rows.stop - use.rows.start for use in group],
             [use.scale for use in group])
 
@@ -55,6 +55,3 @@ class InProcessControlNets:
                                   [use.rows.stop - use.rows.start for use in group], [use.scale for use in group])
         return future.result
 
-
-def _cpu(inputs: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: _cpu(v) if isinstance(v, Mapping) else v.cpu() for k, v in inputs.items()}

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from stepserve.actors.denoiser import resolve_device
-from stepserve.engine.addons.controlnet import ControlRows, Residuals, net_residuals
+from stepserve.engine.addons.controlnet import ControlRows, Residuals, inputs_to, net_residuals
 from stepserve.engine.addons.source import AddonKind, AddonSource, controlnet_model
 from stepserve.engine.families import ModelSource
 from stepserve.engine.families.base import cast_module
@@ -56,7 +56,7 @@ class ControlNetService:
                                      scale))
             start += n
         with torch.inference_mode():
-            out = net_residuals(net, sample.to(**on), timesteps.to(**on), _on(inputs, self.device), group)
+            out = net_residuals(net, sample.to(**on), timesteps.to(**on), inputs_to(inputs, self.device), group)
             return [([d.cpu() for d in down], mid.cpu()) for down, mid in out]
 
     def _net(self, model: str, name: str) -> Any:
@@ -76,6 +76,3 @@ class ControlNetService:
             self.nets.move_to_end(key)
             return net
 
-
-def _on(inputs: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
-    return {k: _on(v, device) if isinstance(v, Mapping) else v.to(device) for k, v in inputs.items()}

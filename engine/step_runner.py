@@ -194,21 +194,23 @@ class _PlanRun:
         for name in missing:
             self.runner.loras.request(sampler.spec.model, name)
 
-    def _apply_loras(self, sampler: Sampler) -> None:
+    def _apply_loras(self, sampler: Sampler, poll: bool) -> None:
         """Its LoRAs for the next step: the joined ones must be here (it may have moved from
-        another worker); pending ones join once here, and by its deadline at the latest."""
+        another worker); pending ones join once here, and by its deadline at the latest.
+        `poll`: first add what has arrived (once a forward is enough)."""
         started = time.perf_counter()
         try:
-            self._bring_joined_and_due(sampler)
+            self._bring_joined_and_due(sampler, poll)
         finally:
             self.lora_wait_s += time.perf_counter() - started
 
-    def _bring_joined_and_due(self, sampler: Sampler) -> None:
+    def _bring_joined_and_due(self, sampler: Sampler, poll: bool) -> None:
         spec = sampler.spec
         family = self.family(spec)
         loader = self.runner.loras
         if loader is not None:
-            loader.poll()
+            if poll:
+                loader.poll()
             for name in sampler.loras_joined:
                 if name not in family.loras:
                     loader.wait(spec.model, name)
@@ -222,13 +224,15 @@ class _PlanRun:
     def step(self, group: StepGroup, sp_group: Callable[[tuple[int, ...]], Any] | None) -> None:
         """One forward for the group's resident members; each advances one step."""
         members: list[tuple[str, Sampler, tuple]] = []
+        polled = False
         for rid in group.request_ids:
             sampler = self.resident(rid)
             if sampler is None:
                 continue
             try:
                 if sampler.spec.loras:
-                    self._apply_loras(sampler)
+                    self._apply_loras(sampler, poll=not polled)
+                    polled = True
                 members.append((rid, sampler, sampler.model_input()))
             except Exception as exc:
                 self.fail(rid, f"denoising step failed: {type(exc).__name__}: {exc}", lost=False)

@@ -129,6 +129,12 @@ def rows_of(inputs: Mapping[str, Any], index: torch.Tensor) -> dict[str, Any]:
             for key, value in inputs.items()}
 
 
+def inputs_to(inputs: Mapping[str, Any], device: torch.device | str) -> dict[str, Any]:
+    """`inputs` with every tensor (also inside nested dicts) on `device`."""
+    return {key: inputs_to(value, device) if isinstance(value, Mapping) else value.to(device)
+            for key, value in inputs.items()}
+
+
 def group_rows(group: Sequence[ControlRows]) -> torch.Tensor:
     """The rows of a ControlNet's forward over `group`: each use's rows, in order."""
     return torch.cat([torch.arange(use.rows.start, use.rows.stop) for use in group])

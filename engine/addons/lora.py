@@ -21,6 +21,7 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from diffusers import StableDiffusionPipeline  # its LoRA reader (`lora_state_dict`) is the SD/SDXL one
 from torch import nn
 
 DENOISER_PREFIX = "unet."  # what diffusers' SD/SDXL LoRA files prefix the UNet's layers with
@@ -93,8 +94,6 @@ def _alpha(module: str, rank: int, alphas: dict[str, float] | None, config: dict
 def load_lora_file(name: str, path: str) -> LoraWeights:
     """A LoRA from a local `.safetensors` file, or a folder holding diffusers'
     `pytorch_lora_weights.safetensors`. Never from a hub."""
-    from diffusers import StableDiffusionPipeline  # its LoRA reader is the SD/SDXL one
-
     if not os.path.exists(path):
         raise FileNotFoundError(f"LoRA {name!r}: {path!r} does not exist")
     if os.path.isfile(path) and not path.endswith(".safetensors"):

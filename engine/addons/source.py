@@ -36,12 +36,17 @@ class AddonSource:
             raise ValueError(f"{self.kind.value} {self.name!r}: give exactly one of preset or path")
 
 
+def _check_preset(source: AddonSource, model: ModelSource) -> None:
+    """A preset add-on is sized for its model's preset (random weights of that shape)."""
+    if source.preset is not None and source.preset != model.preset:
+        raise ValueError(f"{source.kind.value} {source.name!r}: preset {source.preset!r} does not fit model "
+                         f"{model.name!r} (preset {model.preset!r})")
+
+
 def controlnet_model(source: AddonSource, model: ModelSource) -> ControlNetModel:
     """The ControlNet `source` names, for base model `model`, float32 on the host."""
+    _check_preset(source, model)
     if source.preset is not None:
-        if source.preset != model.preset:
-            raise ValueError(f"ControlNet {source.name!r}: preset {source.preset!r} does not fit model "
-                             f"{model.name!r} (preset {model.preset!r})")
         return preset_controlnet(model.family, source.preset, source.seed)
     if not os.path.isdir(source.path):
         raise FileNotFoundError(f"ControlNet {source.name!r}: folder {source.path!r} does not exist")
@@ -53,12 +58,10 @@ def load_addon(source: AddonSource, family: DiffusionFamily) -> None:
     if not family.takes_addons:
         raise ValueError(f"{source.kind.value} {source.name!r}: model {family.source.name!r} "
                          f"({family.source.family}) takes no ControlNets or LoRAs")
-    if source.preset is not None and source.preset != family.source.preset:
-        raise ValueError(f"{source.kind.value} {source.name!r}: preset {source.preset!r} does not fit model "
-                         f"{family.source.name!r} (preset {family.source.preset!r})")
     if source.kind is AddonKind.CONTROLNET:
         family.add_controlnet(source.name, controlnet_model(source, family.source))
     else:
+        _check_preset(source, family.source)
         lora = preset_lora(source.name, family.denoiser, source.seed) if source.preset is not None \
             else load_lora_file(source.name, source.path)
         family.add_lora(lora)
