@@ -89,7 +89,7 @@ class PlanChecker:
                         raise fail(f"{where} steps {rid!r}, which was dropped (cancelled or lost)")
                     if not record.needs_steps:
                         raise fail(f"{where} steps {rid!r}, whose last step is already planned")
-                    keys.add(record.spec.shape_key)
+                    keys.add(core.batch_key(record.spec))
                     stepped.setdefault(rid, []).append((wid, group.ranks))
                 if len(keys) > 1:
                     raise fail(f"{where}: group {index} mixes shapes {sorted(keys)}")

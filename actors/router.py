@@ -32,6 +32,7 @@ from stepserve.engine.families import ModelSource, family_class
 from stepserve.engine.text_encoding import text_item
 from stepserve.policies import make_policy, needs_costs
 from stepserve.policies.admission import LoadReport, is_quiet
+from stepserve.policies.addon_costs import ControlNetPlacement
 from stepserve.policies.cost_model import load_profile
 from stepserve.policies.types import RequestKind, RequestSpec, RequestStatus, WorkerPlan
 
@@ -57,6 +58,7 @@ class RouterSpec:
     policy_options: dict[str, Any]
     profiles: tuple[str, ...]
     core: CoreConfig
+    controlnets: ControlNetPlacement = ControlNetPlacement.INLINE  # how the profile prices ControlNets
 
 
 class Router:
@@ -71,7 +73,7 @@ class Router:
         self.lora_stores = start_lora_stores(pool, models, name)  # by node id; none without LoRAs
         self.lora_join_by = pool.lora_join_by
         self.workers, self._actor_names = start_workers(pool, models, name, self.lora_stores, controlnet_service)
-        costs = load_profile(*spec.profiles) if spec.profiles else None
+        costs = load_profile(*spec.profiles, controlnets=spec.controlnets) if spec.profiles else None
         policy = make_policy(spec.policy, spec.policy_options, costs if needs_costs(spec.policy) else None)
         slots = [WorkerSlot(wid, pool.max_batch_size, rank) for rank, wid in enumerate(self.workers)]
         self.core = RouterCore(policy, slots, spec.core, costs)

@@ -45,10 +45,12 @@ from stepserve.policies.cost_model import BatchShape, CostModel
 from stepserve.policies.types import (
     ClusterSnapshot,
     Decision,
+    LoraBatching,
     RequestKind,
     RequestSpec,
     RequestStatus,
     RequestView,
+    ShapeKey,
     SnapshotIndex,
     StepReport,
     WorkerPlan,
@@ -107,6 +109,10 @@ class CoreConfig:
     # A fresh request's prompts are encoded inside the plan that admits it (`text_encoder.on_workers`),
     # so that plan's predicted time includes the encoding.
     text_encode_on_workers: bool = False
+    # Requests with different LoRA sets may share a forward ("mixed": per-request unmerged
+    # updates, batched) or not ("per_adapter": one adapter set per forward, the way vLLM-Omni
+    # and SGLang batch; the baseline `bench_addons_sim` compares against). Exact either way.
+    lora_batches: LoraBatching = LoraBatching.MIXED
 
     def __post_init__(self) -> None:
         if self.pipeline_depth < 1:
@@ -876,7 +882,9 @@ class RouterCore:
     def _refresh_workers(self) -> None:
         """Rebuild the snapshot's parts of the workers that changed."""
         revived = False
-        for wid in self._stale:
+        # In rank order: a set's order follows string hashing, and the order the open workers
+        # enter the snapshot decides ties in the policies: a run must not depend on it.
+        for wid in sorted(self._stale, key=lambda w: self._workers[w].slot.rank):
             worker = self._workers[wid]
             old = self._worker_views.pop(wid, None)
             if old is not None:
@@ -916,11 +924,15 @@ class RouterCore:
     def _by_rank(self, workers: tuple[str, ...]) -> tuple[str, ...]:
         return tuple(sorted(set(workers), key=lambda w: self._workers[w].slot.rank))
 
+    def batch_key(self, spec: RequestSpec) -> ShapeKey:
+        """What decides which requests may share a forward (`CoreConfig.lora_batches`)."""
+        return spec.batch_key(self.config.lora_batches is LoraBatching.PER_ADAPTER)
+
     def _view(self, record: _Request) -> RequestView:
         if record.view is None:
             spec = record.spec
             record.view = RequestView(
-                spec.request_id, spec.kind, spec.shape_key, spec.rows, record.steps_planned,
+                spec.request_id, spec.kind, self.batch_key(spec), spec.rows, record.steps_planned,
                 spec.num_inference_steps, record.arrival, record.deadline, record.ready, record.status,
                 record.workers if record.status is RequestStatus.RUNNING else ())
         return record.view
@@ -983,10 +995,8 @@ class RouterCore:
         total = self._encode_seconds(admissions) if self.config.text_encode_on_workers else 0.0
         batches = []
         for group in plan.groups:
-            specs = [self._requests[rid].spec for rid in group.request_ids]
-            head = specs[0]
-            batches.append(BatchShape(head.model, head.height, head.width, sum(s.rows for s in specs),
-                                      head.num_frames, max(1, len(group.ranks))))
+            batches.append(BatchShape.of([self._requests[rid].spec for rid in group.request_ids],
+                                         max(1, len(group.ranks))))
         total += self._costs.round_seconds(batches) * plan.steps if batches else 0.0
         for rid in plan.finish:
             spec = self._requests[rid].spec

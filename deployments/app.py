@@ -86,8 +86,9 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
            cs.cache_size)
 
     rc = config.router
-    core = replace(rc.core_config(), images_decode_on_workers=vd.on_workers, text_encode_on_workers=te.on_workers)
-    spec = RouterSpec(rc.policy, config.policy_options(), tuple(rc.profiles), core)
+    core = replace(rc.core_config(), images_decode_on_workers=vd.on_workers, text_encode_on_workers=te.on_workers,
+                   lora_batches=config.lora_loading.batches)
+    spec = RouterSpec(rc.policy, config.policy_options(), tuple(rc.profiles), core, cs.placement)
     pool = replace(config.workers.to_spec(), decode_images=vd.on_workers, encode_text=te.on_workers,
                    text_cache_size=te.cache_size, addons=config.addon_sources(),
                    lora_join_by=config.lora_loading.join_by, lora_store_bytes=config.lora_loading.store_bytes,

@@ -17,7 +17,8 @@ from stepserve.engine.addons.source import AddonKind, AddonSource
 from stepserve.engine.families import FAMILIES, ModelSource, family_class
 from stepserve.policies import needs_costs
 from stepserve.policies.registry import validate_policy
-from stepserve.policies.types import RequestKind
+from stepserve.policies.addon_costs import ControlNetPlacement
+from stepserve.policies.types import LoraBatching, RequestKind
 
 
 class _Strict(BaseModel):
@@ -146,6 +147,12 @@ class LoraLoadingConfig(_Strict):
     store_bytes: int = Field(default=8 << 30, ge=1 << 20,
                              description="Host memory per node for LoRA weights (the node's LoRA store, LRU).")
     max_resident: int = Field(default=32, ge=1, description="LoRAs each worker keeps in its device memory (LRU).")
+    batches: LoraBatching = Field(
+        default=LoraBatching.MIXED,
+        description="'mixed': one forward batches requests with different LoRAs, each row with its own unmerged "
+                    "low-rank updates. 'per_adapter': a forward takes requests of one LoRA set only, the way "
+                    "vLLM-Omni and SGLang batch (smaller batches; `python -m stepserve.load_tests.bench_addons_sim` "
+                    "compares the two). Exact either way.")
 
 
 class WorkersConfig(_Strict):
@@ -297,6 +304,13 @@ class ControlNetServiceConfig(ComponentConfig):
                     "transfer is waited for (the first step of a request, or of a ControlNet's start..end, waits). An "
                     "approximation: `python -m stepserve.load_tests.bench_stale_controlnet` measures its fidelity.")
     max_ongoing_requests: int = Field(default=4, ge=1, description="ControlNet forwards one replica runs at once.")
+
+    @property
+    def placement(self) -> ControlNetPlacement:
+        """Where ControlNets run, as the router's cost model prices them (`policies.addon_costs`)."""
+        if not self.enabled:
+            return ControlNetPlacement.INLINE
+        return ControlNetPlacement.STALE if self.stale else ControlNetPlacement.SERVICE
 
 
 class LimitsConfig(_Strict):

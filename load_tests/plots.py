@@ -434,3 +434,43 @@ def plot_stale_controlnet(summary: Sequence[Mapping], title: str, path: Path) ->
         ax.set_ylabel(unit)
     left.legend(fontsize=8)
     fig.savefig(path, dpi=110)
+
+
+def plot_addons_sim(report: Mapping, path: Path) -> None:
+    """Left: each placement's step speed-up over running ControlNets inline, light and heavy load,
+    beside the ideal and the paper's; middle: throughput with mixed-LoRA forwards against one
+    adapter set a forward; right: their latency in a Poisson run."""
+    fig = _figure(15, 4.2)
+    speed, rate, latency = fig.subplots(1, 3, width_ratios=(1.4, 1, 1))
+    fig.suptitle(f"{report['model']} {report['size']}px on {report['workers']} workers ({report['profile']}), "
+                 f"simulated", fontsize=10)
+    entries = report["controlnets"]
+    bars = [("ideal", lambda e: e["ideal_speedup"], "0.7"), ("paper", lambda e: e["paper"]["achieved"], "0.4")]
+    for load in ("light", "heavy"):
+        for name in ("service", "stale"):
+            bars.append((f"{name}, {load}", lambda e, load=load, name=name: e["loads"][load]["runs"][name][
+                "step_speedup"], None))
+    width = 0.8 / len(bars)
+    for j, (label, value, color) in enumerate(bars):
+        speed.bar([i - 0.4 + width * (j + 0.5) for i in range(len(entries))], [value(e) for e in entries], width,
+                  label=label, color=color)
+    speed.set_xticks(range(len(entries)), [f"{e['controlnets']} ControlNet{'s' * (e['controlnets'] > 1)}"
+                                           for e in entries])
+    speed.set_ylabel("denoising step speed-up over inline")
+    speed.legend(fontsize=7)
+    services = report["loras"]
+    modes = list(services[0]["runs"]) if services else []
+    width = 0.8 / max(1, len(modes))
+    for j, mode in enumerate(modes):
+        xs = [i - 0.4 + width * (j + 0.5) for i in range(len(services))]
+        rate.bar(xs, [s["runs"][mode]["images_per_gpu_minute"] for s in services], width, label=mode)
+        for k, quantile in enumerate(("latency_p50_s", "latency_p95_s")):
+            latency.bar([x + (k - 0.5) * width / 2 for x in xs], [s["runs"][mode]["steady"][quantile] for s in services],
+                        width / 2, color=f"C{j}", alpha=1.0 if k == 0 else 0.5,
+                        label=f"{mode} {'P50' if k == 0 else 'P95'}")
+    for ax in (rate, latency):
+        ax.set_xticks(range(len(services)), [f"service {s['service']}" for s in services])
+        ax.legend(fontsize=7)
+    rate.set_ylabel("images per denoiser GPU-minute (burst)")
+    latency.set_ylabel(f"latency, s ({services[0]['runs'][modes[0]]['steady']['rate_rps']} req/s)" if services else "")
+    fig.savefig(path, dpi=110)

@@ -18,7 +18,7 @@ CSV schema (one for every device), one row per measured point:
     model,device,component,height,width,rows,frames,latency_ms,samples,source,sp_degree
 
 - `component`: denoise | round_overhead | text_encode | vae_decode | request_overhead | host_probe |
-  host_idle | router_cpu
+  host_idle | router_cpu | controlnet | controlnet_transfer | denoise_encoder | lora
 - `rows`: batch rows of one denoiser forward (2 per CFG request, 1 otherwise) for denoise and
   for the per-group part of round_overhead; the number of texts for text_encode; for
   host_probe, how many copies of one fixed forward ran at once on the host; 1 otherwise.
@@ -35,6 +35,12 @@ CSV schema (one for every device), one row per measured point:
   (applying a report, deciding, sending the next plan: a decision per step where plans are one
   step, next to nothing inside a steady plan), which runs beside the worker's next step.
   Neither is a latency; both are optional (a GPU profile needs neither).
+- controlnet, controlnet_transfer, denoise_encoder and lora rows price add-ons (SwiftDiffusion):
+  one ControlNet call's forward over `rows` rows; moving that call's residuals from the ControlNet
+  service to the denoiser; the denoiser's forward up to its decoder blocks (what a ControlNet
+  beside it overlaps); the extra time of unmerged LoRA updates over `rows` rows (a row with two
+  LoRAs counts twice). All optional: a profile without them prices add-ons at nothing extra and
+  says so in its fit report (`missing_addons`); `addon_costs` combines them per placement.
 - `frames`: 1 for images; a video's frame count (its work per row scales with pixels x frames).
 - `sp_degree`: for denoise, how many workers ran the forward with sequence parallelism (Ulysses
   all-to-all); 1 otherwise. Each degree is fitted on its own, so communication's share (large
@@ -53,7 +59,12 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from stepserve.policies.addon_costs import ControlNetPlacement, forward_seconds
+
+if TYPE_CHECKING:
+    from stepserve.policies.types import RequestSpec
 
 DENOISE = "denoise"
 ROUND_OVERHEAD = "round_overhead"
@@ -63,8 +74,15 @@ REQUEST_OVERHEAD = "request_overhead"
 HOST_PROBE = "host_probe"
 HOST_IDLE = "host_idle"
 ROUTER_CPU = "router_cpu"
-COMPONENTS = (DENOISE, ROUND_OVERHEAD, TEXT_ENCODE, VAE_DECODE, REQUEST_OVERHEAD, HOST_PROBE, HOST_IDLE, ROUTER_CPU)
+CONTROLNET = "controlnet"
+CONTROLNET_TRANSFER = "controlnet_transfer"
+DENOISE_ENCODER = "denoise_encoder"
+LORA = "lora"
+ADDON_COMPONENTS = (CONTROLNET, CONTROLNET_TRANSFER, DENOISE_ENCODER, LORA)  # optional
+COMPONENTS = (DENOISE, ROUND_OVERHEAD, TEXT_ENCODE, VAE_DECODE, REQUEST_OVERHEAD, HOST_PROBE, HOST_IDLE, ROUTER_CPU,
+              *ADDON_COMPONENTS)
 HOST_COMPONENTS = (HOST_PROBE, HOST_IDLE, ROUTER_CPU)  # what the host does besides the model: optional
+SHAPED = (DENOISE, VAE_DECODE, HOST_PROBE, *ADDON_COMPONENTS)  # rows that need a height and width
 
 CSV_COLUMNS = ("model", "device", "component", "height", "width", "rows", "frames", "latency_ms", "samples", "source",
                "sp_degree")
@@ -91,8 +109,10 @@ class BatchShape:
     sequence parallelism (1: on one worker).
 
     Images are one frame; a video multiplies the work per row by its frames. Later dimensions of
-    the work (mask ratio, LoRA set, patches) extend this with defaulted fields, so every cost
-    question keeps one argument.
+    the work (mask ratio, patches) extend this with defaulted fields, so every cost question
+    keeps one argument. Add-ons: the forward makes one ControlNet call per ControlNet its members
+    use, over those members' rows (`controlnet_rows`, one entry per call), and runs the unmerged
+    updates of `lora_rows` rows x LoRAs.
     """
 
     model: str
@@ -101,16 +121,36 @@ class BatchShape:
     rows: int  # batch rows: 2 per CFG request, 1 per non-CFG request
     frames: int = 1
     sp_degree: int = 1
+    controlnet_rows: tuple[int, ...] = ()
+    lora_rows: int = 0
 
     def __post_init__(self) -> None:
         for field in ("height", "width", "rows", "frames", "sp_degree"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"BatchShape.{field} must be a positive int, got {value!r}")
+            _check_int(field, getattr(self, field), 1)
+        for rows in self.controlnet_rows:
+            _check_int("controlnet_rows", rows, 1)
+        _check_int("lora_rows", self.lora_rows, 0)
+
+    @classmethod
+    def of(cls, specs: "Sequence[RequestSpec]", sp_degree: int = 1) -> "BatchShape":
+        """The forward of these same-shape requests, add-ons included. A ControlNet is counted
+        for every step, also outside its start/end window (it is idle for a few steps at most)."""
+        head = specs[0]
+        calls: dict[str, int] = {}
+        for spec in specs:
+            for name in dict.fromkeys(use.name for use in spec.controlnets):
+                calls[name] = calls.get(name, 0) + spec.rows
+        return cls(head.model, head.height, head.width, sum(s.rows for s in specs), head.num_frames, sp_degree,
+                   tuple(calls.values()), sum(s.rows * len(s.loras) for s in specs))
 
     @property
     def pixels(self) -> int:
         return self.height * self.width * self.frames
+
+
+def _check_int(field: str, value: object, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"BatchShape.{field} must be an int >= {least}, got {value!r}")
 
 
 @runtime_checkable
@@ -118,7 +158,7 @@ class CostModel(Protocol):
     """Latencies in seconds on one device. Policies and the simulator code against this."""
 
     def denoise_seconds(self, batch: BatchShape) -> float:
-        """One forward of one batch at its SP degree."""
+        """One forward of one batch at its SP degree, with its add-ons."""
 
     def round_seconds(self, batches: Sequence[BatchShape]) -> float:
         """One worker round: its batches one after another, plus the per-round overhead."""
@@ -173,7 +213,7 @@ class ProfileRow:
         shaped = self.height > 0 and self.width > 0
         if (self.height > 0) != (self.width > 0):
             raise ProfileError(f"height and width must both be 0 or both positive: {self}")
-        if self.component in (DENOISE, VAE_DECODE, HOST_PROBE) and not shaped:
+        if self.component in SHAPED and not shaped:
             raise ProfileError(f"{self.component} rows need a height and width: {self}")
 
     @property
@@ -403,6 +443,8 @@ _METHODS: dict[str, tuple[tuple[str, Method], ...]] = {
     ),
     ROUND_OVERHEAD: (("constant", _constant), ("linear", _nnls(lambda x: (1.0, x[1], x[1] * x[0])))),
 }
+for _addon in ADDON_COMPONENTS:  # each a forward (or its residuals) over rows at a shape, as denoise
+    _METHODS[_addon] = _METHODS[DENOISE]
 
 
 @dataclass(frozen=True)
@@ -487,7 +529,10 @@ class _ModelCosts:
         self.request_overhead = _median_seconds(by_component[REQUEST_OVERHEAD])
         self.host_idle_cores = _median_seconds(by_component[HOST_IDLE])  # CPU seconds per second
         self.router_cpu = _median_seconds(by_component[ROUTER_CPU])
-        self.missing = [c for c in COMPONENTS if not by_component[c] and c not in HOST_COMPONENTS]
+        self._addons = {c: self._fit(c, [((r.pixels / MEGA, float(r.rows)), r.seconds) for r in by_component[c]])
+                        for c in ADDON_COMPONENTS}
+        self.missing = [c for c in COMPONENTS if not by_component[c] and c not in HOST_COMPONENTS + ADDON_COMPONENTS]
+        self.missing_addons = [c for c in ADDON_COMPONENTS if not by_component[c]]
         self.host_slowdowns = _host_slowdowns(by_component[HOST_PROBE])
         self._cache: dict[tuple, float] = {}
 
@@ -514,6 +559,16 @@ class _ModelCosts:
                 raise UnknownModelError(f"model {self.model!r} has no denoise rows at sp_degree {sp_degree}; "
                                         f"profiled degrees: {list(self._denoise)}")
             fit = self._need(self._denoise.get(sp_degree), DENOISE)
+            self._cache[key] = max(0.0, fit((pixels / MEGA, float(rows))))
+        return self._cache[key]
+
+    def addon(self, component: str, pixels: int, rows: int) -> float:
+        """An add-on component's seconds over rows at a shape; 0 when not profiled."""
+        fit = self._addons[component]
+        if fit is None or rows == 0:
+            return 0.0
+        key = (component, pixels, rows)
+        if key not in self._cache:
             self._cache[key] = max(0.0, fit((pixels / MEGA, float(rows))))
         return self._cache[key]
 
@@ -558,9 +613,11 @@ def _host_slowdowns(probes: list[ProfileRow]) -> dict[int, float]:
 
 
 class ProfiledCostModel:
-    """A `CostModel` fitted from profile rows: one device, any number of models."""
+    """A `CostModel` fitted from profile rows: one device, any number of models. `controlnets`:
+    where ControlNets run, which decides what they add to a forward (`addon_costs`)."""
 
-    def __init__(self, rows: Iterable[ProfileRow]):
+    def __init__(self, rows: Iterable[ProfileRow], controlnets: ControlNetPlacement = ControlNetPlacement.INLINE):
+        self.controlnets = ControlNetPlacement(controlnets)
         by_model: dict[str, list[ProfileRow]] = {}
         for row in rows:
             by_model.setdefault(row.model, []).append(row)
@@ -569,10 +626,11 @@ class ProfiledCostModel:
         self._models = {name: _ModelCosts(name, model_rows) for name, model_rows in by_model.items()}
 
     @classmethod
-    def from_csv(cls, *paths: str | os.PathLike) -> "ProfiledCostModel":
+    def from_csv(cls, *paths: str | os.PathLike,
+                 controlnets: ControlNetPlacement = ControlNetPlacement.INLINE) -> "ProfiledCostModel":
         if not paths:
             raise ValueError("give at least one profile CSV")
-        return cls([row for path in paths for row in read_profile(path)])
+        return cls([row for path in paths for row in read_profile(path)], controlnets)
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -589,7 +647,26 @@ class ProfiledCostModel:
     def denoise_seconds(self, batch: BatchShape) -> float:
         """Raises `UnknownModelError` for an SP degree the profile lacks: each degree is fitted
         on its own, and communication's share does not extrapolate from the others."""
-        return self._costs(batch.model).denoise(batch.pixels, batch.rows, batch.sp_degree)
+        if not (batch.controlnet_rows or batch.lora_rows):
+            return self._costs(batch.model).denoise(batch.pixels, batch.rows, batch.sp_degree)
+        return forward_seconds(*self.forward_parts(batch), self.controlnets)
+
+    def forward_parts(self, batch: BatchShape) -> tuple[float, float, list[tuple[float, float]], float]:
+        """What `addon_costs.forward_seconds` combines: the UNet's seconds, its encoder half's,
+        (compute, transfer) of each ControlNet call, and the unmerged LoRA updates'."""
+        costs = self._costs(batch.model)
+        pixels = batch.pixels
+        calls = [(costs.addon(CONTROLNET, pixels, rows), costs.addon(CONTROLNET_TRANSFER, pixels, rows))
+                 for rows in batch.controlnet_rows]
+        return (costs.denoise(pixels, batch.rows, batch.sp_degree), costs.addon(DENOISE_ENCODER, pixels, batch.rows),
+                calls, costs.addon(LORA, pixels, batch.lora_rows))
+
+    def controlnet_seconds(self, batch: BatchShape) -> float:
+        """The ControlNet service's device time for the batch's calls (0 inline: the denoiser's)."""
+        if self.controlnets is ControlNetPlacement.INLINE:
+            return 0.0
+        costs = self._costs(batch.model)
+        return sum(costs.addon(CONTROLNET, batch.pixels, rows) for rows in batch.controlnet_rows)
 
     def round_overhead_seconds(self, batches: Sequence[BatchShape]) -> float:
         """Beyond the forwards: one fixed cost per round (the plan/report RPC; the largest of the
@@ -612,7 +689,7 @@ class ProfiledCostModel:
         # profile, and +inf would leave its requests waiting forever without a word.
         if costs.sp_degrees and batch.sp_degree not in costs.sp_degrees:
             return math.inf
-        return costs.denoise(batch.pixels, batch.rows, batch.sp_degree) + self.round_overhead_seconds((batch,))
+        return self.denoise_seconds(batch) + self.round_overhead_seconds((batch,))
 
     def text_encode_seconds(self, model: str, texts: int) -> float:
         if texts < 1:
@@ -706,6 +783,7 @@ class ProfiledCostModel:
                 "host_idle_cores": costs.host_idle_cores,
                 "router_cpu_ms": costs.router_cpu * 1000,
                 "missing": costs.missing,
+                "missing_addons": costs.missing_addons,
                 "host_slowdown": {str(k): v for k, v in costs.host_slowdowns.items()},
                 "sources": costs.sources,
             }
@@ -753,7 +831,8 @@ def resolve_profile(name_or_path: str | os.PathLike) -> Path:
     return shipped
 
 
-def load_profile(name_or_path: str | os.PathLike, *more: str | os.PathLike) -> ProfiledCostModel:
+def load_profile(name_or_path: str | os.PathLike, *more: str | os.PathLike,
+                 controlnets: ControlNetPlacement = ControlNetPlacement.INLINE) -> ProfiledCostModel:
     """One cost model from one or more profiles (names of shipped ones, or CSV paths): a
     co-serving router needs its image and its video model's."""
-    return ProfiledCostModel.from_csv(*(resolve_profile(p) for p in (name_or_path, *more)))
+    return ProfiledCostModel.from_csv(*(resolve_profile(p) for p in (name_or_path, *more)), controlnets=controlnets)

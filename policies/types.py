@@ -21,6 +21,11 @@ class RequestKind(str, Enum):
     T2V = "t2v"  # text to video
 
 
+class LoraBatching(str, Enum):
+    MIXED = "mixed"  # a forward batches requests with different LoRAs (per-request unmerged updates)
+    PER_ADAPTER = "per_adapter"  # a forward takes requests with one LoRA set only
+
+
 @dataclass(frozen=True, order=True)
 class ShapeKey:
     """Requests with equal keys can share one denoiser forward (rows are independent)."""
@@ -29,6 +34,10 @@ class ShapeKey:
     height: int
     width: int
     frames: int = 1
+    # The LoRAs and scales every member applies, where a forward takes one adapter set (the
+    # router core's `lora_batches` "per_adapter": one adapter per batch, as vLLM-Omni and SGLang
+    # serve); () where a forward mixes requests with different LoRAs (stepserve's default).
+    loras: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -121,6 +130,14 @@ class RequestSpec:
     @property
     def shape_key(self) -> ShapeKey:
         return ShapeKey(self.model, self.height, self.width, self.num_frames)
+
+    def batch_key(self, per_adapter: bool) -> ShapeKey:
+        """Its shape key, with its LoRA set when each forward takes one adapter set."""
+        key = self.shape_key
+        if per_adapter and self.loras:
+            key = ShapeKey(key.model, key.height, key.width, key.frames,
+                           tuple(sorted((use.name, use.scale) for use in self.loras)))
+        return key
 
 
 class RequestStatus(str, Enum):

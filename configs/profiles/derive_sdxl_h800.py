@@ -30,6 +30,14 @@ Rules:
   repo was developed on and scales with pixels, as in derive_sd15_a100.py.
 - Round and request overheads: InstGenIE §6.6's measured per-step batching and per-request
   scheduling/serialization/communication costs.
+- Add-ons (SwiftDiffusion §4.1-§4.2, §6.3): a ControlNet call over some rows takes the UNet's
+  forward over as many rows times their counted FLOP ratio (0.45: its blocks are the UNet's
+  encoder blocks, at the same tokens and batch, so they run as efficiently); the UNet's encoder half
+  (down and mid blocks, what a ControlNet beside it overlaps) takes the FLOP share of the forward;
+  a call's residuals cross NVLink (SwiftDiffusion's H800 setup; 0.1 ms + bytes at 200 GB/s); a
+  LoRA is rank 128 on the attention projections (to_q/k/v/out: a 341 MiB fp16 file, the paper's
+  LoRA, gives rank 123), its unmerged updates running at half the UNet's saturated FLOP rate
+  (assumed: thin GEMMs).
 """
 
 from __future__ import annotations
@@ -38,7 +46,11 @@ import argparse
 from pathlib import Path
 
 from stepserve.policies.cost_model import (
+    CONTROLNET,
+    CONTROLNET_TRANSFER,
     DENOISE,
+    DENOISE_ENCODER,
+    LORA,
     REQUEST_OVERHEAD,
     ROUND_OVERHEAD,
     TEXT_ENCODE,
@@ -98,6 +110,17 @@ PNG_MS_PER_MPX = 275.0
 # communication 1.3 ms.
 ROUND_FIXED_MS = 1.2
 REQUEST_OVERHEAD_MS = 0.6 + 1.1 + 1.3
+
+# Add-ons, counted as above (`--recount`): a ControlNet (SDXL's config less the up blocks) per row;
+# the UNet's down + mid blocks per row; the unmerged LoRA update FLOPs per row per unit of rank
+# on to_q/to_k/to_v/to_out.0 (2 * tokens * rank * (in + out) per layer); one row's residuals in fp16.
+CONTROLNET_GFLOP = {512: 712.09, 768: 1628.37, 1024: 3020.38}
+ENCODER_GFLOP = {512: 690.13, 768: 1578.97, 1024: 2932.58}
+LORA_GFLOP_PER_RANK = {512: 0.6989, 768: 1.4854, 1024: 2.5864}
+RESIDUAL_MIB = {512: 12.81, 768: 28.83, 1024: 51.25}
+LORA_RANK = 128
+LORA_RATE_SHARE = 0.5  # assumption: low-rank GEMMs run at half the UNet's saturated FLOP rate
+NVLINK_CALL_MS, NVLINK_BYTES_PER_MS = 0.1, 200e9 / 1e3
 
 SIZES = (512, 768, 1024)
 BATCHES = tuple(range(1, 17))
@@ -184,6 +207,24 @@ def denoise_ms(size: int, rows: int) -> float:
     return T_MS * relative_step(size, rows)
 
 
+def controlnet_ms(size: int, rows: int) -> float:
+    # Its blocks are the UNet's encoder blocks at the same tokens and rows, so they run as
+    # efficiently as the UNet's: time in proportion to FLOPs at the same rows.
+    return denoise_ms(size, rows) * CONTROLNET_GFLOP[size] / UNET_GFLOP[size]
+
+
+def encoder_ms(size: int, rows: int) -> float:
+    return denoise_ms(size, rows) * ENCODER_GFLOP[size] / UNET_GFLOP[size]
+
+
+def transfer_ms(size: int, rows: int) -> float:
+    return NVLINK_CALL_MS + rows * RESIDUAL_MIB[size] * 2**20 / NVLINK_BYTES_PER_MS
+
+
+def lora_ms(size: int, rows: int) -> float:
+    return rows * LORA_RANK * LORA_GFLOP_PER_RANK[size] * _gpu_ms_per_gflop(T_MS) / LORA_RATE_SHARE
+
+
 def text_encode_ms(texts: int) -> float:
     return _text_ms(texts, T_MS)
 
@@ -204,6 +245,14 @@ def rows() -> list[ProfileRow]:
     for size in SIZES:
         for n in sorted({b for b in BATCHES} | {2 * b for b in BATCHES}):
             out.append(row(DENOISE, denoise_ms(size, n), f"{SWIFT} x {SYNER} x UNet FLOP ratio", size, size, n))
+            out.append(row(CONTROLNET, controlnet_ms(size, n), "denoise x counted ControlNet/UNet FLOP ratio", size,
+                           size, n))
+            out.append(row(DENOISE_ENCODER, encoder_ms(size, n), "denoise x counted down+mid FLOP share", size,
+                           size, n))
+            out.append(row(CONTROLNET_TRANSFER, transfer_ms(size, n), "counted residual bytes over NVLink", size,
+                           size, n))
+            out.append(row(LORA, lora_ms(size, n), f"rank {LORA_RANK} counted FLOPs at half the UNet rate", size,
+                           size, n))
         out.append(row(VAE_DECODE, vae_decode_ms(size),
                        "SD1.5 VAE share of UNet rate (TensorRT ratio) x2 fp32 x VAE FLOPs + PNG measured on CPU",
                        size, size))
@@ -224,6 +273,8 @@ def summary() -> None:
               f"decode GPU {_vae_gpu_ms(size, T_MS):.1f} + PNG {png_ms(size):.1f} ms")
     print("  text_encode 1/2/32: " + " / ".join(f"{text_encode_ms(n):.2f}" for n in (1, 2, 32)) + " ms")
     step = denoise_ms(1024, 2)
+    print(f"  1024 px CFG request: ControlNet {controlnet_ms(1024, 2):.2f} ms, encoder half {encoder_ms(1024, 2):.2f} ms, "
+          f"residuals {transfer_ms(1024, 2):.2f} ms, LoRA {lora_ms(1024, 2):.2f} ms ({lora_ms(1024, 2) / step:.1%})")
     print(f"  1024 px CFG step {step:.2f} ms = {2 * UNET_GFLOP[1024] / step:.0f} TFLOP/s; "
           f"rows 1->2 x{step / denoise_ms(1024, 1):.3f}, 2->4 x{denoise_ms(1024, 4) / step:.3f}, "
           f"4->8 x{denoise_ms(1024, 8) / denoise_ms(1024, 4):.3f}")
@@ -255,9 +306,42 @@ def recount() -> None:
             unet_gflop = gflop(lambda: unet(latents, torch.tensor([500.0]), context, added_cond_kwargs=added))
             vae_gflop = gflop(lambda: vae.decode(latents))
             print(f"{size}px: UNet/row {unet_gflop:.2f} GFLOP, VAE decode {vae_gflop:.2f} GFLOP")
+            recount_addons(unet, latents, context, added, size)
         tokens = torch.zeros(1, 77, dtype=torch.long)
         print(f"CLIP-L text encoder: {gflop(lambda: clip_l(tokens)):.2f} GFLOP per text; "
               f"OpenCLIP-bigG: {gflop(lambda: clip_g(tokens)):.2f} GFLOP per text")
+
+
+def recount_addons(unet, latents, context, added, size: int) -> None:
+    import torch
+    from diffusers import ControlNetModel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    config = {k: v for k, v in FULL_UNET().items() if k not in ("up_block_types", "sample_size")}
+    with torch.device("meta"):
+        controlnet = ControlNetModel(in_channels=4, **config).eval()
+    timestep = torch.tensor([500.0])
+    with FlopCounterMode(display=False) as mode, torch.no_grad():
+        unet(latents, timestep, context, added_cond_kwargs=added)
+    counts = mode.get_flop_counts()
+    encoder = sum(sum(v.values()) for k, v in counts.items()
+                  if k == "UNet2DConditionModel.mid_block" or (k.startswith("UNet2DConditionModel.down_blocks.")
+                                                               and k.count(".") == 2))
+    lora = sum(sum(counts.get(f"UNet2DConditionModel.{name}", {}).values()) * (m.in_features + m.out_features)
+               / (m.in_features * m.out_features) for name, m in unet.named_modules()
+               if isinstance(m, torch.nn.Linear) and name.endswith(("to_q", "to_k", "to_v", "to_out.0")))
+    with FlopCounterMode(display=False) as mode, torch.no_grad():
+        down, mid = controlnet(latents, timestep, encoder_hidden_states=context,
+                               controlnet_cond=torch.empty(1, 3, size, size), added_cond_kwargs=added, return_dict=False)
+    residual = sum(t.numel() for t in [*down, mid]) * 2
+    print(f"  ControlNet/row {mode.get_total_flops() / 1e9:.2f} GFLOP, UNet down+mid/row {encoder / 1e9:.2f} GFLOP, "
+          f"LoRA/row/rank {lora / 1e9:.4f} GFLOP, residuals/row {residual / 2**20:.2f} MiB")
+
+
+def FULL_UNET() -> dict:
+    from stepserve.engine.families.sdxl import FULL
+
+    return dict(FULL["unet"])
 
 
 def main() -> None:

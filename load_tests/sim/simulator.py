@@ -56,7 +56,8 @@ from stepserve.load_tests.sim.worker import SimAdmission, SimWorker
 from stepserve.load_tests.workload import ScheduledRequest
 from stepserve.policies import make_policy, needs_costs
 from stepserve.policies.cost_model import BatchShape
-from stepserve.policies.types import RequestKind, RequestSpec, RequestStatus, WorkerPlan
+from stepserve.policies.types import (ControlNetUse, LoraBatching, LoraUse, RequestKind, RequestSpec, RequestStatus,
+                                      WorkerPlan)
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,8 @@ class SimConfig:
     # Cores of the one CPU host every component shares (a CPU box running the whole app);
     # None: each worker, encoder and decoder has its own device (a GPU cluster).
     host_cpus: float | None = None
+    # Whether a forward may mix requests with different LoRAs (CoreConfig.lora_batches).
+    lora_batches: LoraBatching = LoraBatching.MIXED
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -98,6 +101,7 @@ class SimConfig:
     def describe(self) -> dict[str, Any]:
         out = asdict(self)
         out["policy_options"] = dict(self.policy_options)
+        out["lora_batches"] = self.lora_batches.value
         return out
 
 
@@ -155,6 +159,9 @@ class SimResult:
     text_encoder_busy_s: float  # on the text encoder, or on the workers when they encode prompts
     decoder_busy_s: float
     host_peak_jobs: int | None = None  # most jobs sharing the CPU host at once (host_cpus set)
+    # Device seconds of ControlNet calls on the ControlNet service (0 when the denoisers run them).
+    controlnet_busy_s: float = 0.0
+    forwards: int = 0  # denoiser forwards run (a step of a plan with three groups is three)
 
     @property
     def plan_wall_s(self) -> float:
@@ -260,7 +267,8 @@ class Simulation:
             text_encode_on_workers=not config.text_encoder.replicas,
             max_queued={RequestKind.T2I: config.max_queued_images, RequestKind.T2V: config.max_queued_videos},
             max_wait_s={RequestKind.T2I: config.max_image_queue_wait_s,
-                        RequestKind.T2V: config.max_video_queue_wait_s})
+                        RequestKind.T2V: config.max_video_queue_wait_s},
+            lora_batches=config.lora_batches)
         self.core = RouterCore(policy, [WorkerSlot(wid, config.max_batch_size, i) for i, wid in enumerate(worker_ids)],
                                core_config, cost)
         self._round_cache: dict[tuple[BatchShape, ...], float] = {}
@@ -274,12 +282,16 @@ class Simulation:
         self.decoder = (DecoderService(config.decoders, self.events, self._run_work, self._on_decoded)
                         if config.decoders else None)
         self.pending: dict[str, _Pending] = {}
-        self._gangs: dict[tuple[int, str], set[str]] = {}  # (gang, request) -> members arrived
+        # Insertion-ordered (dicts, not sets) throughout: a run must not depend on string hashing.
+        self._gangs: dict[tuple[int, str], dict[str, None]] = {}  # (gang, request) -> members arrived
         self._gang = 0
         self._decide_pending = False
         self._wakes: set[float] = set()  # pending wake-up times
-        self._blocked: set[_Lane] = set()  # lanes whose next plan waits for a state or a gang
+        self._blocked: dict[_Lane, None] = {}  # lanes whose next plan waits for a state or a gang
         self.decision_wall: list[float] = []
+        self._controlnet_s = getattr(cost, "controlnet_seconds", None)
+        self._controlnet_busy_s = 0.0
+        self._forwards = 0
         for request in requests:
             if request.model is None:
                 raise ValueError(f"request {request.index} has no model; the simulator needs one to cost it")
@@ -407,7 +419,7 @@ class Simulation:
                                  f"now={self.events.now!r}, and sent nothing")
             self._wakes.add(wake)
             self.events.at(wake, self._wake, wake)
-        for wid in {p.worker_id for p in decision.plans}:
+        for wid in dict.fromkeys(p.worker_id for p in decision.plans):
             self._try_start(self.lanes[wid])
 
     def _wake(self, at: float) -> None:
@@ -448,21 +460,21 @@ class Simulation:
             self.host.resize(current.job, head_s + steps * step_s)
 
     def _try_start(self, lane: _Lane) -> None:
-        self._blocked.discard(lane)
+        self._blocked.pop(lane, None)
         if lane.executing is not None or not lane.fifo:
             return
         head = lane.fifo[0]
         # A resume waits for the state it resumes from (Ray resolves the reference first).
         if any(a.resume and a.source.value is None for a in head.admissions):
-            self._blocked.add(lane)
+            self._blocked[lane] = None
             return
         for group in head.plan.groups:
             if group.ranks:
                 key = (head.gang, group.request_ids[0])
-                arrived = self._gangs.setdefault(key, set())
-                arrived.add(lane.worker.worker_id)
+                arrived = self._gangs.setdefault(key, {})
+                arrived[lane.worker.worker_id] = None
                 if len(arrived) < len(group.ranks):
-                    self._blocked.add(lane)
+                    self._blocked[lane] = None
                     return  # the collective waits for every member
         for group in head.plan.groups:
             if group.ranks:
@@ -497,6 +509,9 @@ class Simulation:
         queued = current.queued
         report, outputs, _ = lane.worker.end(current.running, current.steps)
         now = self.events.now
+        self._forwards += current.steps * len(current.running.shapes)
+        if self._controlnet_s is not None:
+            self._controlnet_busy_s += current.steps * sum(self._controlnet_s(s) for s in current.running.shapes)
         if self._router_cpu_s and current.steps:
             self.host.run(self._router_cpu_s * current.steps, _nothing)
         lane.busy_s += now - current.started  # on a shared host a plan takes longer than its profiled time
@@ -534,6 +549,7 @@ class Simulation:
             text_encoder_busy_s=self._worker_encode_s if self.encoder is None else self.encoder.busy_s,
             decoder_busy_s=0.0 if self.decoder is None else self.decoder.busy_s,
             host_peak_jobs=None if self.host is None else self.host.peak_jobs,
+            controlnet_busy_s=self._controlnet_busy_s, forwards=self._forwards,
         )
 
     def _trace(self, entry: _Pending) -> RequestTrace:
@@ -573,7 +589,9 @@ def _spec_of(request: ScheduledRequest, rid: str, slo_s: float | None) -> Reques
         num_inference_steps=request.num_inference_steps, guidance_scale=request.guidance_scale, seed=request.seed,
         negative_prompt=request.negative_prompt, kind=RequestKind.T2V if video else RequestKind.T2I,
         num_frames=request.num_frames if video else 1, fps=request.fps,
-        slo_s=None if slo_s is None else max(slo_s, 1e-9))
+        slo_s=None if slo_s is None else max(slo_s, 1e-9),
+        controlnets=tuple(ControlNetUse(name) for name in request.controlnets),
+        loras=tuple(LoraUse(name) for name in request.loras))
 
 
 def simulate(requests: Sequence[ScheduledRequest], cost: Any, config: SimConfig = SimConfig()) -> SimResult:

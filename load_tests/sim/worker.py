@@ -56,13 +56,14 @@ class _Running:
     """A plan between its start (drops and admissions done, the forwards' shapes known) and its
     end (steps counted, outputs and report made)."""
 
-    __slots__ = ("plan", "failed", "touched", "groups", "head_s", "step_s", "tail_s")
+    __slots__ = ("plan", "failed", "touched", "groups", "shapes", "head_s", "step_s", "tail_s")
 
     def __init__(self, plan: WorkerPlan) -> None:
         self.plan = plan
         self.failed: dict[str, RequestFailure] = {}
         self.touched: list[str] = []
         self.groups: list[list[_Resident]] = []  # the members of each forward that runs
+        self.shapes: tuple[BatchShape, ...] = ()  # and what each forward is
         self.head_s = 0.0  # before its first step: encoding the prompts of what it admits
         self.step_s = 0.0  # one step's seconds: the cost of its forwards
         self.tail_s = 0.0  # after its last step: the decode of what it finishes here
@@ -114,11 +115,10 @@ class SimWorker:
                     failed[rid] = RequestFailure(rid, f"request {rid} is not resident on {self.worker_id}", lost=True)
             if not members:
                 continue
-            head = members[0].spec
-            shapes.append(BatchShape(head.model, head.height, head.width, sum(m.spec.rows for m in members),
-                                     head.num_frames, max(1, len(group.ranks))))
+            shapes.append(BatchShape.of([m.spec for m in members], max(1, len(group.ranks))))
             running.groups.append(members)
-        running.step_s = self.round_cost(tuple(shapes)) if shapes else 0.0
+        running.shapes = tuple(shapes)
+        running.step_s = self.round_cost(running.shapes) if shapes else 0.0
         running.tail_s = sum(self.decode_cost(self.resident[rid].spec) for rid in plan.finish
                              if rid in self.resident and rid not in failed)
         return running

@@ -14,7 +14,7 @@ from typing import Any
 from stepserve.actors.router_core import Admission, CoreConfig, Outcome, RouterCore, WorkerSlot
 from stepserve.load_tests.sim.worker import SimAdmission, SimWorker
 from stepserve.policies import make_policy
-from stepserve.policies.types import RequestKind, RequestSpec, WorkerPlan
+from stepserve.policies.types import LoraBatching, RequestKind, RequestSpec, WorkerPlan
 
 TICK = 0.01
 
@@ -36,12 +36,13 @@ class Harness:
     def __init__(self, policy: Any = "continuous", options: dict | None = None, workers: int = 2, batch: int = 4,
                  depth: int = 2, costs: Any = None, checkpoint_interval_s: float | None = None,
                  max_queued: dict | None = None, max_recoveries: int = 3, lead_s: float = math.inf,
-                 max_plan_s: float = 0.0) -> None:
+                 max_plan_s: float = 0.0, lora_batches: LoraBatching = LoraBatching.MIXED) -> None:
         scheduler = make_policy(policy, options, costs) if isinstance(policy, str) else policy
         config = CoreConfig(
             pipeline_depth=depth, pipeline_lead_s=lead_s, checkpoint_interval_s=checkpoint_interval_s,
             max_plan_s=max_plan_s,
-            max_queued=max_queued or {RequestKind.T2I: 64, RequestKind.T2V: 64}, max_recoveries=max_recoveries)
+            max_queued=max_queued or {RequestKind.T2I: 64, RequestKind.T2V: 64}, max_recoveries=max_recoveries,
+            lora_batches=lora_batches)
         ids = [f"w{i}" for i in range(workers)]
         self.core = RouterCore(scheduler, [WorkerSlot(w, batch, i) for i, w in enumerate(ids)], config, costs)
         self.workers = {w: SimWorker(w, lambda shapes: TICK, lambda s: 0.0, incarnation=f"{w}-1") for w in ids}

@@ -48,3 +48,21 @@ def test_default_size_must_be_one_the_model_accepts(family, default_size, proble
     # Else every request that leaves out `size` would get a 400.
     with pytest.raises(ValueError, match=f"default_size: .*{problem}"):
         ModelConfig(name="m", family=family, preset="tiny", default_size=default_size, max_size=512)
+
+
+def test_the_addon_settings_reach_the_router_as_cost_and_batching_choices():
+    from stepserve.policies.addon_costs import ControlNetPlacement
+    from stepserve.policies.types import LoraBatching
+
+    base = {"models": [{"name": "m", "family": "sd15", "preset": "tiny"}]}
+    plain = AppConfig.model_validate(base)
+    assert plain.controlnet_service.placement is ControlNetPlacement.INLINE
+    assert plain.lora_loading.batches is LoraBatching.MIXED
+    config = AppConfig.model_validate({**base, "controlnet_service": {"enabled": True},
+                                       "lora_loading": {"batches": "per_adapter"}})
+    assert config.controlnet_service.placement is ControlNetPlacement.SERVICE
+    assert config.lora_loading.batches is LoraBatching.PER_ADAPTER
+    stale = AppConfig.model_validate({**base, "controlnet_service": {"enabled": True, "stale": True}})
+    assert stale.controlnet_service.placement is ControlNetPlacement.STALE
+    with pytest.raises(ValueError, match="batches"):
+        AppConfig.model_validate({**base, "lora_loading": {"batches": "one_by_one"}})
