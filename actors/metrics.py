@@ -66,6 +66,10 @@ class RouterMetrics:
             "hold its LoRAs, per LoRA request) and batch (a plan's time bringing LoRAs to its worker, times the "
             "requests stepping in it: what the batch waited, summed over its requests).",
             ["where"], buckets=STAGE_BUCKETS, registry=r)
+        self.split_steps = Counter(
+            "stepserve_split_steps", "Denoising steps of one request split over several workers, counted once "
+            "per request and step, by how: cfg (its two CFG rows, latent parallelism) or sequence (Ulysses).",
+            ["split"], registry=r)
         self.request_stage = Histogram(
             "stepserve_request_stage_seconds",
             "Where a finished request's time went in the router: text_encode (arrival to embeddings), queue "

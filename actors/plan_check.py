@@ -9,7 +9,8 @@ A decision is executable when:
 - every stepped request is resident there (or admitted in the same plan), steps once per round
   (an SP group's members list the same step), shares its group's shape, and a request spread
   over an SP group steps only in that group, on every member, with its ranks;
-- every export names a resident request once, and the request's other holders release it;
+- every export names a resident request once, and the request's other holders release it; a
+  request held by several workers (each holds all of it) may be released by all but one;
 - no worker ends the round holding more than its batch size.
 """
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from stepserve.policies.base import PolicyError
-from stepserve.policies.types import Decision, RequestStatus, WorkerPlan
+from stepserve.policies.types import Decision, GroupSplit, RequestStatus, WorkerPlan
 
 if TYPE_CHECKING:
     from stepserve.actors.router_core import RouterCore
@@ -99,6 +100,8 @@ class PlanChecker:
                     if len(group.request_ids) != 1 or len(group.ranks) < 2 or list(group.ranks) != sorted(
                             set(group.ranks)):
                         raise fail(f"{where}: an SP group holds one request and two or more sorted ranks")
+                    if group.split is GroupSplit.CFG and (len(group.ranks) != 2 or record.spec.rows != 2):
+                        raise fail(f"{where}: a CFG split runs one CFG request's two rows on two ranks")
             for rid in plan.export:
                 if rid not in resident and rid not in plan.admit:
                     raise fail(f"{where} exports {rid!r}, which is not resident on it")
@@ -121,7 +124,7 @@ class PlanChecker:
         for rid, steps in stepped.items():
             record = core._requests[rid]
             workers = tuple(sorted({w for w, _ in steps}, key=rank))
-            holders = set(record.workers) | set(admitted.get(rid, ()))
+            holders = (set(record.workers) | set(admitted.get(rid, ()))) - released.get(rid, set())
             group_ranks = {r for _, r in steps}
             if len(group_ranks) != 1:
                 raise fail(f"{rid!r} steps in different groups on {workers}")
@@ -140,5 +143,6 @@ class PlanChecker:
             if released.get(rid, set()) != others:
                 raise fail(f"{rid!r} is exported from {wid!r} but its other holders {sorted(others)} do not release it")
         for rid, wids in released.items():
-            if rid not in exported:
-                raise fail(f"{rid!r} is released on {sorted(wids)} without an export")
+            # Every holder of a split request holds all of it: all but one may let it go.
+            if rid not in exported and not set(core._requests[rid].workers) - wids:
+                raise fail(f"{rid!r} is released on {sorted(wids)} by every holder, without an export")

@@ -89,8 +89,10 @@ class Router:
         self._edge_report = self.core.load()  # the load the edge's long poll last answered with
         self._edge_quiet = is_quiet(self._edge_report)
         self._tasks: set[asyncio.Task] = set()
-        # A world of process groups only when some model can split a forward over workers.
-        self._uses_world = len(self.workers) > 1 and any(family_class(m.family).sequence_parallel for m in models)
+        # A world of process groups only when a forward may be split over workers: some model's
+        # by sequence parallelism, or any CFG request's under a policy that splits CFG rows.
+        self._uses_world = len(self.workers) > 1 and (
+            any(family_class(m.family).sequence_parallel for m in models) or policy.splits_cfg)
         await self.ready()
         # Jobs an earlier router accepted and never finished are gone with its workers: say so,
         # rather than let them poll as queued forever. Finished ones are safe in the store.
@@ -285,6 +287,9 @@ class Router:
             state = self.core.state(rid)
             if state.admit_time is None:
                 self.metrics.queue_wait.observe(time.monotonic() - state.arrival_time)
+        for group in plan.groups:  # counted at the group's first rank
+            if group.ranks and self.core.rank(plan.worker_id) == group.ranks[0]:
+                self.metrics.split_steps.labels(group.split.value).inc(plan.steps)
         returns = self.workers[plan.worker_id].execute.options(num_returns=1 + len(plan.outputs)).remote(plan, refs)
         if not plan.outputs:
             returns = [returns]

@@ -806,6 +806,10 @@ class RouterCore:
     def worker_ids(self) -> tuple[str, ...]:
         return tuple(self._workers)
 
+    def rank(self, worker_id: str) -> int:
+        """The worker's rank in the workers' world (StepGroup.ranks)."""
+        return self._worker(worker_id).slot.rank
+
     @property
     def live_workers(self) -> int:
         return sum(w.alive for w in self._workers.values())
@@ -995,8 +999,7 @@ class RouterCore:
         total = self._encode_seconds(admissions) if self.config.text_encode_on_workers else 0.0
         batches = []
         for group in plan.groups:
-            batches.append(BatchShape.of([self._requests[rid].spec for rid in group.request_ids],
-                                         max(1, len(group.ranks))))
+            batches.append(BatchShape.of([self._requests[rid].spec for rid in group.request_ids], group))
         total += self._costs.round_seconds(batches) * plan.steps if batches else 0.0
         for rid in plan.finish:
             spec = self._requests[rid].spec

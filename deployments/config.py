@@ -171,8 +171,10 @@ class RouterConfig(_Strict):
     policy: str = Field(
         default="continuous",
         description="Scheduling policy (a name from the policies registry): 'continuous' (step-level continuous "
-                    "batching), 'static_fcfs', 'dynamic_batching' (request-level baselines) or 'genserve' (SLO-aware "
-                    "image + video co-serving: preemption, knapsack DP, elastic sequence parallelism).",
+                    "batching), 'static_fcfs', 'dynamic_batching' (request-level baselines), 'genserve' (SLO-aware "
+                    "image + video co-serving: preemption, knapsack DP, elastic sequence parallelism) or "
+                    "'latent_parallel' (a lone CFG image's two rows on two idle workers when the profile says it "
+                    "pays; continuous batching otherwise).",
     )
     policy_options: dict[str, Any] = Field(
         default_factory=dict,

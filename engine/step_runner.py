@@ -26,9 +26,11 @@ import torch
 from stepserve.engine.addons import StepAddons
 from stepserve.engine.addons.lora import LoraLoader
 from stepserve.engine.families.base import DiffusionFamily
+from stepserve.engine.parallel.latent import cfg_split_denoise
 from stepserve.engine.png import encode_png
 from stepserve.engine.sampler import Conditioning, Sampler
 from stepserve.policies.types import (
+    GroupSplit,
     RequestFailure,
     RequestProgress,
     RequestSpec,
@@ -253,9 +255,12 @@ class _PlanRun:
         try:
             process_group = sp_group(group.ranks) if group.ranks and sp_group is not None else None
             addons = _group_addons([sampler for _, sampler, _ in members])
-            # Only families that take add-ons take the keyword (admission refused the others' requests).
-            extra = {"addons": addons} if addons else {}
-            noise_pred = family.denoise(sample, timesteps, cond, sp_group=process_group, **extra)
+            if group.ranks and group.split is GroupSplit.CFG:
+                noise_pred = cfg_split_denoise(family, sample, timesteps, cond, process_group, addons)
+            else:
+                # Only families that take add-ons take the keyword (admission refused the others' requests).
+                extra = {"addons": addons} if addons else {}
+                noise_pred = family.denoise(sample, timesteps, cond, sp_group=process_group, **extra)
         except Exception as exc:
             # Over ranks, a forward fails mostly because a partner died or never came: the
             # request's state is then only as good as its last checkpoint.
@@ -281,8 +286,11 @@ class _PlanRun:
         family = self.family(samplers[0].spec)
         if len(group.ranks) > 1:
             if len(group.request_ids) != 1:
-                raise ValueError(f"a sequence-parallel group holds one request, not {len(group.request_ids)}")
-            if not family.sequence_parallel:
+                raise ValueError(f"a group split over ranks holds one request, not {len(group.request_ids)}")
+            if group.split is GroupSplit.CFG:
+                if samplers[0].rows != 2:
+                    raise ValueError("a CFG split needs a request that uses classifier-free guidance")
+            elif not family.sequence_parallel:
                 raise ValueError(f"model {models[0]!r} cannot run sequence-parallel")
             if sp_group is None:
                 raise ValueError(f"worker {self.runner.worker_id} has no process groups (ranks {group.ranks})")

@@ -23,7 +23,7 @@ from stepserve.policies.types import (
 )
 
 # Imported for their registration side effect.
-from stepserve.policies import continuous, dynamic_batching, static_fcfs  # noqa: E402,F401  isort: skip
+from stepserve.policies import continuous, dynamic_batching, latent_parallel, static_fcfs  # noqa: E402,F401  isort: skip
 from stepserve.policies.genserve import policy as genserve_policy  # noqa: E402,F401  isort: skip
 
 __all__ = [

@@ -42,11 +42,15 @@ class Scheduler(Protocol):
     (step-level batching). The router then keeps such a worker's plans short while a request
     waits, and cuts a plan of several steps short when one becomes ready; a policy that only
     starts batches on idle workers (request-level batching) leaves running plans alone.
+
+    `splits_cfg`: it may split a CFG request's two rows over two workers (latent parallelism),
+    so the workers need their world of process groups even where no model is sequence-parallel.
     """
 
     name: str
     steady: bool
     joins_running: bool
+    splits_cfg: bool
 
     def schedule(self, snapshot: ClusterSnapshot) -> Decision: ...
 
@@ -75,6 +79,7 @@ class PerWorker:
     # A worker's plan is a function of its residents and the queue, not of the clock (a batching
     # window only holds back admissions, which end a multi-step plan anyway).
     steady = True
+    splits_cfg = False  # a worker's plan is its own
 
     def __init__(self, policy: WorkerPolicy) -> None:
         self.policy = policy
@@ -130,6 +135,24 @@ def _after_admission(snapshot: ClusterSnapshot, worker_id: str, admitted: tuple[
     return ClusterSnapshot(snapshot.now, tuple(v for v in snapshot.queued if v.request_id not in taken),
                            SnapshotIndex(workers_by_id, running_by_worker, open_ids, open_idle_ids, counts),
                            snapshot.sp_available, snapshot.step_overhead_s)
+
+
+def without(snapshot: ClusterSnapshot, workers: Iterable[str], requests: Iterable[str]) -> ClusterSnapshot:
+    """The snapshot as a policy sees it once `workers` and the waiting `requests` are spoken for
+    (a policy that plans some of the pool itself and hands the rest to another). O(workers)."""
+    gone, taken = set(workers), set(requests)
+    kept = [w for w in snapshot.workers if w.worker_id not in gone]
+    index = snapshot.index
+    counts: dict[tuple[int, int], int] = {}
+    for w in kept:
+        counts[(w.max_batch_size, len(w.running))] = counts.get((w.max_batch_size, len(w.running)), 0) + 1
+    return ClusterSnapshot(
+        snapshot.now, tuple(v for v in snapshot.queued if v.request_id not in taken),
+        SnapshotIndex({w.worker_id: w for w in kept},
+                      {w: views for w, views in index.running_by_worker.items() if w not in gone},
+                      tuple(w for w in index.open_ids if w not in gone),
+                      tuple(w for w in index.open_idle_ids if w not in gone), counts, index.current),
+        snapshot.sp_available, snapshot.step_overhead_s)
 
 
 # ---- helpers the per-worker policies share ----------------------------------------------------

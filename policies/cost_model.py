@@ -18,7 +18,7 @@ CSV schema (one for every device), one row per measured point:
     model,device,component,height,width,rows,frames,latency_ms,samples,source,sp_degree
 
 - `component`: denoise | round_overhead | text_encode | vae_decode | request_overhead | host_probe |
-  host_idle | router_cpu | controlnet | controlnet_transfer | denoise_encoder | lora
+  host_idle | router_cpu | controlnet | controlnet_transfer | denoise_encoder | lora | cfg_exchange
 - `rows`: batch rows of one denoiser forward (2 per CFG request, 1 otherwise) for denoise and
   for the per-group part of round_overhead; the number of texts for text_encode; for
   host_probe, how many copies of one fixed forward ran at once on the host; 1 otherwise.
@@ -35,12 +35,15 @@ CSV schema (one for every device), one row per measured point:
   (applying a report, deciding, sending the next plan: a decision per step where plans are one
   step, next to nothing inside a steady plan), which runs beside the worker's next step.
   Neither is a latency; both are optional (a GPU profile needs neither).
+- cfg_exchange rows price latent parallelism (SwiftDiffusion §4.3): swapping the two workers'
+  noise predictions of a CFG request split over them (`rows`: the request's rows, 2); optional.
 - controlnet, controlnet_transfer, denoise_encoder and lora rows price add-ons (SwiftDiffusion):
   one ControlNet call's forward over `rows` rows; moving that call's residuals from the ControlNet
   service to the denoiser; the denoiser's forward up to its decoder blocks (what a ControlNet
   beside it overlaps); the extra time of unmerged LoRA updates over `rows` rows (a row with two
-  LoRAs counts twice). All optional: a profile without them prices add-ons at nothing extra and
-  says so in its fit report (`missing_addons`); `addon_costs` combines them per placement.
+  LoRAs counts twice). All optional, as cfg_exchange: a profile without them prices that work at
+  nothing extra and says so in its fit report (`missing_extras`); `addon_costs` combines them
+  per placement.
 - `frames`: 1 for images; a video's frame count (its work per row scales with pixels x frames).
 - `sp_degree`: for denoise, how many workers ran the forward with sequence parallelism (Ulysses
   all-to-all); 1 otherwise. Each degree is fitted on its own, so communication's share (large
@@ -57,14 +60,15 @@ import itertools
 import math
 import os
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from stepserve.policies.addon_costs import ControlNetPlacement, forward_seconds
+from stepserve.policies.types import GroupSplit
 
 if TYPE_CHECKING:
-    from stepserve.policies.types import RequestSpec
+    from stepserve.policies.types import RequestSpec, StepGroup
 
 DENOISE = "denoise"
 ROUND_OVERHEAD = "round_overhead"
@@ -78,11 +82,13 @@ CONTROLNET = "controlnet"
 CONTROLNET_TRANSFER = "controlnet_transfer"
 DENOISE_ENCODER = "denoise_encoder"
 LORA = "lora"
-ADDON_COMPONENTS = (CONTROLNET, CONTROLNET_TRANSFER, DENOISE_ENCODER, LORA)  # optional
+CFG_EXCHANGE = "cfg_exchange"
+# Optional prices of work beyond the plain forward: add-ons, and the exchange of a CFG split.
+EXTRA_COMPONENTS = (CONTROLNET, CONTROLNET_TRANSFER, DENOISE_ENCODER, LORA, CFG_EXCHANGE)
 COMPONENTS = (DENOISE, ROUND_OVERHEAD, TEXT_ENCODE, VAE_DECODE, REQUEST_OVERHEAD, HOST_PROBE, HOST_IDLE, ROUTER_CPU,
-              *ADDON_COMPONENTS)
+              *EXTRA_COMPONENTS)
 HOST_COMPONENTS = (HOST_PROBE, HOST_IDLE, ROUTER_CPU)  # what the host does besides the model: optional
-SHAPED = (DENOISE, VAE_DECODE, HOST_PROBE, *ADDON_COMPONENTS)  # rows that need a height and width
+SHAPED = (DENOISE, VAE_DECODE, HOST_PROBE, *EXTRA_COMPONENTS)  # rows that need a height and width
 
 CSV_COLUMNS = ("model", "device", "component", "height", "width", "rows", "frames", "latency_ms", "samples", "source",
                "sp_degree")
@@ -123,6 +129,9 @@ class BatchShape:
     sp_degree: int = 1
     controlnet_rows: tuple[int, ...] = ()
     lora_rows: int = 0
+    # One CFG request's two rows on two workers, a row each (latent parallelism): each runs the
+    # forward of half the rows, add-ons included, and they swap their outputs.
+    cfg_split: bool = False
 
     def __post_init__(self) -> None:
         for field in ("height", "width", "rows", "frames", "sp_degree"):
@@ -130,18 +139,29 @@ class BatchShape:
         for rows in self.controlnet_rows:
             _check_int("controlnet_rows", rows, 1)
         _check_int("lora_rows", self.lora_rows, 0)
+        if self.cfg_split and (self.rows != 2 or self.sp_degree != 1):
+            raise ValueError(f"a CFG split is one request's 2 rows at sp_degree 1, got {self.rows} at "
+                             f"{self.sp_degree}")
 
     @classmethod
-    def of(cls, specs: "Sequence[RequestSpec]", sp_degree: int = 1) -> "BatchShape":
-        """The forward of these same-shape requests, add-ons included. A ControlNet is counted
-        for every step, also outside its start/end window (it is idle for a few steps at most)."""
+    def of(cls, specs: "Sequence[RequestSpec]", group: "StepGroup | None" = None) -> "BatchShape":
+        """The forward of these same-shape requests as `group` runs them (None: on one worker),
+        add-ons included. A ControlNet is counted for every step, also outside its start/end
+        window (it is idle for a few steps at most)."""
         head = specs[0]
         calls: dict[str, int] = {}
         for spec in specs:
             for name in dict.fromkeys(use.name for use in spec.controlnets):
                 calls[name] = calls.get(name, 0) + spec.rows
-        return cls(head.model, head.height, head.width, sum(s.rows for s in specs), head.num_frames, sp_degree,
-                   tuple(calls.values()), sum(s.rows * len(s.loras) for s in specs))
+        split = group is not None and bool(group.ranks) and group.split is GroupSplit.CFG
+        degree = 1 if group is None or split else max(1, len(group.ranks))
+        return cls(head.model, head.height, head.width, sum(s.rows for s in specs), head.num_frames, degree,
+                   tuple(calls.values()), sum(s.rows * len(s.loras) for s in specs), split)
+
+    def half(self) -> "BatchShape":
+        """What each worker of a CFG split runs: one of the two rows, with its share of the add-ons."""
+        return replace(self, rows=self.rows // 2, controlnet_rows=tuple(r // 2 for r in self.controlnet_rows),
+                       lora_rows=self.lora_rows // 2, cfg_split=False)
 
     @property
     def pixels(self) -> int:
@@ -443,8 +463,8 @@ _METHODS: dict[str, tuple[tuple[str, Method], ...]] = {
     ),
     ROUND_OVERHEAD: (("constant", _constant), ("linear", _nnls(lambda x: (1.0, x[1], x[1] * x[0])))),
 }
-for _addon in ADDON_COMPONENTS:  # each a forward (or its residuals) over rows at a shape, as denoise
-    _METHODS[_addon] = _METHODS[DENOISE]
+for _extra in EXTRA_COMPONENTS:  # each a forward (or what it moves) over rows at a shape, as denoise
+    _METHODS[_extra] = _METHODS[DENOISE]
 
 
 @dataclass(frozen=True)
@@ -530,9 +550,9 @@ class _ModelCosts:
         self.host_idle_cores = _median_seconds(by_component[HOST_IDLE])  # CPU seconds per second
         self.router_cpu = _median_seconds(by_component[ROUTER_CPU])
         self._addons = {c: self._fit(c, [((r.pixels / MEGA, float(r.rows)), r.seconds) for r in by_component[c]])
-                        for c in ADDON_COMPONENTS}
-        self.missing = [c for c in COMPONENTS if not by_component[c] and c not in HOST_COMPONENTS + ADDON_COMPONENTS]
-        self.missing_addons = [c for c in ADDON_COMPONENTS if not by_component[c]]
+                        for c in EXTRA_COMPONENTS}
+        self.missing = [c for c in COMPONENTS if not by_component[c] and c not in HOST_COMPONENTS + EXTRA_COMPONENTS]
+        self.missing_extras = [c for c in EXTRA_COMPONENTS if not by_component[c]]
         self.host_slowdowns = _host_slowdowns(by_component[HOST_PROBE])
         self._cache: dict[tuple, float] = {}
 
@@ -647,6 +667,9 @@ class ProfiledCostModel:
     def denoise_seconds(self, batch: BatchShape) -> float:
         """Raises `UnknownModelError` for an SP degree the profile lacks: each degree is fitted
         on its own, and communication's share does not extrapolate from the others."""
+        if batch.cfg_split:
+            return self.denoise_seconds(batch.half()) + self._costs(batch.model).addon(CFG_EXCHANGE, batch.pixels,
+                                                                                      batch.rows)
         if not (batch.controlnet_rows or batch.lora_rows):
             return self._costs(batch.model).denoise(batch.pixels, batch.rows, batch.sp_degree)
         return forward_seconds(*self.forward_parts(batch), self.controlnets)
@@ -783,7 +806,7 @@ class ProfiledCostModel:
                 "host_idle_cores": costs.host_idle_cores,
                 "router_cpu_ms": costs.router_cpu * 1000,
                 "missing": costs.missing,
-                "missing_addons": costs.missing_addons,
+                "missing_extras": costs.missing_extras,
                 "host_slowdown": {str(k): v for k, v in costs.host_slowdowns.items()},
                 "sources": costs.sources,
             }

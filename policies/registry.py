@@ -31,7 +31,7 @@ def register_policy(name: str, config_cls: type) -> Callable[[T], T]:
         if not (hasattr(policy_cls, "schedule") or hasattr(policy_cls, "plan")):
             raise TypeError(f"policy {name!r}: {policy_cls!r} has neither schedule() nor plan()")
         # What the router may do around the policy's plans (see `Scheduler`): said, not guessed.
-        declared = ("steady", "joins_running") if hasattr(policy_cls, "schedule") else ("joins_running",)
+        declared = ("steady", "joins_running", "splits_cfg") if hasattr(policy_cls, "schedule") else ("joins_running",)
         missing = [a for a in declared if not isinstance(getattr(policy_cls, a, None), bool)]
         if missing:
             raise TypeError(f"policy {name!r}: {policy_cls!r} must declare {' and '.join(missing)} (a bool class "

@@ -316,14 +316,22 @@ class ClusterSnapshot:
             other.now, other.queued, other.running, other.workers, other.sp_available, other.step_overhead_s)
 
 
+class GroupSplit(str, Enum):
+    """How a group's forward is split over its ranks."""
+
+    SEQUENCE = "sequence"  # the video's tokens (Ulysses sequence parallelism)
+    CFG = "cfg"  # the request's two CFG rows, one a rank (SwiftDiffusion's latent parallelism)
+
+
 @dataclass(frozen=True)
 class StepGroup:
     """Requests that share one denoiser forward. With `ranks`, the forward is split over the
-    workers of those world ranks (sequence parallelism): every one of them has the same group
-    in its plan of the same round, and the group holds one request."""
+    workers of those world ranks as `split` says: every one of them has the same group in its
+    plan of the same round, and the group holds one request."""
 
     request_ids: tuple[str, ...]
     ranks: tuple[int, ...] = ()  # sorted world ranks; () runs on this worker alone
+    split: GroupSplit = GroupSplit.SEQUENCE  # with ranks: what each rank computes
 
 
 @dataclass(frozen=True)

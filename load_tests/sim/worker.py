@@ -115,7 +115,7 @@ class SimWorker:
                     failed[rid] = RequestFailure(rid, f"request {rid} is not resident on {self.worker_id}", lost=True)
             if not members:
                 continue
-            shapes.append(BatchShape.of([m.spec for m in members], max(1, len(group.ranks))))
+            shapes.append(BatchShape.of([m.spec for m in members], group))
             running.groups.append(members)
         running.shapes = tuple(shapes)
         running.step_s = self.round_cost(running.shapes) if shapes else 0.0

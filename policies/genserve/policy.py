@@ -63,6 +63,7 @@ class GenServePolicy:
     needs_costs = True
     steady = False  # slack moves with the clock: it may preempt at any step
     joins_running = True  # a round may put a waiting image into any worker's batch
+    splits_cfg = False  # it splits videos by sequence, never a CFG request's rows
 
     def __init__(self, config: GenServeConfig, costs: StepCosts) -> None:
         self.config = config

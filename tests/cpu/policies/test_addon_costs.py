@@ -8,6 +8,7 @@ import pytest
 
 from stepserve.policies.addon_costs import ControlNetPlacement, forward_seconds, ideal_seconds
 from stepserve.policies.cost_model import (
+    CFG_EXCHANGE,
     CONTROLNET,
     CONTROLNET_TRANSFER,
     DENOISE,
@@ -73,16 +74,16 @@ def test_the_profile_prices_addons_by_placement():
     assert cost.controlnet_seconds(batch) == pytest.approx(18 / 1000)  # the service's devices, both calls
     assert ProfiledCostModel(rows(*parts)).controlnet_seconds(batch) == 0.0  # inline: the denoiser's
     assert cost.step_seconds(batch) > cost.step_seconds(BatchShape("m", 64, 64, 2))
-    assert cost.fit_report()["m"]["missing_addons"] == []
+    assert cost.fit_report()["m"]["missing_extras"] == [CFG_EXCHANGE]
 
 
 def test_a_profile_without_addon_rows_prices_them_at_nothing_and_says_so():
     cost = ProfiledCostModel(rows())
     batch = BatchShape("m", 64, 64, 2, controlnet_rows=(2,), lora_rows=2)
     assert cost.denoise_seconds(batch) == cost.denoise_seconds(BatchShape("m", 64, 64, 2))
-    assert cost.fit_report()["m"]["missing_addons"] == [CONTROLNET, CONTROLNET_TRANSFER, DENOISE_ENCODER, LORA]
-    assert cost.fit_report()["m"]["missing"] == [c for c in cost.fit_report()["m"]["missing"]
-                                                  if c not in (CONTROLNET, LORA)]  # not a broken profile
+    assert cost.fit_report()["m"]["missing_extras"] == [CONTROLNET, CONTROLNET_TRANSFER, DENOISE_ENCODER, LORA,
+                                                        CFG_EXCHANGE]
+    assert not set(cost.fit_report()["m"]["missing"]) & {CONTROLNET, LORA}  # not a broken profile
 
 
 @pytest.mark.parametrize("controlnets,paper_ideal", [(1, 1.45), (3, 2.35)])
