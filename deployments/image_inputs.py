@@ -10,14 +10,17 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import json
 import re
 import warnings
+from typing import Any
 
 import numpy as np
 import PIL.Image
 
 from stepserve.deployments.config import LimitsConfig
 from stepserve.deployments.errors import APIError, invalid
+from stepserve.deployments.forms import Form
 from stepserve.deployments.protocol import ImageGenerationRequest
 from stepserve.engine.addons.controlnet import control_pixels
 
@@ -60,6 +63,34 @@ def decode_image(data: bytes, param: str, limits: LimitsConfig) -> PIL.Image.Ima
     except Exception:
         raise invalid(param, f"{param} is truncated or corrupt", code="invalid_image") from None
     return image
+
+
+def control_image_parts(max_controlnets: int) -> tuple[str, ...]:
+    """The file parts a form body of an image generation may carry: `controlnets.<i>.image`."""
+    return tuple(f"controlnets.{i}.image" for i in range(max_controlnets))
+
+
+def generation_payload(form: Form) -> dict[str, Any]:
+    """A form body of POST /v1/images/generations as the JSON body it stands for: every field as
+    in JSON (numbers as text), `controlnets` and `loras` as JSON text, and each ControlNet's image
+    either in its entry (base64) or as the file part `controlnets.<i>.image`."""
+    payload: dict[str, Any] = dict(form.fields)
+    for key in ("controlnets", "loras"):
+        if key in payload:
+            try:
+                payload[key] = json.loads(payload[key])
+            except (ValueError, RecursionError):
+                raise invalid(key, f"{key} must be a JSON list in a form body", code="invalid_json") from None
+    for part, data in form.files.items():
+        index = int(part.split(".")[1])  # the form reader let only `control_image_parts` through
+        entries = payload.get("controlnets")
+        if not isinstance(entries, list) or index >= len(entries) or not isinstance(entries[index], dict):
+            raise invalid(part, f"{part}: the body has no controlnets[{index}] entry for this image")
+        if "image" in entries[index]:
+            raise invalid(part, f"{part}: controlnets[{index}] has an image already")
+        # As base64, so the one path checks and decodes it (the body limit bounds the size).
+        entries[index]["image"] = base64.b64encode(data).decode()
+    return payload
 
 
 def control_inputs(req: ImageGenerationRequest, width: int, height: int,

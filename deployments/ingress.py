@@ -28,11 +28,13 @@ from ray import serve
 from stepserve.deployments.config import AppConfig, ModelConfig
 from stepserve.deployments.edge import AdmissionGate, as_api_error, mapped
 from stepserve.deployments.errors import APIError, invalid, server_error
+from stepserve.deployments.forms import is_form, read_form
+from stepserve.deployments.image_inputs import control_image_parts, generation_payload
 from stepserve.deployments.images import ImageRequests, request_id_for
 from stepserve.deployments.protocol import ImageGenerationRequest
 from stepserve.deployments.video_encoding import FORMAT_HEADER
 from stepserve.deployments.video_validation import VideoCreateRequest
-from stepserve.deployments.videos import VideoJobs, is_form, preferred_wait_s, read_form
+from stepserve.deployments.videos import VideoJobs, preferred_wait_s
 from stepserve.engine.families import family_class
 
 logger = logging.getLogger("stepserve.ingress")
@@ -179,7 +181,14 @@ class Ingress:
         async def handle() -> Response:
             self._authorize(request)
             key = idempotency_key(request)
-            payload = parse_json(await read_body(request, self.config.limits.max_body_bytes))
+            body = await read_body(request, self.config.limits.max_body_bytes)
+            if is_form(request):  # control images uploaded as files, not base64
+                limits = self.config.limits
+                form = await read_form(request, body, control_image_parts(limits.max_controlnets),
+                                       max_files=limits.max_controlnets)
+                payload = generation_payload(form)
+            else:
+                payload = parse_json(body)
             return JSONResponse(await self.generate(payload, key))
 
         return await self._observed("/v1/images/generations", handle)
@@ -191,7 +200,7 @@ class Ingress:
             key = idempotency_key(request)
             body = await read_body(request, self.config.limits.max_body_bytes)
             # OpenAI's clients send this route multipart/form-data; curl users send JSON.
-            payload = await read_form(request, body) if is_form(request) else parse_json(body)
+            payload = (await read_form(request, body)).fields if is_form(request) else parse_json(body)
             return JSONResponse(await self.create_video(payload, key))
 
         return await self._observed("/v1/videos", handle)

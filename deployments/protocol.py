@@ -14,8 +14,10 @@ class ControlNetInput(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(description="A served ControlNet of the model (GET /v1/models lists them).")
-    image: str = Field(description="The control image (PNG, JPEG or WebP): base64, or a data: URL. Resized to "
-                                   "the output size as the diffusers ControlNet pipelines resize it.")
+    image: str = Field(description="The control image (PNG, JPEG or WebP): base64, or a data: URL (in a "
+                                   "multipart/form-data body it may come as the file part `controlnets.<i>.image` "
+                                   "instead). Resized to the output size as the diffusers ControlNet pipelines "
+                                   "resize it.")
     conditioning_scale: float = Field(default=1.0, description="Weight of its residuals (diffusers' "
                                                                "controlnet_conditioning_scale).")
     start: float = Field(default=0.0, description="Fraction of the steps before which it is off "

@@ -15,9 +15,6 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from starlette.datastructures import UploadFile
-from starlette.requests import Request
-
 from stepserve.deployments.config import AppConfig
 from stepserve.deployments.edge import AdmissionGate, as_api_error, mapped
 from stepserve.deployments.errors import APIError, invalid
@@ -26,8 +23,6 @@ from stepserve.deployments.video_encoding import EncodedVideo, encode_video, png
 from stepserve.deployments.video_validation import VIDEO_ID, VideoCreateRequest, parse_body, to_video_spec
 from stepserve.policies.types import RequestKind, RequestSpec
 
-FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
-MAX_FORM_FIELDS = 64
 MAX_PAGE = 100
 MAX_WAIT_S = 60.0  # the longest a status request may block for a job to end (`Prefer: wait=N`)
 
@@ -227,32 +222,3 @@ def preferred_wait_s(prefer: str | None) -> float:
                 return 0.0
             return min(seconds, MAX_WAIT_S) if seconds > 0 and seconds == seconds else 0.0
     return 0.0
-
-
-async def read_form(request: Request, body: bytes) -> dict[str, str]:
-    """A form body (OpenAI's clients send videos.create as multipart/form-data) as a dict of
-    strings. `body` was already read under the size limit; the form parser reads it again."""
-    async def receive() -> dict[str, Any]:
-        nonlocal body
-        chunk, body = body, b""
-        return {"type": "http.request", "body": chunk, "more_body": False}
-
-    try:
-        form = await Request(request.scope, receive).form(max_files=1, max_fields=MAX_FORM_FIELDS)
-    except Exception as exc:  # starlette's parser errors are the client's malformed body
-        raise invalid(None, f"malformed form body: {exc}", code="invalid_form") from None
-    try:
-        fields: dict[str, str] = {}
-        for key, value in form.multi_items():
-            if isinstance(value, UploadFile):
-                raise invalid(key, f"{key}: file uploads are not supported", code="unsupported_value")
-            if key in fields:
-                raise invalid(key, f"{key}: given more than once")
-            fields[key] = value
-        return fields
-    finally:
-        await form.close()
-
-
-def is_form(request: Request) -> bool:
-    return request.headers.get("content-type", "").split(";")[0].strip().lower() in FORM_TYPES

@@ -4,6 +4,7 @@ router with its uses in its spec and its control images decoded and resized."""
 
 import base64
 import io
+import json
 import struct
 import zlib
 
@@ -113,6 +114,54 @@ def test_a_good_request_reaches_the_router_with_its_addons(http, router, monkeyp
     assert [p.shape for p in pixels] == [(64, 64, 3), (64, 64, 3)] and all(p.dtype == np.uint8 for p in pixels)
     np.testing.assert_array_equal(pixels[0], np.array(image.resize((64, 64), PIL.Image.LANCZOS)))
     assert all(np.array_equal(a, b) for a, b in zip(pixels, pixels_again))
+
+
+def multipart(fields: dict, files: dict) -> dict:
+    """httpx's arguments for a multipart/form-data body: text fields and file parts."""
+    return {"data": {k: v if isinstance(v, str) else json.dumps(v) for k, v in fields.items()},
+            "files": {name: (f"{name}.png", data, "image/png") for name, data in files.items()}}
+
+
+def test_control_images_may_come_as_file_parts_of_a_form_body(http, router, monkeypatch):
+    monkeypatch.setattr(images_module.ray, "put", lambda value: value)
+    image = PIL.Image.fromarray(np.random.default_rng(1).integers(0, 256, (30, 40, 3), dtype=np.uint8))
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    controlnets = [{"name": "depth", "conditioning_scale": 0.5}, {"name": "canny", "image": b64(png())}]
+    form = multipart({"prompt": "a house", "size": "64x64", "num_inference_steps": "5", "guidance_scale": "6.5",
+                      "seed": "3", "controlnets": controlnets, "loras": [{"name": "papercut"}]},
+                     {"controlnets.0.image": out.getvalue()})
+    response = http.post("/v1/images/generations", **form)
+    assert response.status_code == 200, response.text
+    ((spec, (pixels,)),) = router.submit.calls
+    assert (spec.num_inference_steps, spec.guidance_scale, spec.seed) == (5, 6.5, 3)
+    assert spec.controlnets == (ControlNetUse("depth", 0.5), ControlNetUse("canny")) and spec.loras == (
+        LoraUse("papercut"),)
+    np.testing.assert_array_equal(pixels[0], np.array(image.resize((64, 64), PIL.Image.LANCZOS)))
+
+
+@pytest.mark.parametrize("fields, files, status, code, param", [
+    ({"controlnets": [{"name": "canny"}]}, {"controlnets.1.image": png()}, 400, "invalid_value",
+     "controlnets.1.image"),  # no entry 1
+    ({"controlnets": [{"name": "canny", "image": b64(png())}]}, {"controlnets.0.image": png()}, 400,
+     "invalid_value", "controlnets.0.image"),  # twice
+    ({"controlnets": [{"name": "canny"}]}, {"mask": png()}, 400, "unsupported_value", "mask"),
+    ({"controlnets": "[{not json"}, {}, 400, "invalid_json", "controlnets"),
+    ({"controlnets": [{"name": "canny"}]}, {}, 400, "invalid_value", "controlnets.0.image"),  # no image at all
+    ({"controlnets": [{"name": "canny"}]}, {"controlnets.0.image": b"GIF89a" + bytes(64)}, 400, "invalid_image",
+     "controlnets.0.image"),
+    ({"controlnets": [{"name": "canny"}]}, {"controlnets.0.image": bomb()}, 400, "image_too_large",
+     "controlnets.0.image"),
+    ({"controlnets": [{"name": "canny"}]}, {"controlnets.0.image": bytes(70 << 10)}, 413, "image_too_large",
+     "controlnets.0.image"),
+    ({"num_inference_steps": "many"}, {}, 400, "invalid_value", "num_inference_steps"),
+])
+def test_bad_form_bodies_are_refused_before_anything_is_queued(http, router, fields, files, status, code, param):
+    response = http.post("/v1/images/generations", **multipart({"prompt": "a house", "size": "64x64", **fields},
+                                                               files))
+    assert_error(response, status, code, param)
+    assert router.submitted == []
+    assert http.post("/v1/images/generations", json=body()).status_code == 200
 
 
 def test_addon_config_is_checked():
