@@ -37,6 +37,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from stepserve.actors.lora_residency import LoraResidency
 from stepserve.actors.plan_check import PlanChecker
 from stepserve.actors.step_overhead import StepOverhead
 from stepserve.policies.admission import ClassLoad, LoadReport, admit
@@ -113,6 +114,9 @@ class CoreConfig:
     # updates, batched) or not ("per_adapter": one adapter set per forward, the way vLLM-Omni
     # and SGLang batch; the baseline `bench_addons_sim` compares against). Exact either way.
     lora_batches: LoraBatching = LoraBatching.MIXED
+    # LoRAs each worker keeps in its device memory (`lora_loading.max_resident`): the core mirrors
+    # what each holds, so a policy can place a request where its LoRAs already are.
+    lora_resident: int = 32
 
     def __post_init__(self) -> None:
         if self.pipeline_depth < 1:
@@ -121,6 +125,8 @@ class CoreConfig:
             raise ValueError(f"max_queued bounds must be >= 1, got {dict(self.max_queued)}")
         if self.pipeline_lead_s < 0:
             raise ValueError(f"pipeline_lead_s must be >= 0, got {self.pipeline_lead_s}")
+        if self.lora_resident < 1:
+            raise ValueError(f"lora_resident must be >= 1, got {self.lora_resident}")
         if not (math.isfinite(self.max_plan_s) and self.max_plan_s >= 0):
             raise ValueError(f"max_plan_s must be a finite number >= 0, got {self.max_plan_s}")
         if self.checkpoint_interval_s is not None and self.checkpoint_interval_s < 0:
@@ -229,8 +235,9 @@ class _Sent:
 
 
 class _Worker:
-    def __init__(self, slot: WorkerSlot) -> None:
+    def __init__(self, slot: WorkerSlot, lora_resident: int) -> None:
         self.slot = slot
+        self.loras = LoraResidency(lora_resident)  # what it holds, as its StoreLoras keeps them
         self.alive = True
         self.incarnation = ""
         self.residents: dict[str, None] = {}  # as planned, admission order
@@ -282,7 +289,7 @@ class RouterCore:
                 raise ValueError(f"duplicate worker id {slot.worker_id!r}")
             if slot.max_batch_size < 1:
                 raise ValueError(f"worker {slot.worker_id!r}: max_batch_size must be >= 1, got {slot.max_batch_size}")
-            self._workers[slot.worker_id] = _Worker(slot)
+            self._workers[slot.worker_id] = _Worker(slot, config.lora_resident)
         if len({s.rank for s in workers}) != len(workers):
             raise ValueError("worker ranks must be unique")
         self._requests: dict[str, _Request] = {}
@@ -530,6 +537,10 @@ class RouterCore:
                     record.checkpoint_time = now
             record.workers = self._by_rank(record.workers + (plan.worker_id,))
             worker.residents[rid] = None
+            if record.spec.loras:
+                worker.loras.bring(((record.spec.model, use.name) for use in record.spec.loras),
+                                   ((r.model, use.name) for r in (self._requests[o].spec for o in worker.residents)
+                                    for use in r.loras))
             self._stale.add(plan.worker_id)
             self._touch(record)
         for rid in plan.export:
@@ -701,6 +712,7 @@ class RouterCore:
             return Outcome()
         worker.alive = False
         worker.interrupted = None
+        worker.loras.clear()  # it restarts empty
         self._interrupted.pop(worker_id, None)
         self._retime(worker)
         lost_plans = {(worker_id, sent.plan.plan_id) for sent in worker.in_flight}
@@ -910,7 +922,7 @@ class RouterCore:
             is_open = self._open(worker)
             view = WorkerView(wid, worker.slot.rank, worker.slot.max_batch_size,
                               tuple(r.spec.request_id for r in needing), open=is_open, busy=bool(worker.in_flight),
-                              decoding=any(s.decodes_video for s in worker.in_flight))
+                              decoding=any(s.decodes_video for s in worker.in_flight), loras=worker.loras.held())
             self._worker_views[wid] = view
             self._all_views[wid] = views
             key = (view.max_batch_size, len(view.running))
@@ -938,7 +950,8 @@ class RouterCore:
             record.view = RequestView(
                 spec.request_id, spec.kind, self.batch_key(spec), spec.rows, record.steps_planned,
                 spec.num_inference_steps, record.arrival, record.deadline, record.ready, record.status,
-                record.workers if record.status is RequestStatus.RUNNING else ())
+                record.workers if record.status is RequestStatus.RUNNING else (),
+                tuple(use.name for use in spec.loras))
         return record.view
 
     def _touch(self, record: _Request) -> None:

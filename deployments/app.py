@@ -87,7 +87,7 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
 
     rc = config.router
     core = replace(rc.core_config(), images_decode_on_workers=vd.on_workers, text_encode_on_workers=te.on_workers,
-                   lora_batches=config.lora_loading.batches)
+                   lora_batches=config.lora_loading.batches, lora_resident=config.lora_loading.max_resident)
     spec = RouterSpec(rc.policy, config.policy_options(), tuple(rc.profiles), core, cs.placement)
     pool = replace(config.workers.to_spec(), decode_images=vd.on_workers, encode_text=te.on_workers,
                    text_cache_size=te.cache_size, addons=config.addon_sources(),

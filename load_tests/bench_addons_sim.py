@@ -10,7 +10,9 @@ the live `RouterCore` and policy, time from a profile with add-on rows (`sdxl-h8
 2. Mixed-LoRA batches: the paper's add-on mix (Table 1, services A and B) over a long-tailed
    catalog of LoRAs, every request at once, with forwards that mix LoRAs (stepserve) and with one
    adapter set per forward (`lora_batches: per_adapter`, the way vLLM-Omni and SGLang batch):
-   throughput in images per minute of denoiser GPU time, and the latency of a Poisson run of each.
+   throughput in images per minute of denoiser GPU time, and the latency of a Poisson run of each;
+   and stepserve without LoRA-affinity placement (`lora_affinity_s: 0`): how often a LoRA is
+   brought to a worker (each stalls that worker's batch for the profile's `lora_load`).
 
     python -m stepserve.load_tests.bench_addons_sim --out docs/results/addons-sim
 
@@ -118,6 +120,14 @@ def controlnet_runs(rows: list, args: argparse.Namespace) -> list[dict[str, Any]
     return out
 
 
+def lora_systems(args: argparse.Namespace) -> dict[str, SimConfig]:
+    """stepserve (mixed-LoRA forwards, LoRA-affinity placement), the same without affinity, and
+    one adapter set a forward."""
+    return {"mixed": sim_config(args),
+            "mixed, no affinity": sim_config(args, policy_options={"lora_affinity_s": 0.0}),
+            "per_adapter": sim_config(args, lora_batches=LoraBatching.PER_ADAPTER)}
+
+
 def lora_runs(rows: list, args: argparse.Namespace) -> list[dict[str, Any]]:
     cost = ProfiledCostModel(rows, ControlNetPlacement.SERVICE)
     catalog = [f"lora-{i:03d}" for i in range(args.loras)]
@@ -128,19 +138,19 @@ def lora_runs(rows: list, args: argparse.Namespace) -> list[dict[str, Any]]:
                             args.seed)
         steady = with_addons(poisson(args, args.lora_rate, args.seed + 1), mix, args.seed + 1)
         entry: dict[str, Any] = {"service": service, "mix": SERVICES[service], "burst": len(burst), "runs": {}}
-        for batching in LoraBatching:
-            config = sim_config(args, lora_batches=batching)
+        for name, config in lora_systems(args).items():
             result = simulate(burst, cost, config)
             done = finished(result)
             makespan = max(t.completion_s for t in done)
-            entry["runs"][batching.value] = {
+            steady_result = simulate(steady, cost, config)
+            entry["runs"][name] = {
                 "images_per_gpu_minute": 60 * len(done) / (makespan * args.workers),
                 "makespan_s": makespan, "finished": len(done),
                 "requests_per_forward": sum(t.steps for t in done) / result.forwards,
-                "steady": {"rate_rps": args.lora_rate, **step_and_latency(simulate(steady, cost, config))}}
+                "steady": {"rate_rps": args.lora_rate, **step_and_latency(steady_result),
+                           "lora_loads_per_request": steady_result.lora_loads / len(steady)}}
         runs = entry["runs"]
-        entry["throughput_gain"] = (runs[LoraBatching.MIXED.value]["images_per_gpu_minute"]
-                                    / runs[LoraBatching.PER_ADAPTER.value]["images_per_gpu_minute"])
+        entry["throughput_gain"] = runs["mixed"]["images_per_gpu_minute"] / runs["per_adapter"]["images_per_gpu_minute"]
         out.append(entry)
     return out
 
@@ -168,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         runs = entry["runs"]
         print(f"service {entry['service']}: " + "; ".join(
             f"{name} {run['images_per_gpu_minute']:.1f} images/GPU-min, {run['requests_per_forward']:.2f} requests a "
-            f"forward, steady P50/P95 {run['steady']['latency_p50_s']:.2f}/{run['steady']['latency_p95_s']:.2f} s"
+            f"forward, steady P50/P95 {run['steady']['latency_p50_s']:.2f}/{run['steady']['latency_p95_s']:.2f} s, "
+            f"{run['steady']['lora_loads_per_request']:.2f} LoRA loads a request"
             for name, run in runs.items()) + f"; mixed/per-adapter {entry['throughput_gain']:.2f}x")
     return 0
 

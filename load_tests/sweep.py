@@ -97,7 +97,7 @@ def sim_config_from_serve(path: str | os.PathLike) -> dict[str, Any]:
         policy_options=dict(app.router.policy_options), max_queued_images=app.router.max_queued_images,
         max_queued_videos=app.router.max_queued_videos, pipeline_depth=app.router.pipeline_depth,
         pipeline_lead_s=app.router.pipeline_lead_s, max_plan_s=app.router.max_plan_s,
-        lora_batches=app.lora_loading.batches,
+        lora_batches=app.lora_loading.batches, lora_resident=app.lora_loading.max_resident,
         decoders=0 if app.vae_decoder.on_workers else app.vae_decoder.num_replicas,
         text_encoder=TextEncoderSpec(replicas=0 if te.on_workers else te.num_replicas,
                                      max_batch_size=te.max_batch_size, batch_wait_s=te.batch_wait_timeout_s,

@@ -18,7 +18,8 @@ CSV schema (one for every device), one row per measured point:
     model,device,component,height,width,rows,frames,latency_ms,samples,source,sp_degree
 
 - `component`: denoise | round_overhead | text_encode | vae_decode | request_overhead | host_probe |
-  host_idle | router_cpu | controlnet | controlnet_transfer | denoise_encoder | lora | cfg_exchange
+  host_idle | router_cpu | controlnet | controlnet_transfer | denoise_encoder | lora | cfg_exchange |
+  lora_load
 - `rows`: batch rows of one denoiser forward (2 per CFG request, 1 otherwise) for denoise and
   for the per-group part of round_overhead; the number of texts for text_encode; for
   host_probe, how many copies of one fixed forward ran at once on the host; 1 otherwise.
@@ -35,6 +36,8 @@ CSV schema (one for every device), one row per measured point:
   (applying a report, deciding, sending the next plan: a decision per step where plans are one
   step, next to nothing inside a steady plan), which runs beside the worker's next step.
   Neither is a latency; both are optional (a GPU profile needs neither).
+- lora_load rows (no shape, rows 1) price bringing one LoRA from the node's LoRA store into a
+  worker's device memory; optional.
 - cfg_exchange rows price latent parallelism (SwiftDiffusion §4.3): swapping the two workers'
   noise predictions of a CFG request split over them (`rows`: the request's rows, 2); optional.
 - controlnet, controlnet_transfer, denoise_encoder and lora rows price add-ons (SwiftDiffusion):
@@ -83,10 +86,11 @@ CONTROLNET_TRANSFER = "controlnet_transfer"
 DENOISE_ENCODER = "denoise_encoder"
 LORA = "lora"
 CFG_EXCHANGE = "cfg_exchange"
+LORA_LOAD = "lora_load"
 # Optional prices of work beyond the plain forward: add-ons, and the exchange of a CFG split.
 EXTRA_COMPONENTS = (CONTROLNET, CONTROLNET_TRANSFER, DENOISE_ENCODER, LORA, CFG_EXCHANGE)
 COMPONENTS = (DENOISE, ROUND_OVERHEAD, TEXT_ENCODE, VAE_DECODE, REQUEST_OVERHEAD, HOST_PROBE, HOST_IDLE, ROUTER_CPU,
-              *EXTRA_COMPONENTS)
+              *EXTRA_COMPONENTS, LORA_LOAD)
 HOST_COMPONENTS = (HOST_PROBE, HOST_IDLE, ROUTER_CPU)  # what the host does besides the model: optional
 SHAPED = (DENOISE, VAE_DECODE, HOST_PROBE, *EXTRA_COMPONENTS)  # rows that need a height and width
 
@@ -551,8 +555,10 @@ class _ModelCosts:
         self.router_cpu = _median_seconds(by_component[ROUTER_CPU])
         self._addons = {c: self._fit(c, [((r.pixels / MEGA, float(r.rows)), r.seconds) for r in by_component[c]])
                         for c in EXTRA_COMPONENTS}
-        self.missing = [c for c in COMPONENTS if not by_component[c] and c not in HOST_COMPONENTS + EXTRA_COMPONENTS]
-        self.missing_extras = [c for c in EXTRA_COMPONENTS if not by_component[c]]
+        self.lora_load = _median_seconds(by_component[LORA_LOAD])
+        optional = (*HOST_COMPONENTS, *EXTRA_COMPONENTS, LORA_LOAD)
+        self.missing = [c for c in COMPONENTS if not by_component[c] and c not in optional]
+        self.missing_extras = [c for c in (*EXTRA_COMPONENTS, LORA_LOAD) if not by_component[c]]
         self.host_slowdowns = _host_slowdowns(by_component[HOST_PROBE])
         self._cache: dict[tuple, float] = {}
 
@@ -684,6 +690,11 @@ class ProfiledCostModel:
         return (costs.denoise(pixels, batch.rows, batch.sp_degree), costs.addon(DENOISE_ENCODER, pixels, batch.rows),
                 calls, costs.addon(LORA, pixels, batch.lora_rows))
 
+    def lora_load_seconds(self, model: str) -> float:
+        """Bringing one LoRA from the node's store into a worker's device memory (0 when never
+        profiled): what a batch waits when a request brings a LoRA its worker lacks."""
+        return self._costs(model).lora_load
+
     def controlnet_seconds(self, batch: BatchShape) -> float:
         """The ControlNet service's device time for the batch's calls (0 inline: the denoiser's)."""
         if self.controlnets is ControlNetPlacement.INLINE:
@@ -805,6 +816,7 @@ class ProfiledCostModel:
                 "request_overhead_ms": costs.request_overhead * 1000,
                 "host_idle_cores": costs.host_idle_cores,
                 "router_cpu_ms": costs.router_cpu * 1000,
+                "lora_load_ms": costs.lora_load * 1000,
                 "missing": costs.missing,
                 "missing_extras": costs.missing_extras,
                 "host_slowdown": {str(k): v for k, v in costs.host_slowdowns.items()},
@@ -822,6 +834,7 @@ def format_fit_report(report: dict) -> str:
                      + (f", missing {entry['missing']}" if entry["missing"] else "")
                      + (f", host idle {entry['host_idle_cores']:.3f} cores" if entry["host_idle_cores"] else "")
                      + (f", router {entry['router_cpu_ms']:.2f} ms CPU a step" if entry["router_cpu_ms"] else "")
+                     + (f", a LoRA to a worker {entry['lora_load_ms']:.2f} ms" if entry["lora_load_ms"] else "")
                      + "".join(f", {k} busy cores: {v:.2f}x slower" for k, v in entry["host_slowdown"].items()))
         for component, fit in entry["components"].items():
             if fit["loo_mean_rel_err"] is None:

@@ -173,6 +173,7 @@ class RequestView:
     ready: bool  # conditioning (text embeddings) is available, so a worker can admit it
     status: RequestStatus  # QUEUED or PAUSED while waiting; RUNNING on `workers`
     workers: tuple[str, ...] = ()  # where its state is while running
+    loras: tuple[str, ...] = ()  # the LoRAs it applies (of its model)
 
     @property
     def steps_left(self) -> int:
@@ -203,6 +204,7 @@ class WorkerView:
     open: bool = True  # it may take a plan now (room in its pipeline; its current work ends soon)
     busy: bool = False  # a plan is executing or queued on it (open and busy: its next plan is pipelined)
     decoding: bool = False  # its queued work includes a video's VAE decode (seconds, not a step)
+    loras: frozenset[tuple[str, str]] = frozenset()  # (model, LoRA) it holds in its device memory
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,8 @@ Rules:
   LoRA is rank 128 on the attention projections (to_q/k/v/out: a 341 MiB fp16 file, the paper's
   LoRA, gives rank 123), its unmerged updates running at half the UNet's saturated FLOP rate
   (assumed: thin GEMMs).
+- A LoRA brought to a worker: the paper's 341 MiB file from host memory (the node's LoRA store) to
+  the GPU over PCIe 4.0 x16, 25 GB/s: 14.3 ms.
 - Latent parallelism (SwiftDiffusion §4.3): a CFG split swaps the two rows' noise predictions
   (4 latent channels, fp16) over NVLink, 0.05 ms + bytes at 200 GB/s.
 """
@@ -54,6 +56,7 @@ from stepserve.policies.cost_model import (
     DENOISE,
     DENOISE_ENCODER,
     LORA,
+    LORA_LOAD,
     REQUEST_OVERHEAD,
     ROUND_OVERHEAD,
     TEXT_ENCODE,
@@ -124,6 +127,8 @@ RESIDUAL_MIB = {512: 12.81, 768: 28.83, 1024: 51.25}
 LORA_RANK = 128
 LORA_RATE_SHARE = 0.5  # assumption: low-rank GEMMs run at half the UNet's saturated FLOP rate
 NVLINK_CALL_MS, NVLINK_BYTES_PER_MS = 0.1, 200e9 / 1e3
+LORA_FILE_MIB = 341  # SwiftDiffusion §4.2's LoRA
+PCIE_BYTES_PER_MS = 25e9 / 1e3  # host to device, PCIe 4.0 x16
 
 SIZES = (512, 768, 1024)
 BATCHES = tuple(range(1, 17))
@@ -269,6 +274,7 @@ def rows() -> list[ProfileRow]:
         out.append(row(TEXT_ENCODE, text_encode_ms(n), "SD1.5 CLIP-L call x layers (12+32)/12 + CLIP FLOPs", n=n))
     out.append(row(ROUND_OVERHEAD, ROUND_FIXED_MS, "InstGenIE §6.6 per-step batching cost"))
     out.append(row(REQUEST_OVERHEAD, REQUEST_OVERHEAD_MS, "InstGenIE §6.6 scheduling + serialization + communication"))
+    out.append(row(LORA_LOAD, LORA_FILE_MIB * 2**20 / PCIE_BYTES_PER_MS, "341 MiB LoRA host to device over PCIe 4.0"))
     return out
 
 

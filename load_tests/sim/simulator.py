@@ -85,6 +85,7 @@ class SimConfig:
     host_cpus: float | None = None
     # Whether a forward may mix requests with different LoRAs (CoreConfig.lora_batches).
     lora_batches: LoraBatching = LoraBatching.MIXED
+    lora_resident: int = 32  # LoRAs each worker keeps (lora_loading.max_resident)
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -162,6 +163,7 @@ class SimResult:
     # Device seconds of ControlNet calls on the ControlNet service (0 when the denoisers run them).
     controlnet_busy_s: float = 0.0
     forwards: int = 0  # denoiser forwards run (a step of a plan with three groups is three)
+    lora_loads: int = 0  # LoRAs brought into a worker's memory
 
     @property
     def plan_wall_s(self) -> float:
@@ -268,7 +270,7 @@ class Simulation:
             max_queued={RequestKind.T2I: config.max_queued_images, RequestKind.T2V: config.max_queued_videos},
             max_wait_s={RequestKind.T2I: config.max_image_queue_wait_s,
                         RequestKind.T2V: config.max_video_queue_wait_s},
-            lora_batches=config.lora_batches)
+            lora_batches=config.lora_batches, lora_resident=config.lora_resident)
         self.core = RouterCore(policy, [WorkerSlot(wid, config.max_batch_size, i) for i, wid in enumerate(worker_ids)],
                                core_config, cost)
         self._round_cache: dict[tuple[BatchShape, ...], float] = {}
@@ -277,7 +279,9 @@ class Simulation:
                         if config.text_encoder.replicas else None)
         self._worker_encode_s = 0.0  # text encoding the workers did (no text encoder)
         self.lanes = {wid: _Lane(SimWorker(wid, self._round_seconds, self._worker_decode_seconds,
-                                           encode_cost=None if self.encoder else self._encoding_on_worker()))
+                                           encode_cost=None if self.encoder else self._encoding_on_worker(),
+                                           lora_load_cost=getattr(cost, "lora_load_seconds", None),
+                                           lora_resident=config.lora_resident))
                       for wid in worker_ids}
         self.decoder = (DecoderService(config.decoders, self.events, self._run_work, self._on_decoded)
                         if config.decoders else None)
@@ -550,6 +554,7 @@ class Simulation:
             decoder_busy_s=0.0 if self.decoder is None else self.decoder.busy_s,
             host_peak_jobs=None if self.host is None else self.host.peak_jobs,
             controlnet_busy_s=self._controlnet_busy_s, forwards=self._forwards,
+            lora_loads=sum(lane.worker.lora_loads for lane in self.lanes.values()),
         )
 
     def _trace(self, entry: _Pending) -> RequestTrace:

@@ -9,7 +9,8 @@ not ready), so the core's fault handling can be driven by it too. Time comes fro
 model: a plan takes the cost of the groups that really ran (`cost.round_seconds`) for each of
 its steps, plus the decode of what it finishes that decodes here (`decode_cost`: a video
 always, an image when the workers decode images), after encoding the prompts of the fresh
-starts it admits when the workers encode prompts (`encode_cost`). A plan starts (`start`: drops,
+starts it admits when the workers encode prompts (`encode_cost`) and bringing the LoRAs its
+admissions need that it does not hold (`lora_load_cost`, kept as the live worker keeps them). A plan starts (`start`: drops,
 admissions) when the worker would start it and ends (`end`: steps, outputs, report) when its
 time is up, or after fewer steps when the router cut it short.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from stepserve.actors.lora_residency import LoraResidency
 from stepserve.policies.cost_model import BatchShape
 from stepserve.policies.types import RequestFailure, RequestProgress, RequestSpec, StepReport, WorkerPlan
 
@@ -71,12 +73,17 @@ class _Running:
 
 class SimWorker:
     def __init__(self, worker_id: str, round_cost: RoundCost, decode_cost: DecodeCost,
-                 incarnation: str = "sim", encode_cost: EncodeCost | None = None) -> None:
-        """`encode_cost`: None, prompts come encoded (the text encoder deployment)."""
+                 incarnation: str = "sim", encode_cost: EncodeCost | None = None,
+                 lora_load_cost: Callable[[str], float] | None = None, lora_resident: int = 32) -> None:
+        """`encode_cost`: None, prompts come encoded (the text encoder deployment).
+        `lora_load_cost(model)`: bringing one LoRA it lacks into its memory (None: free)."""
         self.worker_id = worker_id
         self.round_cost = round_cost
         self.decode_cost = decode_cost
         self.encode_cost = encode_cost
+        self.lora_load_cost = lora_load_cost
+        self.loras = LoraResidency(lora_resident)
+        self.lora_loads = 0  # LoRAs brought in
         self.incarnation = incarnation
         self.resident: dict[str, _Resident] = {}
         self.rounds = 0
@@ -104,6 +111,7 @@ class SimWorker:
         if self.encode_cost is not None:
             fresh = [self.resident[rid].spec for rid in touched if admissions[rid].state is None]
             running.head_s = self.encode_cost(fresh) if fresh else 0.0
+        running.head_s += self._bring_loras([self.resident[rid].spec for rid in touched])
         shapes: list[BatchShape] = []
         for group in plan.groups:
             members = []
@@ -122,6 +130,18 @@ class SimWorker:
         running.tail_s = sum(self.decode_cost(self.resident[rid].spec) for rid in plan.finish
                              if rid in self.resident and rid not in failed)
         return running
+
+    def _bring_loras(self, admitted: Sequence[RequestSpec]) -> float:
+        """What the plan waits for the LoRAs its admissions bring that this worker lacks (the
+        live worker installs them before the batch's first step)."""
+        seconds = 0.0
+        in_use = [(r.spec.model, use.name) for r in self.resident.values() for use in r.spec.loras]
+        for spec in admitted:
+            missing = self.loras.bring(((spec.model, use.name) for use in spec.loras), in_use)
+            self.lora_loads += missing
+            if missing and self.lora_load_cost is not None:
+                seconds += missing * self.lora_load_cost(spec.model)
+        return seconds
 
     def end(self, running: _Running, steps_run: int | None = None) -> tuple[StepReport, list, float]:
         """The plan's steps (all, or the first `steps_run`), outputs and report; what it was to

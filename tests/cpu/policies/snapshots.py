@@ -51,11 +51,12 @@ class Slot:
     open: bool = True
     busy: bool = False
     decoding: bool = False
+    loras: frozenset[tuple[str, str]] = frozenset()
 
 
 def slot(cap: int, residents: Sequence[RequestView] = (), *, open: bool = True, busy: bool = False,
-         decoding: bool = False) -> Slot:
-    return Slot(cap, tuple(residents), open, busy, decoding)
+         decoding: bool = False, loras: frozenset[tuple[str, str]] = frozenset()) -> Slot:
+    return Slot(cap, tuple(residents), open, busy, decoding, loras)
 
 
 def snap(workers: Mapping[str, Slot | tuple[int, Sequence[RequestView]]], queued: Sequence[RequestView] = (),
@@ -75,7 +76,7 @@ def snap(workers: Mapping[str, Slot | tuple[int, Sequence[RequestView]]], queued
             if r.workers[0] == wid:
                 running.append(r)
         views.append(WorkerView(wid, rank, s.max_batch_size, tuple(r.request_id for r in placed), open=s.open,
-                                busy=s.busy, decoding=s.decoding))
+                                busy=s.busy, decoding=s.decoding, loras=s.loras))
     listed = {w.worker_id: w.running for w in views}
     for r in running:
         assert all(r.request_id in listed[w] for w in r.workers), f"{r.request_id} not listed by all of {r.workers}"

@@ -14,6 +14,7 @@ from stepserve.policies.cost_model import (
     DENOISE,
     DENOISE_ENCODER,
     LORA,
+    LORA_LOAD,
     BatchShape,
     ProfiledCostModel,
     ProfileRow,
@@ -74,7 +75,7 @@ def test_the_profile_prices_addons_by_placement():
     assert cost.controlnet_seconds(batch) == pytest.approx(18 / 1000)  # the service's devices, both calls
     assert ProfiledCostModel(rows(*parts)).controlnet_seconds(batch) == 0.0  # inline: the denoiser's
     assert cost.step_seconds(batch) > cost.step_seconds(BatchShape("m", 64, 64, 2))
-    assert cost.fit_report()["m"]["missing_extras"] == [CFG_EXCHANGE]
+    assert cost.fit_report()["m"]["missing_extras"] == [CFG_EXCHANGE, LORA_LOAD]
 
 
 def test_a_profile_without_addon_rows_prices_them_at_nothing_and_says_so():
@@ -82,7 +83,7 @@ def test_a_profile_without_addon_rows_prices_them_at_nothing_and_says_so():
     batch = BatchShape("m", 64, 64, 2, controlnet_rows=(2,), lora_rows=2)
     assert cost.denoise_seconds(batch) == cost.denoise_seconds(BatchShape("m", 64, 64, 2))
     assert cost.fit_report()["m"]["missing_extras"] == [CONTROLNET, CONTROLNET_TRANSFER, DENOISE_ENCODER, LORA,
-                                                        CFG_EXCHANGE]
+                                                        CFG_EXCHANGE, LORA_LOAD]
     assert not set(cost.fit_report()["m"]["missing"]) & {CONTROLNET, LORA}  # not a broken profile
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -9,7 +10,7 @@ import pytest
 from stepserve.policies import Decision, PerWorker, Scheduler, ShapeKey, make_policy
 from stepserve.policies.continuous import ContinuousBatching, ContinuousConfig
 
-from tests.cpu.policies.snapshots import LARGE, SMALL, only_plan, req, snap, steps
+from tests.cpu.policies.snapshots import LARGE, SMALL, only_plan, plan_on, req, slot, snap, steps
 
 
 def plan(snapshot, worker_id="w0", config=ContinuousConfig()):
@@ -185,3 +186,36 @@ def test_matches_oracle_on_random_snapshots(seed):
 def test_config_rejects_bad_cap(bad):
     with pytest.raises(ValueError, match="max_batch_size"):
         ContinuousConfig(max_batch_size=bad)
+
+
+# ---- LoRA affinity ------------------------------------------------------------------------------
+
+
+def styled(rid: str, *loras: str, arrival: float = 0.0):
+    return dataclasses.replace(req(rid, arrival=arrival), loras=loras)
+
+
+def test_a_lora_request_goes_to_the_worker_holding_its_loras():
+    workers = {"w0": slot(4), "w1": slot(4, loras=frozenset({("sd", "x"), ("sd", "y")}))}
+    queued = [styled("a", "x", "y"), req("b"), styled("c", "x", "z")]
+    decision = make_policy("continuous").schedule(snap(workers, queued, now=0.1))
+    # w0 is asked first (rank order among the idle): it leaves "a" to w1 and takes "b"; then it is
+    # busier than w1, which takes "a" and "c" (whose "z" neither holds).
+    assert plan_on(decision, "w0").admit == ("b",) and plan_on(decision, "w1").admit == ("a", "c")
+    assert decision.wake_at == pytest.approx(0.2)  # when w0 may take "a" after all
+
+
+def test_affinity_gives_way_to_load_room_and_time():
+    holds = frozenset({("sd", "x")})
+    # The holder is busier: the request goes where there is less load.
+    busy_holder = {"w0": slot(4), "w1": slot(4, [req("r")], loras=holds)}
+    assert plan_on(make_policy("continuous").schedule(snap(busy_holder, [styled("a", "x")])), "w0").admit == ("a",)
+    # The holder is full.
+    full = {"w0": slot(4, [req("p")]), "w1": slot(1, [req("r")], loras=holds)}
+    assert plan_on(make_policy("continuous").schedule(snap(full, [styled("a", "x")])), "w0").admit == ("a",)
+    # Its affinity is over.
+    late = snap({"w0": slot(4), "w1": slot(4, loras=holds, open=False)}, [styled("a", "x")], now=1.0)
+    assert plan_on(make_policy("continuous").schedule(late), "w0").admit == ("a",)
+    # Off.
+    off = snap({"w0": slot(4), "w1": slot(4, loras=holds)}, [styled("a", "x")])
+    assert plan_on(make_policy("continuous", {"lora_affinity_s": 0.0}).schedule(off), "w0").admit == ("a",)
