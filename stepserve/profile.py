@@ -191,8 +191,19 @@ def first_timestep(family, size: int = 64) -> torch.Tensor:
     return scheduler.timesteps[0]
 
 
+def forward_inputs(family, text, t: torch.Tensor, rows: int, size: int,
+                   generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """A forward's random latents, timesteps and text conditioning for `rows` rows at `size` px."""
+    from stepserve.engine.text_encoding import conditioning_rows
+
+    side = size // family.vae_scale_factor
+    sample = torch.randn(rows, family.latent_channels, side, side, generator=generator)
+    sample = sample.to(device=family.device, dtype=family.dtype)
+    return sample, t.reshape(1).expand(rows), conditioning_rows(family, text, rows, size, size)
+
+
 def measure_denoise(ctx: Context, threads: int) -> list[ProfileRow]:
-    from stepserve.engine.text_encoding import conditioning_rows, embed
+    from stepserve.engine.text_encoding import embed
 
     family, grid = ctx.family, ctx.grid
     log(f"[denoise] {len(grid.sizes)} sizes x rows {list(grid.rows)}, {threads} thread(s)")
@@ -201,13 +212,9 @@ def measure_denoise(ctx: Context, threads: int) -> list[ProfileRow]:
     generator = torch.Generator("cpu").manual_seed(0)
     rows_out = []
     for size in grid.sizes:  # sizes in turn (their costs differ ~16x); rows interleaved within a size
-        side = size // family.vae_scale_factor
         cases = {}
         for rows in grid.rows:
-            sample = torch.randn(rows, family.latent_channels, side, side, generator=generator)
-            sample = sample.to(device=family.device, dtype=family.dtype)
-            timesteps = t.reshape(1).expand(rows)
-            cond = conditioning_rows(family, text, rows, size, size)
+            sample, timesteps, cond = forward_inputs(family, text, t, rows, size, generator)
             cases[rows] = (lambda s=sample, ts=timesteps, c=cond: family.denoise(s, ts, c))
         medians = interleaved_medians(cases, ctx.watch, grid.warmup, grid.repeats, lambda r: f"{size}px rows {r}")
         rows_out += [ctx.row(DENOISE, v, grid.repeats, size, size, r, f"family.denoise, {threads} thread(s)")
@@ -647,6 +654,7 @@ def run_profile(args: argparse.Namespace) -> int:
     from stepserve.actors.denoiser import resolve_device
     from stepserve.deployments.config import AppConfig
     from stepserve.engine.families import ALL_PARTS, load_family
+    from stepserve.profile_addons import measure_addons
     from stepserve.runtime import start_local_ray
 
     started = time.perf_counter()
@@ -676,6 +684,7 @@ def run_profile(args: argparse.Namespace) -> int:
     log(f"profiling {model_config.name} on {device} ({'quick' if args.quick else 'full'} grid) -> {out}")
 
     rows = measure_denoise(ctx, worker_threads)
+    rows += measure_addons(ctx, app, worker_threads)
     rows += measure_round_bookkeeping(ctx, worker_threads)
     # Where prompts encode and images decode: on the workers (`text_encoder.on_workers`,
     # `vae_decoder.on_workers`), with their threads.

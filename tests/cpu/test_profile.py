@@ -9,7 +9,13 @@ import pytest
 
 from stepserve.deployments.config import ModelConfig
 from stepserve.policies.cost_model import (
+    CFG_EXCHANGE,
+    CONTROLNET,
+    CONTROLNET_TRANSFER,
     DENOISE,
+    DENOISE_ENCODER,
+    LORA,
+    LORA_LOAD,
     ROUND_OVERHEAD,
     TEXT_ENCODE,
     VAE_DECODE,
@@ -47,6 +53,14 @@ def test_quick_profile_writes_a_loadable_csv(tmp_path):
     assert model.solo_seconds("tiny-sd", 64, 64, 10, True) > 10 * model.denoise_seconds(batch)
     report = model.fit_report()["tiny-sd"]
     assert report["missing"] == ["request_overhead"]  # --quick skips the live app
+    # configs/local.yaml serves ControlNets and LoRAs for tiny-sd: their rows, on the same grid.
+    for component in (CONTROLNET, DENOISE_ENCODER, LORA):
+        assert sorted((r.height, r.rows) for r in by(component)) == [(64, 1), (64, 2), (64, 4)], component
+    assert len(by(LORA_LOAD)) == 1 and report["missing_extras"] == [CONTROLNET_TRANSFER, CFG_EXCHANGE]
+    encoder, whole = (min(r.seconds for r in by(c) if r.rows == 2) for c in (DENOISE_ENCODER, DENOISE))
+    assert 0 < encoder < whole
+    with_addons = BatchShape("tiny-sd", 64, 64, 2, controlnet_rows=(2,), lora_rows=2)
+    assert model.denoise_seconds(with_addons) > model.denoise_seconds(batch)
     assert "denoise" in proc.stdout  # the fit report is printed
 
 
