@@ -89,3 +89,19 @@ def test_nothing_splits_while_the_world_is_down():
     h.submit(sdxl("a"))
     h.schedule()
     assert not splits(h.sent)
+
+
+def test_a_split_request_whose_worker_dies_resumes_and_finishes():
+    h = harness(workers=3)
+    h.submit(sdxl("a", steps=8))
+    h.round()
+    h.round()
+    assert h.core.state("a").degrees[:2] == (2, 2)
+    outcome = h.core.worker_lost("w1", h.now)
+    assert outcome.recovered == ("a",) and h.status("a") is RequestStatus.QUEUED
+    h.queues["w1"].clear()
+    h.core.set_sp_available(False)  # the world is down until every worker joins a new one
+    h.core.worker_back("w1", "w1-2")
+    h.run()
+    state = h.core.state("a")
+    assert state.status is RequestStatus.FINISHED and state.recoveries == 1 and set(state.degrees) == {1}
