@@ -474,3 +474,23 @@ def plot_addons_sim(report: Mapping, path: Path) -> None:
     rate.set_ylabel("images per denoiser GPU-minute (burst)")
     latency.set_ylabel(f"latency, s ({services[0]['runs'][modes[0]]['steady']['rate_rps']} req/s)" if services else "")
     fig.savefig(path, dpi=110)
+
+
+def plot_latent_parallel_live(report: Mapping, path: Path) -> None:
+    """Per load: each system's latency CDF (all repeats), and the share of steps split."""
+    fig = _figure(11, 4)
+    axes = fig.subplots(1, 2)
+    fig.suptitle(f"latent parallelism live, {report['size']}px {report['steps']} steps ({report['profile']})",
+                 fontsize=10)
+    for ax, load in zip(axes, ("light", "loaded")):
+        for i, (name, runs) in enumerate(report["runs"].items()):
+            latencies = sorted(x for run in runs for x in run[load]["latencies"] if x is not None)
+            share = statistics.median(run[load]["split_share"] for run in runs)
+            if latencies:
+                ax.step(latencies, [(k + 1) / len(latencies) for k in range(len(latencies))], where="post",
+                        color=f"C{i}", label=f"{name} ({share:.0%} of steps split)")
+        ax.set_title(f"{load}", fontsize=9)
+        ax.set_xlabel("latency, s")
+        ax.set_ylabel("fraction of requests")
+        ax.legend(fontsize=8)
+    fig.savefig(path, dpi=110)

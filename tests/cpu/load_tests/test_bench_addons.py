@@ -59,3 +59,15 @@ def test_the_stale_controlnet_benchmark_runs(tmp_path):
     for row in report["summary"]:
         assert row["no_controlnet_psnr_db"] < row["stale_psnr_db"] < math.inf
     assert (tmp_path / "stale_controlnet.png").stat().st_size > 10_000
+
+
+def test_the_live_latent_parallel_benchmark_counts_split_steps_and_spaces_its_light_load():
+    from stepserve.load_tests.bench_latent_parallel import parse_args, split_steps, workloads
+
+    exposition = ('# TYPE stepserve_split_steps counter\nstepserve_split_steps_total{split="cfg"} 12.0\n'
+                  'stepserve_split_steps_total{split="sequence"} 5.0\n')
+    assert split_steps(exposition) == 12.0 and split_steps("") == 0.0
+    loads = workloads(parse_args(["--out", "x", "--requests", "4", "--gap", "2"]), repeat=0)
+    assert [r.offset_s for r in loads["light"]] == [0.0, 2.0, 4.0, 6.0]
+    assert [r.seed for r in loads["light"]] == [r.seed for r in loads["loaded"]]  # the same requests
+    assert loads["loaded"][-1].offset_s < 6.0  # 3 req/s: they overlap
