@@ -256,9 +256,10 @@ class _Worker:
 
     @property
     def cuttable(self) -> bool:
-        """Its one plan in flight runs several steps and may be cut short."""
+        """Its one plan in flight runs several steps and may be cut short: not one whose group
+        spans ranks, since a member cut alone would leave the others waiting in a collective."""
         return (self.alive and self.interrupted is None and len(self.in_flight) == 1
-                and self.in_flight[0].plan.steps > 1)
+                and self.in_flight[0].plan.steps > 1 and not any(g.ranks for g in self.in_flight[0].plan.groups))
 
     def free_at(self) -> float | None:
         """When the plans in flight are predicted to have run; None when unknown."""
@@ -405,6 +406,17 @@ class RouterCore:
                 stepped.setdefault(rid, []).append(plan.worker_id)
         left_waiting = len(self._waiting) - len({rid for plan in plans for rid in plan.admit})
         steps = {plan.worker_id: self._plan_steps(plan, left_waiting) for plan in plans}
+        # The members of a group over ranks run its forwards in lockstep: each takes the fewest
+        # steps any of them would.
+        fewest: dict[tuple[int, ...], int] = {}
+        for plan in plans:
+            for group in plan.groups:
+                if group.ranks:
+                    fewest[group.ranks] = min(fewest.get(group.ranks, steps[plan.worker_id]), steps[plan.worker_id])
+        for plan in plans:
+            for group in plan.groups:
+                if group.ranks:
+                    steps[plan.worker_id] = min(steps[plan.worker_id], fewest[group.ranks])
         finish: dict[str, list[str]] = {}
         release: dict[str, list[str]] = {}
         checkpoint: dict[str, list[str]] = {}
@@ -436,10 +448,11 @@ class RouterCore:
         back unchanged. Then its batch steps until its first request finishes, within
         `max_plan_s`. Not while something waits that the worker has room for (it would join at
         the next step; under a policy that does not join running batches it would not), nor
-        across an export or an SP group (whose members step in lockstep)."""
+        across an export or the admission of a group over ranks. A group over ranks runs as many
+        steps on every member (`_complete` takes their fewest) and is never cut short."""
         worker = self._workers[plan.worker_id]
         if (self.config.max_plan_s <= 0 or not self.policy.steady or worker.step_s is None or not plan.groups
-                or plan.export or plan.release or any(g.ranks for g in plan.groups)):
+                or plan.export or plan.release or plan.admit and any(g.ranks for g in plan.groups)):
             return 1
         if (left_waiting > 0 and self.policy.joins_running
                 and len(worker.residents) + len(plan.admit) < worker.slot.max_batch_size):

@@ -105,3 +105,16 @@ def test_a_split_request_whose_worker_dies_resumes_and_finishes():
     h.run()
     state = h.core.state("a")
     assert state.status is RequestStatus.FINISHED and state.recoveries == 1 and set(state.degrees) == {1}
+
+
+def test_a_pair_runs_plans_of_several_steps_in_lockstep_and_is_never_cut_alone():
+    h = Harness("latent_parallel", {}, workers=2, batch=4, costs=COSTS, max_plan_s=1.0, depth=1)
+    h.submit(sdxl("a", steps=30))
+    h.run()
+    split = [p for p in h.sent if p.groups and p.groups[0].ranks]
+    by_round = {}
+    for plan in split:
+        by_round.setdefault(plan.plan_id, []).append(plan.steps)
+    assert any(steps > 1 for steps, *_ in by_round.values())  # several steps a plan, once timed
+    assert all(len(set(steps)) == 1 for steps in by_round.values())  # the same on both members
+    assert h.core.state("a").degrees == (2,) * 30 and not h.interrupts
