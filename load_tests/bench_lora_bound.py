@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import statistics
 import sys
@@ -72,6 +73,11 @@ def joined_at(family, spec: RequestSpec, join: int) -> np.ndarray:
     return family.decode(sampler.latents)[0]
 
 
+def _db(value: float) -> float | None:
+    """A PSNR for JSON, which has no infinity: identical to exact (inf) is null."""
+    return None if math.isinf(value) else value
+
+
 def measure(family, seeds: list[int], steps: int, size: int, scale: float, threshold: float) -> dict:
     per_seed = []
     for seed in seeds:
@@ -85,7 +91,7 @@ def measure(family, seeds: list[int], steps: int, size: int, scale: float, thres
         fidelity = []
         for j in joins:
             image = joined_at(family, spec, j)
-            fidelity.append({"join_step": j, "psnr_db": psnr(image, exact), "ssim": ssim(image, exact)})
+            fidelity.append({"join_step": j, "psnr_db": _db(psnr(image, exact)), "ssim": ssim(image, exact)})
         per_seed.append({"seed": seed, "similarity": sims, "bound_step": k, "fidelity": fidelity})
     ks = [s["bound_step"] for s in per_seed]
     at_bound = [next(f for f in s["fidelity"] if f["join_step"] == s["bound_step"]) for s in per_seed]
@@ -93,7 +99,8 @@ def measure(family, seeds: list[int], steps: int, size: int, scale: float, thres
         "seeds": per_seed,
         "bound_step_median": statistics.median(ks),
         "join_by": statistics.median(ks) / steps,
-        "psnr_at_bound_db_median": statistics.median(f["psnr_db"] for f in at_bound),
+        "psnr_at_bound_db_median": _db(statistics.median(math.inf if f["psnr_db"] is None else f["psnr_db"]
+                                                         for f in at_bound)),
         "ssim_at_bound_median": statistics.median(f["ssim"] for f in at_bound),
     }
 
@@ -125,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                        "torch": torch.__version__}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "lora_bound.json").write_text(json.dumps(result, indent=2))
+    (out / "lora_bound.json").write_text(json.dumps(result, indent=2, allow_nan=False))
     plot_lora_bound(result, f"LoRA join bound: {args.family} {args.model_path or args.preset}, {args.steps} steps",
                     out / "lora_bound.png")
     print(json.dumps({k: v for k, v in result.items() if k not in ("seeds", "setup")}, indent=2))
