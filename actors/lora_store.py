@@ -22,6 +22,7 @@ import numpy as np
 import ray
 import torch
 
+from stepserve.actors.lora_residency import LoraResidency
 from stepserve.engine.addons.lora import LoraLayer, LoraWeights, load_lora_file
 from stepserve.engine.addons.presets import preset_lora
 from stepserve.engine.addons.source import AddonKind, AddonSource
@@ -122,14 +123,13 @@ class StoreLoras:
     def __init__(self, store: Any, families: Mapping[str, Any], max_resident: int):
         self.store = store
         self.families = families
-        self.max_resident = max_resident
         self._coming: dict[tuple[str, str], Any] = {}  # (model, name) -> ref of the store's answer
-        self._resident: OrderedDict[tuple[str, str], None] = OrderedDict()  # LRU
+        self._resident = LoraResidency(max_resident)  # what is installed, least recently used first
 
     def request(self, model: str, name: str) -> None:
         key = (model, name)
         if name in self.families[model].loras:
-            self._resident.move_to_end(key)
+            self._resident.use(key)
         elif key not in self._coming:
             self._coming[key] = self.store.fetch.remote(model, name)
 
@@ -148,9 +148,8 @@ class StoreLoras:
         self._install((model, name))
 
     def trim(self, keep: set[tuple[str, str]]) -> None:
-        for key in [k for k in self._resident if k not in keep][:max(0, len(self._resident) - self.max_resident)]:
-            del self._resident[key]
-            self.families[key[0]].remove_lora(key[1])
+        for model, name in self._resident.trim(keep):
+            self.families[model].remove_lora(name)
 
     def _install(self, key: tuple[str, str]) -> None:
         ref = self._coming.pop(key)
@@ -160,4 +159,4 @@ class StoreLoras:
         except ray.exceptions.RayTaskError as exc:  # the store's own error (no such LoRA, a bad file)
             raise RuntimeError(f"LoRA {key[1]!r} could not be loaded: {exc.cause or exc}") from None
         self.families[key[0]].add_lora(lora)
-        self._resident[key] = None
+        self._resident.use(key)

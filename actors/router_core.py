@@ -408,15 +408,12 @@ class RouterCore:
         steps = {plan.worker_id: self._plan_steps(plan, left_waiting) for plan in plans}
         # The members of a group over ranks run its forwards in lockstep: each takes the fewest
         # steps any of them would.
+        over_ranks = [(plan.worker_id, group.ranks) for plan in plans for group in plan.groups if group.ranks]
         fewest: dict[tuple[int, ...], int] = {}
-        for plan in plans:
-            for group in plan.groups:
-                if group.ranks:
-                    fewest[group.ranks] = min(fewest.get(group.ranks, steps[plan.worker_id]), steps[plan.worker_id])
-        for plan in plans:
-            for group in plan.groups:
-                if group.ranks:
-                    steps[plan.worker_id] = min(steps[plan.worker_id], fewest[group.ranks])
+        for wid, ranks in over_ranks:
+            fewest[ranks] = min(fewest.get(ranks, steps[wid]), steps[wid])
+        for wid, ranks in over_ranks:
+            steps[wid] = min(steps[wid], fewest[ranks])
         finish: dict[str, list[str]] = {}
         release: dict[str, list[str]] = {}
         checkpoint: dict[str, list[str]] = {}

@@ -134,6 +134,8 @@ class SimWorker:
     def _bring_loras(self, admitted: Sequence[RequestSpec]) -> float:
         """What the plan waits for the LoRAs its admissions bring that this worker lacks (the
         live worker installs them before the batch's first step)."""
+        if not any(spec.loras for spec in admitted):
+            return 0.0
         seconds = 0.0
         in_use = [(r.spec.model, use.name) for r in self.resident.values() for use in r.spec.loras]
         for spec in admitted:

@@ -62,6 +62,8 @@ def test_a_residency_drops_the_least_recently_used_not_in_use():
     in_use = [("m", "a"), ("m", "c"), ("m", "d")]
     assert held.bring([("m", "d")], in_use) == 1  # all in use: over capacity for now
     assert held.held() == {("m", "a"), ("m", "c"), ("m", "d")}
+    assert held.use(("m", "a")) and held.trim([]) == [("m", "c")]  # what the worker's StoreLoras removes
+    assert held.held() == {("m", "d"), ("m", "a")} and ("m", "c") not in held
     with pytest.raises(ValueError):
         LoraResidency(0)
 
