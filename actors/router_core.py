@@ -219,7 +219,7 @@ class _Request:
 
     @property
     def needs_steps(self) -> bool:
-        return self.steps_planned < self.spec.num_inference_steps
+        return self.steps_planned < self.spec.steps_to_run
 
 
 @dataclass
@@ -331,7 +331,7 @@ class RouterCore:
         old = self._requests.get(spec.request_id)
         if old is not None and not old.status.is_terminal:
             raise DuplicateRequestError(f"request {spec.request_id!r} is already {old.status.value}")
-        verdict = admit(self.load(), spec.kind)
+        verdict = admit(self.load(), spec.kind.lane)
         if not verdict.admitted:
             raise QueueFullError(verdict.message, verdict.status, verdict.retry_after_s)
         if not (tail_s >= 0 and math.isfinite(tail_s)):
@@ -421,7 +421,7 @@ class RouterCore:
         for rid, holders in stepped.items():
             record = self._requests[rid]
             first = min(holders, key=lambda w: self._workers[w].slot.rank)
-            if record.steps_planned + steps[first] >= record.spec.num_inference_steps:
+            if record.steps_planned + steps[first] >= record.spec.steps_to_run:
                 finish.setdefault(first, []).append(rid)
                 for w in holders:
                     if w != first:
@@ -454,7 +454,7 @@ class RouterCore:
         if (left_waiting > 0 and self.policy.joins_running
                 and len(worker.residents) + len(plan.admit) < worker.slot.max_batch_size):
             return 1
-        left = min(self._requests[rid].spec.num_inference_steps - self._requests[rid].steps_planned
+        left = min(self._requests[rid].spec.steps_to_run - self._requests[rid].steps_planned
                    for rid in plan.stepping)
         return max(1, min(left, int(self.config.max_plan_s / max(worker.step_s, 1e-6))))
 
@@ -650,7 +650,7 @@ class RouterCore:
         for rid in sent.plan.finish:
             record = current(rid)
             if record is not None and rid not in failures and steps_run == sent.plan.steps:
-                record.steps_done = record.spec.num_inference_steps
+                record.steps_done = record.spec.steps_to_run
                 record.denoised_time = now
                 self._set_status(record, RequestStatus.DECODING)
                 denoised.append((rid, sent.handles[rid]))
@@ -683,7 +683,7 @@ class RouterCore:
         if record is None or record.status is not RequestStatus.DECODING:
             return False
         self._end(record, RequestStatus.FINISHED, None, now)
-        self._measure_drain(record.spec.kind, now)
+        self._measure_drain(record.spec.kind.lane, now)
         return True
 
     def _measure_drain(self, kind: RequestKind, now: float) -> None:
@@ -800,7 +800,7 @@ class RouterCore:
 
     def state(self, request_id: str) -> RequestState:
         r = self._requests[request_id]
-        return RequestState(request_id, r.spec.kind, r.status, r.steps_done, r.spec.num_inference_steps, r.workers,
+        return RequestState(request_id, r.spec.kind, r.status, r.steps_done, r.spec.steps_to_run, r.workers,
                             r.arrival, r.ready_time, r.admit_time, r.denoised_time, r.finish_time, r.error, r.pauses,
                             r.recoveries, tuple(r.degrees))
 
@@ -959,9 +959,9 @@ class RouterCore:
             spec = record.spec
             record.view = RequestView(
                 spec.request_id, spec.kind, self.batch_key(spec), spec.rows, record.steps_planned,
-                spec.num_inference_steps, record.arrival, record.deadline, record.ready, record.status,
+                spec.steps_to_run, record.arrival, record.deadline, record.ready, record.status,
                 record.workers if record.status is RequestStatus.RUNNING else (),
-                tuple(use.name for use in spec.loras))
+                tuple(use.name for use in spec.loras), spec.mask_ratio, spec.template_id)
         return record.view
 
     def _touch(self, record: _Request) -> None:
@@ -996,7 +996,7 @@ class RouterCore:
         self._changed_load()
 
     def _count(self, record: _Request, delta: int) -> None:
-        counts = self._counts[record.spec.kind]
+        counts = self._counts[record.spec.kind.lane]
         counts[record.status] = counts.get(record.status, 0) + delta
 
     def _end(self, record: _Request, status: RequestStatus, message: str | None, now: float) -> None:

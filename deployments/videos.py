@@ -147,13 +147,13 @@ def video_object(record: JobRecord, progress: dict[str, Any] | None) -> dict[str
     scheduler runs it (sp_degree, pauses)."""
     spec: RequestSpec = record.spec
     status = record.status
-    done = spec.num_inference_steps if status == "completed" else 0
+    done = spec.steps_to_run if status == "completed" else 0
     sp_degree, pauses = 0, record.pauses
     if progress is not None:
         done, sp_degree, pauses = progress["steps_done"], progress["sp_degree"], progress["pauses"]
         if progress["status"] not in ("queued",):
             status = "in_progress"
-    total = spec.num_inference_steps
+    total = spec.steps_to_run
     # Steps are most of the work but not all of it (decoding follows): 100 only when completed.
     percent = 100 if status == "completed" else min(99, 100 * done // total)
     return {

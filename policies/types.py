@@ -18,6 +18,12 @@ from functools import cached_property
 
 class RequestKind(str, Enum):
     T2I = "t2i"  # text to image
+    EDIT = "edit"  # masked image editing: repaint the masked part of an image (inpainting)
+
+    @property
+    def lane(self) -> "RequestKind":
+        """The kind whose queue limits, admission and load counts it shares: edits are images."""
+        return RequestKind.T2I if self is RequestKind.EDIT else self
     T2V = "t2v"  # text to video
 
 
@@ -99,12 +105,25 @@ class RequestSpec:
     # Add-ons, in the order the request names them (ControlNet residuals are summed in it).
     controlnets: tuple[ControlNetUse, ...] = ()
     loras: tuple[LoraUse, ...] = ()
+    # An edit's image and mask travel with its conditioning (as control images do); the spec
+    # keeps what schedulers and costs need. `strength`: how far into the noise the image goes
+    # (the inpaint pipelines' `strength`: < 1 runs only the last steps, `steps_to_run`).
+    # `mask_ratio`: the fraction of the latent grid the mask covers (1 for generations).
+    # `template_id`: the image as a reusable template, whose cached activations an edit may reuse.
+    strength: float = 1.0
+    mask_ratio: float = 1.0
+    template_id: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, RequestKind):
             raise ValueError(f"request {self.request_id!r}: kind must be a RequestKind, got {self.kind!r}")
-        if self.kind is RequestKind.T2I and self.num_frames != 1:
+        if self.kind is not RequestKind.T2V and self.num_frames != 1:
             raise ValueError(f"request {self.request_id!r}: an image has one frame, got {self.num_frames}")
+        if not (0.0 < self.strength <= 1.0 and 0.0 <= self.mask_ratio <= 1.0):
+            raise ValueError(f"request {self.request_id!r}: need 0 < strength <= 1 and 0 <= mask_ratio <= 1, "
+                             f"got {self.strength}, {self.mask_ratio}")
+        if self.kind is not RequestKind.EDIT and (self.strength != 1.0 or self.mask_ratio != 1.0 or self.template_id):
+            raise ValueError(f"request {self.request_id!r}: strength, mask_ratio and template_id are for edits")
         if self.num_frames < 1 or self.num_inference_steps < 1:
             raise ValueError(f"request {self.request_id!r}: num_frames and num_inference_steps must be >= 1")
         if self.slo_s is not None and not self.slo_s > 0:
@@ -112,6 +131,16 @@ class RequestSpec:
         names = [use.name for use in self.loras]
         if len(set(names)) != len(names):  # (one ControlNet twice, with two images, is fine)
             raise ValueError(f"request {self.request_id!r}: a LoRA is named twice in {names}")
+        if self.steps_to_run < 1:
+            raise ValueError(f"request {self.request_id!r}: strength {self.strength} of {self.num_inference_steps} "
+                             "steps leaves no step to run")
+
+    @property
+    def steps_to_run(self) -> int:
+        """The denoising steps it runs: all `num_inference_steps`, or an edit's last ones under
+        `strength` < 1 (as the inpaint pipelines' `get_timesteps` count them)."""
+        n = self.num_inference_steps
+        return n - int(max(n - min(n * self.strength, n), 0))
 
     @property
     def uses_cfg(self) -> bool:
@@ -126,6 +155,10 @@ class RequestSpec:
     @property
     def is_video(self) -> bool:
         return self.kind is RequestKind.T2V
+
+    @property
+    def is_edit(self) -> bool:
+        return self.kind is RequestKind.EDIT
 
     @property
     def shape_key(self) -> ShapeKey:
@@ -174,6 +207,8 @@ class RequestView:
     status: RequestStatus  # QUEUED or PAUSED while waiting; RUNNING on `workers`
     workers: tuple[str, ...] = ()  # where its state is while running
     loras: tuple[str, ...] = ()  # the LoRAs it applies (of its model)
+    mask_ratio: float = 1.0  # an edit's masked fraction (`RequestSpec.mask_ratio`)
+    template_id: str | None = None  # an edit's template (`RequestSpec.template_id`)
 
     @property
     def steps_left(self) -> int:

@@ -67,7 +67,7 @@ def _generate(args: argparse.Namespace) -> int:
         handle = run_app(config, http=False)
         request_id = f"cli-{uuid.uuid4().hex[:12]}"
         response = handle.generate.remote(request, request_id)
-        with tqdm(desc="denoising", unit="step", total=spec.num_inference_steps) as bar:
+        with tqdm(desc="denoising", unit="step", total=spec.steps_to_run) as bar:
             while True:
                 try:
                     result = response.result(timeout_s=0.1)

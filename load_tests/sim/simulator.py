@@ -569,7 +569,7 @@ class Simulation:
         return RequestTrace(
             index=request.index, request_id=spec.request_id, kind="video" if spec.is_video else "image",
             model=spec.model, width=spec.width, height=spec.height, frames=spec.num_frames,
-            steps=spec.num_inference_steps, cfg=spec.uses_cfg, request_class=request.request_class,
+            steps=spec.steps_to_run, cfg=spec.uses_cfg, request_class=request.request_class,
             arrival_s=request.offset_s, submit_s=entry.submit_s, ready_s=entry.ready_s, admit_s=admit,
             worker_id=entry.worker_id, finish_s=entry.finish_s, stored_s=entry.stored_s,
             completion_s=entry.completion_s,

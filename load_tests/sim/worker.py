@@ -163,7 +163,7 @@ class SimWorker:
                                                       lost=True))
                 outputs.append(None)
             elif rid in plan.finish:
-                if resident.done < resident.spec.num_inference_steps:
+                if resident.done < resident.spec.steps_to_run:
                     if steps < plan.steps:
                         kept.add(rid)
                     else:
@@ -174,7 +174,7 @@ class SimWorker:
                     outputs.append(rid)
             else:
                 outputs.append(SimState(rid, resident.done))
-        progress = tuple(RequestProgress(rid, self.resident[rid].done, self.resident[rid].spec.num_inference_steps)
+        progress = tuple(RequestProgress(rid, self.resident[rid].done, self.resident[rid].spec.steps_to_run)
                          for rid in dict.fromkeys(touched) if rid in self.resident and rid not in failed)
         for rid in plan.export + plan.finish + plan.release:
             if rid not in kept:
