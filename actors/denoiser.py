@@ -51,8 +51,8 @@ class AdmissionRef:
     (prompt, negative-or-None) embeddings, an `engine.text_encoding.Pair` (`resume=False`), or a
     state another worker exported (`resume=True`). A fresh start with no ref (None) is encoded by
     the worker (`text_encoder.on_workers`). `inputs`: for a fresh start of a request with
-    ControlNets, an object ref to its control pixels (a tuple, one uint8 [H, W, 3] array per
-    ControlNet, as the ingress prepared them)."""
+    ControlNets or of an edit, an object ref to its `engine.sampler.RequestInputs` (pixels, as
+    the ingress prepared them)."""
 
     spec: RequestSpec
     source: Any  # ray.ObjectRef, or None: the worker encodes the prompts
@@ -68,10 +68,12 @@ def resolve_device(device: str) -> str:
 
 def worker_parts(source: ModelSource, decode_images: bool = False, encode_text: bool = False) -> set[str]:
     """A model whose requests decode where they were denoised loads its VAE here too: a video
-    family's always, an image model's when the worker decodes images; its text encoders when
-    the worker encodes prompts."""
+    family's always, an image model's when the worker decodes images; and a model that edits
+    images, whose worker encodes an edit's image when it admits it (as it may its prompts); its
+    text encoders when the worker encodes prompts."""
     parts = {DENOISER}
-    if decode_images or family_class(source.family).decode_on_worker:
+    family = family_class(source.family)
+    if decode_images or family.decode_on_worker or family.edits:
         parts.add(VAE)
     if encode_text:
         parts.add(TEXT)
@@ -154,10 +156,10 @@ class DenoiserWorker:
         unresolved: dict[str, RequestFailure] = {}
         for ref in refs:
             rid = ref.spec.request_id
-            value, control = values[rid], inputs.get(rid, ())
+            value, extra = values[rid], inputs.get(rid)
             what = "state unavailable" if ref.resume else "text encoding failed"
-            if isinstance(control, Exception):
-                value, what = control, "control images unavailable"
+            if isinstance(extra, Exception):
+                value, what = extra, "image inputs unavailable"
             if isinstance(value, Exception):
                 unresolved[rid] = RequestFailure(rid, f"{what}: {_reason(value)}", lost=isinstance(value, LOST))
                 continue
@@ -165,7 +167,7 @@ class DenoiserWorker:
                 if ref.resume:
                     resolved[rid] = Admission(ref.spec, state=value)
                 else:
-                    resolved[rid] = Admission(ref.spec, conditioning=Conditioning.from_numpy(*value, control))
+                    resolved[rid] = Admission(ref.spec, conditioning=Conditioning.from_numpy(*value, extra))
             except Exception as exc:
                 unresolved[rid] = RequestFailure(rid, f"admission failed: {_reason(exc)}", lost=False)
         return resolved, unresolved

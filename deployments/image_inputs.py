@@ -1,4 +1,4 @@
-"""Images that come with requests (ControlNet control images): decoded only after their file size
+"""Images that come with requests (ControlNet control images, an edit's image and mask): decoded only after their file size
 and declared pixel count pass, so a decompression bomb or an oversized upload is refused before
 it costs memory, and every failure is a 4xx naming the field.
 
@@ -90,6 +90,30 @@ def generation_payload(form: Form) -> dict[str, Any]:
             raise invalid(part, f"{part}: controlnets[{index}] has an image already")
         # As base64, so the one path checks and decodes it (the body limit bounds the size).
         entries[index]["image"] = base64.b64encode(data).decode()
+    return payload
+
+
+# The file parts of an edit's form body: OpenAI's clients send one image as `image`, a list as `image[]`.
+EDIT_FILE_PARTS = ("image", "image[]", "mask")
+
+
+def edit_payload(form: Form) -> dict[str, Any]:
+    """A form body of POST /v1/images/edits as the JSON body it stands for: the fields (numbers
+    as text, `loras` as JSON text) and the image and mask file parts as base64, so one path
+    checks and decodes them (the body limit bounds their size)."""
+    payload: dict[str, Any] = dict(form.fields)
+    if "loras" in payload:
+        try:
+            payload["loras"] = json.loads(payload["loras"])
+        except (ValueError, RecursionError):
+            raise invalid("loras", "loras must be a JSON list in a form body", code="invalid_json") from None
+    if "image" in form.files and "image[]" in form.files:
+        raise invalid("image", "one image per edit: send `image` or one `image[]`, not both")
+    for part, data in form.files.items():
+        name = part.removesuffix("[]")
+        if name in payload:
+            raise invalid(name, f"{name} is given both as a field and as a file")
+        payload[name] = base64.b64encode(data).decode()
     return payload
 
 

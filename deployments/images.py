@@ -1,4 +1,5 @@
-"""`POST /v1/images/generations` behind the ingress: validate, admit, submit, answer.
+"""`POST /v1/images/generations` and `/v1/images/edits` behind the ingress: validate, admit,
+submit, answer.
 
 A request may carry a client id (the `Idempotency-Key` header, or `request_id` through a handle):
 its requests are named after it, so a retry while the first attempt runs joins it (the router
@@ -23,10 +24,12 @@ from stepserve.deployments.config import AppConfig
 from stepserve.deployments.edge import AdmissionGate, as_api_error
 from stepserve.deployments.image_inputs import control_inputs
 from stepserve.deployments.jobs import IdempotencyConflict
-from stepserve.deployments.protocol import ImageGenerationRequest
+from stepserve.deployments.edit_validation import parse_edit, to_edit_specs
+from stepserve.deployments.protocol import ImageEditRequest, ImageGenerationRequest
 from stepserve.deployments.validation import parse_request, to_specs
+from stepserve.engine.sampler import RequestInputs
 from stepserve.deployments.videos import key_seed, request_digest
-from stepserve.policies.types import RequestKind
+from stepserve.policies.types import RequestSpec
 
 
 class ImageRequests:
@@ -47,17 +50,31 @@ class ImageRequests:
         # store (not in the router's memory) for the worker that admits the request.
         control = await asyncio.to_thread(control_inputs, req, specs[0].width, specs[0].height, self.config.limits) \
             if req.controlnets else ()
-        inputs = [ray.put(control)] if control else None
-        digest = request_digest(req)
+        inputs = RequestInputs(control=control) if control else None
+        return await self._serve(rid, specs, inputs, request_digest(req), client_id, started)
+
+    async def edit(self, payload: ImageEditRequest | dict, client_id: str | None = None) -> dict:
+        """POST /v1/images/edits: the OpenAI images response body. Raises APIError."""
+        started = time.perf_counter()
+        req = parse_edit(payload)
+        rid = request_id_for(client_id)
+        # Decoding, checking and resizing the image and mask is CPU work: off the event loop.
+        specs, inputs = await asyncio.to_thread(to_edit_specs, req, self.config, rid, key_seed(client_id))
+        return await self._serve(rid, specs, inputs, request_digest(req), client_id, started)
+
+    async def _serve(self, rid: str, specs: list[RequestSpec], inputs: RequestInputs | None, digest: str,
+                     client_id: str | None, started: float) -> dict:
+        """Admit, submit and answer the specs of request `rid` (its `n` images)."""
+        refs = [ray.put(inputs)] if inputs is not None else None
         try:
             if client_id is not None:
                 stored = await self.store.image_for.remote(client_id, digest)
                 if stored is not None:
                     return stored
-            for _ in specs:
-                self.gate.check(RequestKind.T2I, rid)
+            for spec in specs:
+                self.gate.check(spec.kind.lane, rid)
             submitted = time.perf_counter()
-            pngs = await asyncio.gather(*(self.router.submit.remote(spec, inputs) for spec in specs))
+            pngs = await asyncio.gather(*(self.router.submit.remote(spec, refs) for spec in specs))
             answered = time.perf_counter()
         except BaseException as exc:
             # Free the siblings of a failed request (a disconnect cancels them all already). A

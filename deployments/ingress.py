@@ -1,7 +1,7 @@
 """The HTTP/handle ingress: authenticates, reads and validates requests, admits them at the edge,
 and hands them to the images and video-jobs services.
 
-Routes: POST /v1/images/generations; POST /v1/videos, GET /v1/videos (list), GET/DELETE
+Routes: POST /v1/images/generations, POST /v1/images/edits; POST /v1/videos, GET /v1/videos (list), GET/DELETE
 /v1/videos/{id}, POST /v1/videos/{id}/cancel, GET /v1/videos/{id}/content; GET /v1/models,
 /health, /ready, /metrics. Handle callers use the methods below with the same request types.
 Every error is the OpenAI error shape with an `x-request-id` header (and `retry-after` on 429
@@ -29,9 +29,9 @@ from stepserve.deployments.config import AppConfig, ModelConfig
 from stepserve.deployments.edge import AdmissionGate, as_api_error, mapped
 from stepserve.deployments.errors import APIError, invalid, server_error
 from stepserve.deployments.forms import is_form, read_form
-from stepserve.deployments.image_inputs import control_image_parts, generation_payload
+from stepserve.deployments.image_inputs import EDIT_FILE_PARTS, control_image_parts, edit_payload, generation_payload
 from stepserve.deployments.images import ImageRequests, request_id_for
-from stepserve.deployments.protocol import ImageGenerationRequest
+from stepserve.deployments.protocol import ImageEditRequest, ImageGenerationRequest
 from stepserve.deployments.video_encoding import FORMAT_HEADER
 from stepserve.deployments.video_validation import VideoCreateRequest
 from stepserve.deployments.videos import VideoJobs, preferred_wait_s
@@ -144,6 +144,10 @@ class Ingress:
         that makes retries idempotent and names the request for `progress`/`cancel`."""
         return await self.images.generate(request, request_id)
 
+    async def edit(self, request: ImageEditRequest | dict, request_id: str | None = None) -> dict:
+        """Edit an image under a mask (POST /v1/images/edits); as `generate` otherwise."""
+        return await self.images.edit(request, request_id)
+
     async def progress(self, request_id: str) -> dict | None:
         """{status, steps_done, steps_total, ...} of the request `generate` got this id for."""
         return await self.router.progress.remote(request_id_for(request_id))
@@ -192,6 +196,20 @@ class Ingress:
             return JSONResponse(await self.generate(payload, key))
 
         return await self._observed("/v1/images/generations", handle)
+
+    @api.post("/v1/images/edits")
+    async def http_edit(self, request: Request) -> Response:
+        async def handle() -> Response:
+            self._authorize(request)
+            key = idempotency_key(request)
+            body = await read_body(request, self.config.limits.max_body_bytes)
+            if is_form(request):  # OpenAI's clients: the image and mask as file parts
+                payload = edit_payload(await read_form(request, body, EDIT_FILE_PARTS, max_files=len(EDIT_FILE_PARTS)))
+            else:
+                payload = parse_json(body)
+            return JSONResponse(await self.edit(payload, key))
+
+        return await self._observed("/v1/images/edits", handle)
 
     @api.post("/v1/videos")
     async def http_create_video(self, request: Request) -> Response:

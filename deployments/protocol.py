@@ -62,3 +62,36 @@ class ImageData(BaseModel):
 class ImagesResponse(BaseModel):
     created: int
     data: list[ImageData]
+
+
+class ImageEditRequest(BaseModel):
+    """POST /v1/images/edits: repaint the masked part of an image. OpenAI's clients send it as
+    multipart/form-data (file parts `image` and `mask`); JSON bodies and handle callers give both
+    as base64 instead."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    image: str = Field(description="The image to edit (PNG, JPEG or WebP): base64 or a data: URL; in a form body "
+                                   "the file part `image` (or one `image[]`).")
+    mask: str = Field(description="A PNG with an alpha channel, as large as the image: its fully transparent pixels "
+                                  "mark where to edit (OpenAI's convention). Base64, or the file part `mask`.")
+    prompt: str = Field(description="What to draw in the masked area.")
+    model: str | None = Field(default=None, description="Served model id; defaults to the first that edits images.")
+    n: int = Field(default=1, description="Images to generate; image i uses seed + i.")
+    size: str | None = Field(default=None, description="'WIDTHxHEIGHT' of the output, or 'auto' (the image's own "
+                                                       "size); the image and mask are resized to it.")
+    response_format: Literal["b64_json", "url"] = Field(
+        default="b64_json", description="Only b64_json is served; 'url' is rejected with 400.")
+    negative_prompt: str | None = Field(default=None, description="What to steer away from (needs CFG).")
+    num_inference_steps: int | None = Field(default=None, description="Denoising steps before `strength` cuts them.")
+    guidance_scale: float | None = Field(default=None, description="Classifier-free guidance; <= 1 turns CFG off.")
+    seed: int | None = Field(default=None, description="Noise seed; random when omitted (returned per image).")
+    strength: float = Field(default=1.0, description="How far into the noise the image goes, in (0, 1] (the "
+                                                     "diffusers inpaint pipelines' strength): below 1 only the last "
+                                                     "steps run and more of the image survives under the mask.")
+    template_id: str | None = Field(default=None, description="Names the image as a template edited again and again "
+                                                              "(letters, digits, '.', '_', '-'): edits of one template "
+                                                              "may reuse its cached activations where the server "
+                                                              "enables them.")
+    user: str | None = Field(default=None, description="Accepted for OpenAI compatibility; unused.")
+    loras: list[LoraInput] | None = Field(default=None, description="LoRAs styling the edit.")

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ValidationError
 
 from stepserve.deployments.config import AppConfig, LimitsConfig, ModelConfig, check_size
 from stepserve.deployments.errors import APIError, invalid
-from stepserve.deployments.protocol import ImageGenerationRequest
+from stepserve.deployments.protocol import ControlNetInput, ImageGenerationRequest, LoraInput
 from stepserve.engine.addons.source import AddonKind
 from stepserve.engine.families import family_class
 from stepserve.policies.types import ControlNetUse, LoraUse, RequestSpec
@@ -118,7 +118,7 @@ def to_specs(payload: object, config: AppConfig, request_id: str, default_seed: 
         raise invalid("seed", f"seed must be between 0 and {MAX_SEED - req.n}")
     family = family_class(model.family)
     width, height = parse_size(req.size, model, family.size_multiple)
-    controlnets, loras = addon_uses(req, model, config)
+    controlnets, loras = addon_uses(req.controlnets or [], req.loras or [], model, config)
     return [
         RequestSpec(
             request_id=request_id if req.n == 1 else f"{request_id}-{i}", model=model.name, prompt=req.prompt,
@@ -130,13 +130,13 @@ def to_specs(payload: object, config: AppConfig, request_id: str, default_seed: 
     ]
 
 
-def addon_uses(req: ImageGenerationRequest, model: ModelConfig,
+def addon_uses(controlnet_inputs: list[ControlNetInput], lora_inputs: list[LoraInput], model: ModelConfig,
                config: AppConfig) -> tuple[tuple[ControlNetUse, ...], tuple[LoraUse, ...]]:
-    """The request's ControlNets and LoRAs (not yet their images): served for `model` (404
+    """A request's ControlNets and LoRAs (not yet their images): served for `model` (404
     otherwise), within the limits."""
     limits = config.limits
-    requested = (("controlnets", AddonKind.CONTROLNET, req.controlnets or [], limits.max_controlnets),
-                 ("loras", AddonKind.LORA, req.loras or [], limits.max_loras))
+    requested = (("controlnets", AddonKind.CONTROLNET, controlnet_inputs, limits.max_controlnets),
+                 ("loras", AddonKind.LORA, lora_inputs, limits.max_loras))
     for field, kind, items, most in requested:
         if items and not family_class(model.family).takes_addons:
             raise invalid(field, f"{model.name} ({model.family}) takes no ControlNets or LoRAs")
@@ -148,16 +148,16 @@ def addon_uses(req: ImageGenerationRequest, model: ModelConfig,
                                param=f"{field}.{i}.name", code=f"{kind.value}_not_found")
     bound = limits.max_addon_scale
     controlnets = []
-    for i, c in enumerate(req.controlnets or []):
+    for i, c in enumerate(controlnet_inputs):
         if not 0 <= c.conditioning_scale <= bound:  # also rejects NaN
             raise invalid(f"controlnets.{i}.conditioning_scale", f"conditioning_scale must be between 0 and {bound}")
         if not 0 <= c.start < c.end <= 1:
             raise invalid(f"controlnets.{i}.start", "need 0 <= start < end <= 1")
         controlnets.append(ControlNetUse(c.name, c.conditioning_scale, c.start, c.end))
-    for i, lora in enumerate(req.loras or []):
+    for i, lora in enumerate(lora_inputs):
         if not -bound <= lora.scale <= bound:
             raise invalid(f"loras.{i}.scale", f"scale must be between {-bound} and {bound}")
-    names = [lora.name for lora in req.loras or []]
+    names = [lora.name for lora in lora_inputs]
     if len(set(names)) != len(names):
         raise invalid("loras", f"a LoRA is named twice in {names}")
-    return tuple(controlnets), tuple(LoraUse(lora.name, lora.scale) for lora in req.loras or [])
+    return tuple(controlnets), tuple(LoraUse(lora.name, lora.scale) for lora in lora_inputs)

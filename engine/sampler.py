@@ -28,34 +28,53 @@ from diffusers.configuration_utils import FrozenDict
 from stepserve.engine.addons import ControlRows, LoraRows, StepAddons
 from stepserve.engine.addons.controlnet import StaleResiduals, control_tensor
 from stepserve.engine.families.base import DiffusionFamily, RowConditioning, TextEmbeddings
+from stepserve.engine.inpaint import EditLatents, image_tensor, mask_tensor, start_edit
 from stepserve.policies.types import RequestSpec
+
+
+@dataclass(frozen=True)
+class RequestInputs:
+    """A request's inputs besides its prompts, as the ingress prepared them (uint8 pixels: a
+    quarter of the float tensors' bytes): one control image per ControlNet of its spec
+    ([H, W, 3], `addons.controlnet.control_pixels`), and an edit's image ([H, W, 3]) and mask
+    ([H, W], white: repaint), `engine.inpaint.edit_pixels`. They wait in the object store for
+    the worker that admits the request."""
+
+    control: tuple[np.ndarray, ...] = ()
+    image: np.ndarray | None = None
+    mask: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
 class Conditioning:
     """A request's text embeddings, one text each ([1, ...] per name), negative only when CFG is
-    on; and one control image (float [1, 3, H, W] in [0, 1], `addons.controlnet.control_tensor`)
-    per ControlNet of its spec, in order."""
+    on; one control image (float [1, 3, H, W] in [0, 1], `addons.controlnet.control_tensor`)
+    per ControlNet of its spec, in order; and an edit's image (float [1, 3, H, W] in [-1, 1]) and
+    mask (float [1, 1, H, W] of 0 and 1), `engine.inpaint.image_tensor` and `mask_tensor`."""
 
     prompt: TextEmbeddings
     negative: TextEmbeddings | None = None
     control: tuple[torch.Tensor, ...] = ()
+    edit: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def from_numpy(cls, prompt: dict[str, np.ndarray], negative: dict[str, np.ndarray] | None,
-                   control: tuple[np.ndarray, ...] = ()) -> "Conditioning":
-        """From the text encoder's arrays and the ingress's control pixels (uint8 [H, W, 3],
-        `addons.controlnet.control_pixels`). Copies: arrays from the object store are read-only
-        views of it, and a request keeps its conditioning for its whole life (and exports it)."""
+                   inputs: RequestInputs | None = None) -> "Conditioning":
+        """From the text encoder's arrays and the ingress's `RequestInputs`. Copies: arrays from
+        the object store are read-only views of it, and a request keeps its conditioning for its
+        whole life (and exports it)."""
         def tensors(arrays: dict[str, np.ndarray]) -> TextEmbeddings:
             return {name: torch.from_numpy(np.array(array)) for name, array in arrays.items()}
+        inputs = inputs or RequestInputs()
+        edit = None if inputs.image is None else (image_tensor(inputs.image), mask_tensor(inputs.mask))
         return cls(tensors(prompt), None if negative is None else tensors(negative),
-                   tuple(control_tensor(pixels) for pixels in control))
+                   tuple(control_tensor(pixels) for pixels in inputs.control), edit)
 
 
 # 2: schedulers restore from their instance dict (no set_timesteps); 3: the text context became
-# the per-row conditioning dict; 4: control images and joined LoRAs.
-STATE_FORMAT = 4
+# the per-row conditioning dict; 4: control images and joined LoRAs; 5: edits (their latents, and
+# the steps `strength` skips).
+STATE_FORMAT = 5
 
 
 class Sampler:
@@ -64,10 +83,18 @@ class Sampler:
         self.spec = spec
         self.scheduler = family.make_scheduler()
         family.prepare_scheduler(self.scheduler, spec)
+        self.first_step = _first_step(self.scheduler, spec)
         # The pipelines draw the initial noise (and SD every stochastic step) from one CPU
         # generator, so a request's result is the same on any device.
         self.generator = torch.Generator("cpu").manual_seed(spec.seed)
-        self.latents = family.initial_latents(spec, self.scheduler, self.generator)
+        self.edit: EditLatents | None = None
+        if spec.is_edit:
+            if conditioning.edit is None:
+                raise ValueError(f"request {spec.request_id}: an edit needs its image and mask")
+            self.latents, self.edit = start_edit(family, spec, self.scheduler, self.generator, *conditioning.edit,
+                                                 self.scheduler.timesteps[self.first_step:])
+        else:
+            self.latents = family.initial_latents(spec, self.scheduler, self.generator)
         text = _on(conditioning.prompt, family)
         if self.uses_cfg:
             if conditioning.negative is None:
@@ -87,6 +114,8 @@ class Sampler:
         # The family's per-step hooks, resolved once: a step must cost as little as possible.
         self._scale_model_input = family.scale_model_input
         self._step_kwargs = family.step_kwargs(self.scheduler, self.generator)
+        self._noise_image = family.noise_image
+        self._timesteps = self.scheduler.timesteps[self.first_step:]
 
     # ---- where it stands ----------------------------------------------------------------
 
@@ -101,7 +130,8 @@ class Sampler:
 
     @property
     def timesteps(self) -> torch.Tensor:
-        return self.scheduler.timesteps
+        """The timesteps it runs: its scheduler's, less the first ones an edit's `strength` skips."""
+        return self._timesteps
 
     @property
     def steps_total(self) -> int:
@@ -162,6 +192,9 @@ class Sampler:
         t = self.timesteps[self.step_index]
         self.latents = self.scheduler.step(noise_pred, t, self.latents, **self._step_kwargs, return_dict=False)[0]
         self.step_index += 1
+        if self.edit is not None:
+            next_t = None if self.done else self.timesteps[self.step_index]
+            self.latents = self.edit.blend(self._noise_image, self.scheduler, self.latents, next_t)
 
     @torch.inference_mode()
     def step(self, family: DiffusionFamily, sp_group: Any = None) -> None:
@@ -188,6 +221,8 @@ class Sampler:
             "cond": copy_to(self.cond, device),
             "control": copy_to(self.control, device),
             "loras_joined": dict(self.loras_joined),
+            "first_step": self.first_step,
+            "edit": None if self.edit is None else copy_to(self.edit.tensors(), device),
             "generator_state": self.generator.get_state(),
             "scheduler": scheduler_state(self.scheduler, device, self.latents.device),
         }
@@ -209,6 +244,8 @@ class Sampler:
         self.control = tuple(image.to(device=family.device, dtype=family.dtype, copy=True)
                              for image in state["control"])
         self.loras_joined = dict(state["loras_joined"])
+        self.first_step = state["first_step"]
+        self.edit = None if state["edit"] is None else EditLatents(**copy_to(state["edit"], family.device))
         _check_addons(self.spec, family)
         self.stale = _stale_holders(self.spec, family)  # stale residuals stay behind: one step waits
         self.generator = torch.Generator("cpu")
@@ -222,8 +259,21 @@ def _on(embeddings: TextEmbeddings, family: DiffusionFamily) -> TextEmbeddings:
     return {name: value.to(device=family.device, dtype=family.dtype) for name, value in embeddings.items()}
 
 
+def _first_step(scheduler: Any, spec: RequestSpec) -> int:
+    """Where its timesteps start: an edit skips the first ones its `strength` leaves out, and
+    tells its scheduler so (the inpaint pipelines' `get_timesteps`, `set_begin_index` included)."""
+    if not spec.is_edit:
+        return 0
+    first = spec.skip_steps * scheduler.order
+    if hasattr(scheduler, "set_begin_index"):
+        scheduler.set_begin_index(first)
+    return first
+
+
 def _check_kind(spec: RequestSpec, family: DiffusionFamily) -> None:
-    if spec.kind is not family.kind:
+    if spec.is_edit and not family.edits:
+        raise ValueError(f"model {family.source.name!r} ({family.source.family}) does not edit images")
+    if spec.kind.lane is not family.kind:
         raise ValueError(f"request {spec.request_id} is {spec.kind.value}, but model {family.source.name!r} "
                          f"generates {family.kind.value}")
     if spec.uses_cfg and not family.classifier_free_guidance:

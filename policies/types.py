@@ -107,10 +107,13 @@ class RequestSpec:
     loras: tuple[LoraUse, ...] = ()
     # An edit's image and mask travel with its conditioning (as control images do); the spec
     # keeps what schedulers and costs need. `strength`: how far into the noise the image goes
-    # (the inpaint pipelines' `strength`: < 1 runs only the last steps, `steps_to_run`).
-    # `mask_ratio`: the fraction of the latent grid the mask covers (1 for generations).
-    # `template_id`: the image as a reusable template, whose cached activations an edit may reuse.
+    # (the inpaint pipelines' `strength`); `skip_steps`: the first of the `num_inference_steps`
+    # timesteps it therefore skips, as its family's pipeline rounds them
+    # (`DiffusionFamily.skipped_steps`; the ingress sets it). `mask_ratio`: the fraction of the
+    # latent grid the mask covers (1 for generations). `template_id`: the image as a reusable
+    # template, whose cached activations an edit may reuse.
     strength: float = 1.0
+    skip_steps: int = 0
     mask_ratio: float = 1.0
     template_id: str | None = None
 
@@ -122,8 +125,10 @@ class RequestSpec:
         if not (0.0 < self.strength <= 1.0 and 0.0 <= self.mask_ratio <= 1.0):
             raise ValueError(f"request {self.request_id!r}: need 0 < strength <= 1 and 0 <= mask_ratio <= 1, "
                              f"got {self.strength}, {self.mask_ratio}")
-        if self.kind is not RequestKind.EDIT and (self.strength != 1.0 or self.mask_ratio != 1.0 or self.template_id):
-            raise ValueError(f"request {self.request_id!r}: strength, mask_ratio and template_id are for edits")
+        if self.kind is not RequestKind.EDIT and (self.strength != 1.0 or self.skip_steps or self.mask_ratio != 1.0
+                                                  or self.template_id):
+            raise ValueError(f"request {self.request_id!r}: strength, skip_steps, mask_ratio and template_id are "
+                             "for edits")
         if self.num_frames < 1 or self.num_inference_steps < 1:
             raise ValueError(f"request {self.request_id!r}: num_frames and num_inference_steps must be >= 1")
         if self.slo_s is not None and not self.slo_s > 0:
@@ -131,16 +136,14 @@ class RequestSpec:
         names = [use.name for use in self.loras]
         if len(set(names)) != len(names):  # (one ControlNet twice, with two images, is fine)
             raise ValueError(f"request {self.request_id!r}: a LoRA is named twice in {names}")
-        if self.steps_to_run < 1:
-            raise ValueError(f"request {self.request_id!r}: strength {self.strength} of {self.num_inference_steps} "
-                             "steps leaves no step to run")
+        if not 0 <= self.skip_steps < self.num_inference_steps:
+            raise ValueError(f"request {self.request_id!r}: skip_steps must leave at least one of its "
+                             f"{self.num_inference_steps} steps, got {self.skip_steps}")
 
     @property
     def steps_to_run(self) -> int:
-        """The denoising steps it runs: all `num_inference_steps`, or an edit's last ones under
-        `strength` < 1 (as the inpaint pipelines' `get_timesteps` count them)."""
-        n = self.num_inference_steps
-        return n - int(max(n - min(n * self.strength, n), 0))
+        """The denoising steps it runs: all `num_inference_steps` but the ones an edit skips."""
+        return self.num_inference_steps - self.skip_steps
 
     @property
     def uses_cfg(self) -> bool:

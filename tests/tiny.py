@@ -63,7 +63,7 @@ def run_continuous_batch(family, arrivals: dict[int, list], rounds: int = 100, a
     for rnd in range(rounds):
         new = arrivals.get(rnd, [])
         admissions = {s.request_id: admit(s) for s in new}
-        left.update({s.request_id: s.num_inference_steps for s in new})
+        left.update({s.request_id: s.steps_to_run for s in new})
         if not left:
             if rnd > max(arrivals):
                 break

@@ -112,6 +112,10 @@ class DiffusionFamily(ABC):
     # Takes ControlNets and LoRAs: `denoise` accepts `addons` (`engine.addons.StepAddons`) and the
     # family holds them by name in `controlnets` and `loras`.
     takes_addons: ClassVar[bool] = False
+    # Serves masked edits (`RequestKind.EDIT`) as its diffusers inpaint pipeline does with the base
+    # denoiser: it has `encode_image`, `image_latents` and `noise_image` (`engine.inpaint`), and
+    # its workers load its VAE to encode the images.
+    edits: ClassVar[bool] = False
 
     source: ModelSource
     device: torch.device
@@ -174,6 +178,27 @@ class DiffusionFamily(ABC):
 
     def scale_model_input(self, scheduler: Any, sample: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return scheduler.scale_model_input(sample, t)
+
+    # ---- how its inpaint pipeline edits (where `edits`) -----------------------------------
+
+    @classmethod
+    def skipped_steps(cls, num_inference_steps: int, strength: float) -> int:
+        """The first timesteps an edit at `strength` skips, as `StableDiffusionInpaintPipeline.
+        get_timesteps` rounds them (`RequestSpec.skip_steps`; 0 or more, may leave none to run)."""
+        return num_inference_steps - min(int(num_inference_steps * strength), num_inference_steps)
+
+    def encode_image(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The VAE's latent distribution (mean, std) of pixels [1, 3, H, W] in [-1, 1]."""
+        raise NotImplementedError(f"model {self.source.name!r} ({self.source.family}) does not edit images")
+
+    def image_latents(self, sample: torch.Tensor) -> torch.Tensor:
+        """A sample of `encode_image`'s distribution as the pipeline's `_encode_vae_image` scales it."""
+        raise NotImplementedError(f"model {self.source.name!r} ({self.source.family}) does not edit images")
+
+    def noise_image(self, scheduler: Any, image_latents: torch.Tensor, noise: torch.Tensor,
+                    t: torch.Tensor) -> torch.Tensor:
+        """The image's latents noised to timestep `t` ([1]) with `noise`, as the pipeline's scheduler does."""
+        raise NotImplementedError(f"model {self.source.name!r} ({self.source.family}) does not edit images")
 
     def step_kwargs(self, scheduler: Any, generator: torch.Generator) -> dict[str, Any]:
         """Extra `scheduler.step` arguments. As `StableDiffusionPipeline.prepare_extra_step_kwargs`:

@@ -22,6 +22,19 @@ class FlowMatchingImageFamily(SD15Family):
     xformers_attention = False  # joint attention has its own processors
     takes_addons = False  # their ControlNets (SD3ControlNetModel, FluxControlNetModel) are not served yet
 
+    @classmethod
+    def skipped_steps(cls, num_inference_steps: int, strength: float) -> int:
+        # `StableDiffusion3InpaintPipeline.get_timesteps` rounds the other way: it keeps the
+        # fraction of a step that `int(n * strength)` drops.
+        return int(max(num_inference_steps - min(num_inference_steps * strength, num_inference_steps), 0))
+
+    def image_latents(self, sample: torch.Tensor) -> torch.Tensor:
+        return (sample - self.vae.config.shift_factor) * self.vae.config.scaling_factor
+
+    def noise_image(self, scheduler: Any, image_latents: torch.Tensor, noise: torch.Tensor,
+                    t: torch.Tensor) -> torch.Tensor:
+        return scheduler.scale_noise(image_latents, t, noise)
+
     def scale_model_input(self, scheduler: Any, sample: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return sample
 

@@ -127,6 +127,7 @@ class FluxFamily(FlowMatchingImageFamily):
     # `__init__` checks the weights agree.
     classifier_free_guidance = False  # guidance-distilled: the scale is a model input
     modules = FlowMatchingImageFamily.modules + (TEXT_2,)
+    edits = False  # FluxInpaintPipeline (packed latents) is not replayed yet
 
     def __init__(self, source: ModelSource, components: dict[str, Any], device: torch.device):
         super().__init__(source, components, device)

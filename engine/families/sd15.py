@@ -124,6 +124,7 @@ class SD15Family(DiffusionFamily):
     # xformers attention on CUDA where installed (an optional extra): for UNets; DiTs use SDPA.
     xformers_attention: ClassVar[bool] = True
     takes_addons = True
+    edits = True  # as StableDiffusionInpaintPipeline with this (4-channel) UNet
 
     def __init__(self, source: ModelSource, components: dict[str, Any], device: torch.device):
         self.source = source
@@ -192,6 +193,18 @@ class SD15Family(DiffusionFamily):
         shape = (1, self.latent_channels, spec.height // self.vae_scale_factor, spec.width // self.vae_scale_factor)
         latents = randn_tensor(shape, generator=generator, device=self.device, dtype=self.dtype)
         return latents * scheduler.init_noise_sigma
+
+    @torch.inference_mode()
+    def encode_image(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dist = self.vae.encode(pixels.to(device=self.device, dtype=self.dtype)).latent_dist
+        return dist.mean, dist.std
+
+    def image_latents(self, sample: torch.Tensor) -> torch.Tensor:
+        return self.vae.config.scaling_factor * sample
+
+    def noise_image(self, scheduler: Any, image_latents: torch.Tensor, noise: torch.Tensor,
+                    t: torch.Tensor) -> torch.Tensor:
+        return scheduler.add_noise(image_latents, noise, t)
 
     def refuse_sequence_parallel(self, sp_group: Any) -> None:
         """These families declare `sequence_parallel = False`, so the step runner never passes a

@@ -122,6 +122,7 @@ class SD3Family(FlowMatchingImageFamily):
     # An image family decoded in the VAE deployment, as SD1.5; the pipeline's `check_inputs`
     # refuses sides that are not multiples of the VAE's 8x times the transformer's patch of 2.
     modules = FlowMatchingImageFamily.modules + (TEXT_2, TEXT_3)
+    edits = True  # as StableDiffusion3InpaintPipeline with this (16-channel) transformer
 
     def make_pipeline(self, components: dict[str, Any], scheduler: Any) -> Any:
         return StableDiffusion3Pipeline(

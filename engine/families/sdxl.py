@@ -108,6 +108,7 @@ class SDXLFamily(SD15Family):
     # VAE deployment: as SD1.5.
 
     modules = SD15Family.modules + (TEXT_2,)
+    edits = False  # StableDiffusionXLInpaintPipeline (its upcast VAE encode, denoising_start) is not replayed yet
 
     def __init__(self, source, components: dict[str, Any], device: torch.device):
         self.force_zeros_for_empty_prompt = components.get("force_zeros_for_empty_prompt", True)

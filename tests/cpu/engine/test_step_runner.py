@@ -15,7 +15,7 @@ from stepserve.engine.sampler import Conditioning
 from stepserve.engine.step_runner import Admission, StepRunner
 from stepserve.policies.types import RequestFailure, RequestProgress, StepGroup, WorkerPlan
 
-from tests.tiny import admission_for, make_spec, solo_pipeline_image
+from tests.tiny import TINY_FLUX, admission_for, make_spec, solo_pipeline_image
 from tests.tiny_video import TINY_WAN, make_video_spec, run_video, solo_pipeline_video
 
 ATOL = 2e-5  # as test_golden
@@ -262,9 +262,11 @@ def test_a_worker_that_decodes_images_returns_the_decoder_deployments_png(tiny_f
     assert png == encode_png(tiny_family.decode(torch.from_numpy(latents))[0])
 
 
-def test_a_worker_loads_an_image_models_vae_only_when_it_decodes_images(tiny_family, wan):
-    assert worker_parts(tiny_family.source) == {DENOISER}
-    assert worker_parts(tiny_family.source, decode_images=True) == {DENOISER, VAE}
+def test_a_worker_loads_an_image_models_vae_when_it_decodes_or_edits_images(tiny_family, wan):
+    flux = TINY_FLUX  # (a family that does not edit)
+    assert worker_parts(flux) == {DENOISER}
+    assert worker_parts(flux, decode_images=True) == {DENOISER, VAE}
+    assert worker_parts(tiny_family.source) == {DENOISER, VAE}  # it encodes the images of edits
     assert worker_parts(wan.source) == {DENOISER, VAE}  # a video always decodes where it was denoised
     r = StepRunner("w0", {"tiny-sd": load_family(tiny_family.source, {DENOISER}, "cpu")}, decode_images=True)
     spec = make_spec("a", steps=1)

@@ -9,15 +9,16 @@ from stepserve.engine.families import DENOISER, TEXT, VAE
 from stepserve.engine.step_runner import StepRunner
 from stepserve.policies.types import StepGroup, WorkerPlan
 
-from tests.tiny import TINY, admission_for, make_spec
+from tests.tiny import TINY, TINY_FLUX, admission_for, make_spec
 
 BAD = "a fox \ud800"  # a lone surrogate: the CLIP tokenizer raises on it (validation refuses it at the edge)
 
 
 def test_a_worker_loads_the_text_encoders_only_when_it_encodes_prompts():
-    assert worker_parts(TINY) == {DENOISER}
-    assert worker_parts(TINY, encode_text=True) == {DENOISER, TEXT}
-    assert worker_parts(TINY, decode_images=True, encode_text=True) == {DENOISER, TEXT, VAE}
+    assert worker_parts(TINY_FLUX) == {DENOISER}
+    assert worker_parts(TINY_FLUX, encode_text=True) == {DENOISER, TEXT}
+    assert worker_parts(TINY_FLUX, decode_images=True, encode_text=True) == {DENOISER, TEXT, VAE}
+    assert worker_parts(TINY, encode_text=True) == {DENOISER, TEXT, VAE}  # (SD1.5 encodes edits' images)
 
 
 def test_prompts_encoded_on_the_worker_give_the_text_encoders_images(tiny_family):
