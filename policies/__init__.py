@@ -25,6 +25,7 @@ from stepserve.policies.types import (
 # Imported for their registration side effect.
 from stepserve.policies import continuous, dynamic_batching, latent_parallel, static_fcfs  # noqa: E402,F401  isort: skip
 from stepserve.policies.genserve import policy as genserve_policy  # noqa: E402,F401  isort: skip
+from stepserve.policies.instgenie import placement as instgenie_placement  # noqa: E402,F401  isort: skip
 
 __all__ = [
     "ClusterSnapshot",

@@ -71,7 +71,7 @@ from stepserve.policies.addon_costs import ControlNetPlacement, forward_seconds
 from stepserve.policies.types import GroupSplit
 
 if TYPE_CHECKING:
-    from stepserve.policies.types import RequestSpec, StepGroup
+    from stepserve.policies.types import RequestSpec, RequestView, StepGroup
 
 DENOISE = "denoise"
 ROUND_OVERHEAD = "round_overhead"
@@ -119,10 +119,17 @@ class BatchShape:
     sequence parallelism (1: on one worker).
 
     Images are one frame; a video multiplies the work per row by its frames. Later dimensions of
-    the work (mask ratio, patches) extend this with defaulted fields, so every cost question
-    keeps one argument. Add-ons: the forward makes one ControlNet call per ControlNet its members
-    use, over those members' rows (`controlnet_rows`, one entry per call), and runs the unmerged
-    updates of `lora_rows` rows x LoRAs.
+    the work (patches) extend this with defaulted fields, so every cost question keeps one
+    argument. Add-ons: the forward makes one ControlNet call per ControlNet its members use, over
+    those members' rows (`controlnet_rows`, one entry per call), and runs the unmerged updates of
+    `lora_rows` rows x LoRAs.
+
+    `mask_ratio` (InstGenIE): the share of the batch's tokens the forward computes, row-weighted
+    (`computed_share` of each member); below 1 the rest reuses cached activations, which are
+    loaded. One number suffices because both the work and the bytes to load are linear in each
+    row's ratio (InstGenIE Table 1). `ProfiledCostModel` prices the full forward whatever it is
+    (its profile has no masked points); `policies/instgenie/edit_costs.MaskAwareCosts` prices
+    what the cache saves.
     """
 
     model: str
@@ -136,6 +143,7 @@ class BatchShape:
     # One CFG request's two rows on two workers, a row each (latent parallelism): each runs the
     # forward of half the rows, add-ons included, and they swap their outputs.
     cfg_split: bool = False
+    mask_ratio: float = 1.0
 
     def __post_init__(self) -> None:
         for field in ("height", "width", "rows", "frames", "sp_degree"):
@@ -143,6 +151,8 @@ class BatchShape:
         for rows in self.controlnet_rows:
             _check_int("controlnet_rows", rows, 1)
         _check_int("lora_rows", self.lora_rows, 0)
+        if isinstance(self.mask_ratio, bool) or not 0.0 <= self.mask_ratio <= 1.0:
+            raise ValueError(f"BatchShape.mask_ratio must be in [0, 1], got {self.mask_ratio!r}")
         if self.cfg_split and (self.rows != 2 or self.sp_degree != 1):
             raise ValueError(f"a CFG split is one request's 2 rows at sp_degree 1, got {self.rows} at "
                              f"{self.sp_degree}")
@@ -159,8 +169,10 @@ class BatchShape:
                 calls[name] = calls.get(name, 0) + spec.rows
         split = group is not None and bool(group.ranks) and group.split is GroupSplit.CFG
         degree = 1 if group is None or split else max(1, len(group.ranks))
-        return cls(head.model, head.height, head.width, sum(s.rows for s in specs), head.num_frames, degree,
-                   tuple(calls.values()), sum(s.rows * len(s.loras) for s in specs), split)
+        rows = sum(s.rows for s in specs)
+        return cls(head.model, head.height, head.width, rows, head.num_frames, degree,
+                   tuple(calls.values()), sum(s.rows * len(s.loras) for s in specs), split,
+                   sum(s.rows * computed_share(s) for s in specs) / rows)
 
     def half(self) -> "BatchShape":
         """What each worker of a CFG split runs: one of the two rows, with its share of the add-ons."""
@@ -170,6 +182,18 @@ class BatchShape:
     @property
     def pixels(self) -> int:
         return self.height * self.width * self.frames
+
+    @property
+    def uses_cache(self) -> bool:
+        """Some of its rows reuse cached activations (and load them)."""
+        return self.mask_ratio < 1.0
+
+
+def computed_share(request: "RequestSpec | RequestView") -> float:
+    """The share of a request's tokens its forward computes: an edit of a template (whose
+    activations the store keeps) computes its masked share and reuses the rest; any other
+    request, an edit of an unseen image included, computes everything."""
+    return request.mask_ratio if request.template_id is not None else 1.0
 
 
 def _check_int(field: str, value: object, least: int) -> None:

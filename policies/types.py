@@ -44,6 +44,9 @@ class ShapeKey:
     # router core's `lora_batches` "per_adapter": one adapter per batch, as vLLM-Omni and SGLang
     # serve); () where a forward mixes requests with different LoRAs (stepserve's default).
     loras: tuple[tuple[str, float], ...] = ()
+    # Edits that reuse their templates' cached activations (a masked forward): they batch only
+    # with each other (`CoreConfig.cached_edits`).
+    cached_edit: bool = False
 
 
 @dataclass(frozen=True)
@@ -167,12 +170,14 @@ class RequestSpec:
     def shape_key(self) -> ShapeKey:
         return ShapeKey(self.model, self.height, self.width, self.num_frames)
 
-    def batch_key(self, per_adapter: bool) -> ShapeKey:
-        """Its shape key, with its LoRA set when each forward takes one adapter set."""
+    def batch_key(self, per_adapter: bool, cached_edits: bool = False) -> ShapeKey:
+        """Its shape key, with its LoRA set when each forward takes one adapter set, and marked
+        when it is an edit of a template that reuses cached activations."""
         key = self.shape_key
-        if per_adapter and self.loras:
-            key = ShapeKey(key.model, key.height, key.width, key.frames,
-                           tuple(sorted((use.name, use.scale) for use in self.loras)))
+        loras = tuple(sorted((use.name, use.scale) for use in self.loras)) if per_adapter else ()
+        cached = cached_edits and self.is_edit and self.template_id is not None
+        if loras or cached:
+            key = ShapeKey(key.model, key.height, key.width, key.frames, loras, cached)
         return key
 
 

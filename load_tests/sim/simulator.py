@@ -15,7 +15,10 @@ What it models, in the live system's order (actors/router.py, deployments/):
 4. A worker runs its plans in order (`SimWorker`, the StepRunner's twin); each takes the cost
    model's `round_seconds` of the groups that ran (plus the VAE decode of a video it finishes,
    and of an image when `decoders` is 0; and first, with no text encoder, the prompts of the
-   fresh starts it admits, through an embeddings cache per worker). A plan with a sequence-parallel step starts when
+   fresh starts it admits, through an embeddings cache per worker). An edit of a template
+   (`ScheduledEdit`) computes its masked share and reuses cached activations for the rest,
+   which the cost model prices when it is a `policies.instgenie.MaskAwareCosts`; any other
+   edit runs a full forward. A plan with a sequence-parallel step starts when
    every member of the group has reached it, as the collective makes the live workers wait; a
    plan that resumes a request starts when the state it resumes from exists. A plan the core
    interrupts ends after the step it is running (or after its first, if it has not started).
@@ -43,10 +46,11 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from stepserve.actors.router_core import Admission, CoreConfig, QueueFullError, RouterCore, WorkerSlot
+from stepserve.load_tests.edit_workload import ScheduledEdit
 from stepserve.load_tests.metrics import Summary, summarize
 from stepserve.load_tests.records import RequestRecord, record_of
 from stepserve.load_tests.sim.events import EventQueue
@@ -589,7 +593,7 @@ def _texts(spec: RequestSpec) -> tuple[str, ...]:
 
 def _spec_of(request: ScheduledRequest, rid: str, slo_s: float | None) -> RequestSpec:
     video = request.is_video
-    return RequestSpec(
+    spec = RequestSpec(
         request_id=rid, model=request.model, prompt=request.prompt, width=request.width, height=request.height,
         num_inference_steps=request.num_inference_steps, guidance_scale=request.guidance_scale, seed=request.seed,
         negative_prompt=request.negative_prompt, kind=RequestKind.T2V if video else RequestKind.T2I,
@@ -597,6 +601,9 @@ def _spec_of(request: ScheduledRequest, rid: str, slo_s: float | None) -> Reques
         slo_s=None if slo_s is None else max(slo_s, 1e-9),
         controlnets=tuple(ControlNetUse(name) for name in request.controlnets),
         loras=tuple(LoraUse(name) for name in request.loras))
+    if isinstance(request, ScheduledEdit):
+        spec = replace(spec, kind=RequestKind.EDIT, mask_ratio=request.mask_ratio, template_id=request.template_id)
+    return spec
 
 
 def simulate(requests: Sequence[ScheduledRequest], cost: Any, config: SimConfig = SimConfig()) -> SimResult:

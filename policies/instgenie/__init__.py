@@ -1,0 +1,44 @@
+"""InstGenIE's mask-aware editing costs and placement (instgenie.txt), as pure policy code.
+
+    §3.2 Table 1, §4.4 Fig. 11   FLOPs and cached bytes of a batch of edits by mask ratio, the
+                                 fitted latency lines, per-block costs       edit_costs.py
+    §4.2 Algorithm 1, Fig. 9     which blocks load their cached activations (and the naive,
+                                 always-load, exact and ideal ways to compare) pipeline_dp.py
+    §4.3                         step-level continuous batching                policies/continuous.py
+    §4.4 Algorithm 2             mask-aware placement, policy "mask_aware"    placement.py
+
+`MaskAwareCosts(base, {model: EditCostModel})` is the `CostModel` the simulator and the policy
+share: forwards that reuse cached activations (`BatchShape.mask_ratio` < 1) cost what the edit
+model says, everything else what `base` (a profile) says.
+"""
+
+from stepserve.policies.instgenie.edit_costs import (
+    BlockCosts,
+    DiTDims,
+    EditCostModel,
+    LinearFit,
+    MaskAwareCosts,
+    fit_line,
+    forward_flops,
+)
+from stepserve.policies.instgenie.pipeline_dp import Loading, Pipeline, algorithm1, optimal, pipeline_latency, plan
+from stepserve.policies.instgenie.placement import Horizon, MaskAwareConfig, MaskAwarePlacement
+
+__all__ = [
+    "BlockCosts",
+    "DiTDims",
+    "EditCostModel",
+    "Horizon",
+    "LinearFit",
+    "Loading",
+    "MaskAwareConfig",
+    "MaskAwareCosts",
+    "MaskAwarePlacement",
+    "Pipeline",
+    "algorithm1",
+    "fit_line",
+    "forward_flops",
+    "optimal",
+    "pipeline_latency",
+    "plan",
+]
