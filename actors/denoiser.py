@@ -21,9 +21,11 @@ from uuid import uuid4
 import ray
 import torch
 
+from stepserve.actors.activation_store import StoreActivations, node_store
 from stepserve.actors.sp_world import DEFAULT_TIMEOUT_S, SPWorld, backend_for, rendezvous_address
 from stepserve.actors.controlnet_client import ServiceControlNets
-from stepserve.actors.lora_store import StoreLoras, stores_by_node
+from stepserve.actors.lora_store import StoreLoras
+from stepserve.actors.node_stores import stores_by_node
 from stepserve.engine.addons.source import AddonKind, AddonSource, load_addon
 from stepserve.engine.families import DENOISER, TEXT, VAE, ModelSource, family_class, load_family
 from stepserve.engine.sampler import Conditioning
@@ -85,13 +87,15 @@ class DenoiserWorker:
                  torch_threads: int | None = None, decode_images: bool = False, text_cache_size: int | None = None,
                  addons: Sequence[AddonSource] = (), lora_stores: Mapping[str, Any] | None = None,
                  lora_join_by: float = 0.0, max_resident_loras: int = 32, controlnet_service: Any | None = None,
-                 controlnet_stale: bool = False):
+                 controlnet_stale: bool = False, activation_stores: Mapping[str, Any] | None = None):
         """`text_cache_size`: None, the text encoder deployment encodes prompts; else this worker
         does, keeping that many embeddings. `addons`: the ControlNets it holds and the LoRAs it
         serves; LoRAs come from `lora_stores` (by node id; this node's, or any) as requests need
         them, or, with no store, are all loaded here at start. `controlnet_service`: a handle to the
         ControlNet deployment, which then runs the ControlNets instead of this worker; with
-        `controlnet_stale`, a step may add the residuals of its request's previous step."""
+        `controlnet_stale`, a step may add the residuals of its request's previous step.
+        `activation_stores` (by node id; `edit_cache`): edits of templates reuse the cached
+        activations this node's store holds, and record them there when it has none."""
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.device = resolve_device(device)
@@ -113,7 +117,9 @@ class DenoiserWorker:
         self.text = CachedTextEncoder(families, text_cache_size) if encodes else None
         # New on every process start: a restarted actor has lost every resident request.
         self.incarnation = uuid4().hex
-        self.runner = StepRunner(worker_id, families, self.incarnation, decode_images, loras, lora_join_by)
+        templates = StoreActivations(node_store(activation_stores)) if activation_stores else None
+        self.runner = StepRunner(worker_id, families, self.incarnation, decode_images, loras, lora_join_by,
+                                 templates)
         self.sp_world: SPWorld | None = None
         self._interrupted = 0  # the plan id the router last asked to cut short
         self._held_since: float | None = None  # when the last plan ended with requests resident

@@ -110,11 +110,6 @@ class LoraStore:
             total -= size
 
 
-def stores_by_node(stores: Mapping[str, Any], node_id: str) -> Any:
-    """The store on `node_id`, else any (a node that has none shares another's over the network)."""
-    return stores.get(node_id) or next(iter(stores.values()))
-
-
 class StoreLoras:
     """A worker's `LoraLoader` over its node's store: what a plan's requests need is fetched in
     the background and added to its family when it has arrived; at most `max_resident` LoRAs

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from stepserve.actors.router_core import RequestState
@@ -54,6 +56,12 @@ class RouterMetrics:
             "What a step costs beyond its profile (round trip, worker bookkeeping), as the scheduler now "
             "predicts it.", ["kind"], registry=r,
         )
+        self.activation_cache = Gauge(
+            "stepserve_activation_cache",
+            "Each node's activation store (`edit_cache`): gets that hit memory or disk or missed, templates and "
+            "bytes held in memory and on disk, bytes read back from and spilled to disk, evictions and drops.",
+            ["node", "stat"], registry=r,
+        )
         self.worker_restarts = Counter("stepserve_worker_restarts", "Denoiser workers lost and restarted.",
                                        registry=r)
         self.recoveries = Counter(
@@ -89,6 +97,11 @@ class RouterMetrics:
                 state.ready_time - state.arrival_time, state.admit_time - state.ready_time, denoise,
                 denoise / max(1, state.steps_total), now - state.denoised_time)):
             self.request_stage.labels(kind, stage).observe(max(0.0, seconds))
+
+    def observe_activation_cache(self, node: str, stats: Any) -> None:
+        """A node's `actors.activation_cache.CacheStats`."""
+        for stat, value in vars(stats).items():
+            self.activation_cache.labels(node[:8], stat).set(value)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -7,10 +7,11 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from stepserve.actors.activation_store import ActivationStoreSpec
 from stepserve.actors.denoiser import CONTROL, DenoiserWorker
 from stepserve.actors.lora_store import LoraStore
+from stepserve.actors.node_stores import start_per_node
 from stepserve.engine.addons.source import AddonKind, AddonSource
 from stepserve.engine.families import ModelSource
 
@@ -32,6 +33,7 @@ class WorkerPoolSpec:
     max_resident_loras: int = 32  # `lora_loading.max_resident`
     preload_loras: bool = False  # `lora_loading.preload`: every worker loads every LoRA at start, no stores
     controlnet_stale: bool = False  # `controlnet_service.stale`
+    edit_cache: ActivationStoreSpec | None = None  # `edit_cache` when enabled: each node's activation store
 
     @property
     def loras(self) -> tuple[AddonSource, ...]:
@@ -43,26 +45,18 @@ def start_lora_stores(spec: WorkerPoolSpec, models: Sequence[ModelSource], name_
     id: the workers of a node share its store's host memory."""
     if not spec.loras or spec.preload_loras:
         return {}
-    remote_cls = ray.remote(LoraStore)
-    token = uuid.uuid4().hex[:8]
-    stores = {}
-    for node in ray.nodes():
-        if not node["Alive"]:
-            continue
-        node_id = node["NodeID"]
-        stores[node_id] = remote_cls.options(
-            name=f"{name_prefix}-loras-{node_id[:8]}-{token}", num_cpus=0, max_restarts=-1,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        ).remote(spec.loras, list(models), spec.lora_store_bytes)
-    return stores
+    return start_per_node(LoraStore, f"{name_prefix}-loras", lambda node: (spec.loras, list(models),
+                                                                            spec.lora_store_bytes))
 
 
 def start_workers(spec: WorkerPoolSpec, models: Sequence[ModelSource], name_prefix: str,
-                  lora_stores: dict[str, Any] | None = None,
-                  controlnet_service: Any | None = None) -> tuple[dict[str, ray.actor.ActorHandle], dict[str, str]]:
+                  lora_stores: dict[str, Any] | None = None, controlnet_service: Any | None = None,
+                  activation_stores: dict[str, Any] | None = None,
+                  ) -> tuple[dict[str, ray.actor.ActorHandle], dict[str, str]]:
     """Create the workers; each loads its models in its constructor (await `ready` to know).
     Returns their handles and their actor names, by worker id. `lora_stores`: from
-    `start_lora_stores`; `controlnet_service`: a handle to the ControlNet deployment, if any.
+    `start_lora_stores`; `controlnet_service`: a handle to the ControlNet deployment, if any;
+    `activation_stores`: from `start_activation_stores` (`edit_cache`), if any.
 
     Each is a named actor, `<prefix>-w<i>-<token>`, so an operator can find it with `ray list
     actors`; the token keeps a restarted router's workers apart from the ones its predecessor is
@@ -80,5 +74,6 @@ def start_workers(spec: WorkerPoolSpec, models: Sequence[ModelSource], name_pref
             max_concurrency=1,
         ).remote(worker_id, list(models), spec.device, spec.torch_threads, spec.decode_images,
                  spec.text_cache_size if spec.encode_text else None, spec.addons, lora_stores or {},
-                 spec.lora_join_by, spec.max_resident_loras, controlnet_service, spec.controlnet_stale)
+                 spec.lora_join_by, spec.max_resident_loras, controlnet_service, spec.controlnet_stale,
+                 activation_stores or {})
     return workers, names

@@ -24,11 +24,13 @@ from typing import Any
 
 import ray
 
+from stepserve.actors.activation_store import start_activation_stores
 from stepserve.actors.denoiser import AdmissionRef
 from stepserve.actors.metrics import RouterMetrics
 from stepserve.actors.pool import WorkerPoolSpec, start_lora_stores, start_workers
 from stepserve.actors.router_core import Admission, CoreConfig, Outcome, RouterCore, WorkerSlot
 from stepserve.engine.families import ModelSource, family_class
+from stepserve.engine.template_edits import template_key
 from stepserve.engine.text_encoding import text_item
 from stepserve.policies import make_policy, needs_costs
 from stepserve.policies.admission import LoadReport, is_quiet
@@ -72,7 +74,10 @@ class Router:
         self.text_encoder, self.decoder, self.store = text_encoder, decoder, store
         self.lora_stores = start_lora_stores(pool, models, name)  # by node id; none without LoRAs
         self.lora_join_by = pool.lora_join_by
-        self.workers, self._actor_names = start_workers(pool, models, name, self.lora_stores, controlnet_service)
+        # By node id; none unless `edit_cache` is on.
+        self.activation_stores = start_activation_stores(pool.edit_cache, name) if pool.edit_cache else {}
+        self.workers, self._actor_names = start_workers(pool, models, name, self.lora_stores, controlnet_service,
+                                                        self.activation_stores)
         costs = load_profile(*spec.profiles, controlnets=spec.controlnets) if spec.profiles else None
         policy = make_policy(spec.policy, spec.policy_options, costs if needs_costs(spec.policy) else None)
         slots = [WorkerSlot(wid, pool.max_batch_size, rank) for rank, wid in enumerate(self.workers)]
@@ -188,6 +193,13 @@ class Router:
                 "queued": self.core.queue_length(), "running": self.core.count(RequestStatus.RUNNING)}
 
     async def metrics_text(self) -> bytes:
+        if self.activation_stores:
+            nodes = list(self.activation_stores)
+            stats = await asyncio.gather(*(self.activation_stores[n].stats.remote() for n in nodes),
+                                         return_exceptions=True)
+            for node, value in zip(nodes, stats):
+                if not isinstance(value, BaseException):  # (a restarting store reports next time)
+                    self.metrics.observe_activation_cache(node, value)
         return self.metrics.exposition()
 
     def check_health(self) -> None:
@@ -201,6 +213,10 @@ class Router:
     def _submit(self, spec: RequestSpec, inputs: Any = None) -> None:
         # QueueFull/Duplicate go to the caller.
         self.core.submit(spec, time.monotonic(), self._tail_s(spec), inputs)
+        if spec.template_id is not None and self.activation_stores:
+            # A template spilled to disk comes back to memory while the edit waits (InstGenIE §4.2).
+            for store in self.activation_stores.values():
+                store.prefetch.remote([template_key(spec)])
         loras = bool(spec.loras and self.lora_stores)
         # When its LoRAs may not join late (exact), it is ready only once the stores hold them:
         # a worker must not stall its batch on a file read. Else they load while it runs.

@@ -114,6 +114,9 @@ class CoreConfig:
     # updates, batched) or not ("per_adapter": one adapter set per forward, the way vLLM-Omni
     # and SGLang batch; the baseline `bench_addons_sim` compares against). Exact either way.
     lora_batches: LoraBatching = LoraBatching.MIXED
+    # Edits of templates reuse cached activations (`edit_cache.enabled`): they form batches of
+    # their own (`ShapeKey.cached_edit`).
+    cached_edits: bool = False
     # LoRAs each worker keeps in its device memory (`lora_loading.max_resident`): the core mirrors
     # what each holds, so a policy can place a request where its LoRAs already are.
     lora_resident: int = 32
@@ -952,7 +955,7 @@ class RouterCore:
 
     def batch_key(self, spec: RequestSpec) -> ShapeKey:
         """What decides which requests may share a forward (`CoreConfig.lora_batches`)."""
-        return spec.batch_key(self.config.lora_batches is LoraBatching.PER_ADAPTER)
+        return spec.batch_key(self.config.lora_batches is LoraBatching.PER_ADAPTER, self.config.cached_edits)
 
     def _view(self, record: _Request) -> RequestView:
         if record.view is None:

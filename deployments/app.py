@@ -87,13 +87,14 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
 
     rc = config.router
     core = replace(rc.core_config(), images_decode_on_workers=vd.on_workers, text_encode_on_workers=te.on_workers,
-                   lora_batches=config.lora_loading.batches, lora_resident=config.lora_loading.max_resident)
+                   lora_batches=config.lora_loading.batches, lora_resident=config.lora_loading.max_resident,
+                   cached_edits=config.edit_cache.enabled)
     spec = RouterSpec(rc.policy, config.policy_options(), tuple(rc.profiles), core, cs.placement)
     pool = replace(config.workers.to_spec(), decode_images=vd.on_workers, encode_text=te.on_workers,
                    text_cache_size=te.cache_size, addons=config.addon_sources(),
                    lora_join_by=config.lora_loading.join_by, lora_store_bytes=config.lora_loading.store_bytes,
                    max_resident_loras=config.lora_loading.max_resident, preload_loras=config.lora_loading.preload,
-                   controlnet_stale=config.controlnet_service.stale)
+                   controlnet_stale=config.controlnet_service.stale, edit_cache=config.edit_cache.store_spec())
     router = serve.deployment(Router, name="Router").options(
         num_replicas=1, max_ongoing_requests=LONG_CALLS, ray_actor_options=actor_options(config, 0),
         logging_config=INTERNAL_LOGGING,

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from stepserve.actors.activation_store import ActivationStoreSpec
 from stepserve.actors.pool import WorkerPoolSpec
 from stepserve.actors.router_core import CoreConfig
 from stepserve.engine.addons.source import AddonKind, AddonSource
@@ -153,6 +154,27 @@ class LoraLoadingConfig(_Strict):
                     "low-rank updates. 'per_adapter': a forward takes requests of one LoRA set only, the way "
                     "vLLM-Omni and SGLang batch (smaller batches; `python -m stepserve.load_tests.bench_addons_sim` "
                     "compares the two). Exact either way.")
+
+
+class EditCacheConfig(_Strict):
+    enabled: bool = Field(
+        default=False,
+        description="Edits that name a `template_id` reuse the template's cached activations (InstGenIE §3.1): the "
+                    "first edit of a template (model, size, steps, strength, CFG alike) runs exact and records every "
+                    "transformer block's output at every step; later edits compute only their masked tokens and take "
+                    "the rest from that record. An approximation (`python -m stepserve.load_tests.bench_edit_cache` "
+                    "measures its speed and fidelity); off: every edit is exact. Models whose family has "
+                    "`cached_edits` (SD3) only.")
+    memory_bytes: int = Field(default=16 << 30, ge=1 << 20,
+                              description="Host memory per node for templates' activations (the node's activation "
+                                          "store, LRU).")
+    disk_dir: str | None = Field(default=None, description="A local folder each node's store spills least recently "
+                                                           "used templates to (safetensors); None: they are dropped.")
+    disk_bytes: int | None = Field(default=None, ge=1 << 20, description="Disk per node for spilled templates (LRU); "
+                                                                         "None: unbounded.")
+
+    def store_spec(self) -> ActivationStoreSpec | None:
+        return ActivationStoreSpec(self.memory_bytes, self.disk_dir, self.disk_bytes) if self.enabled else None
 
 
 class WorkersConfig(_Strict):
@@ -349,6 +371,8 @@ class AppConfig(_Strict):
         description="Served LoRAs (any number): read into a node's LoRA store when a request first needs one, and "
                     "into a worker when it admits one.")
     lora_loading: LoraLoadingConfig = Field(default_factory=LoraLoadingConfig, description="How LoRAs load.")
+    edit_cache: EditCacheConfig = Field(default_factory=EditCacheConfig,
+                                        description="Cached activations of edited templates.")
     controlnet_service: ControlNetServiceConfig = Field(
         default_factory=ControlNetServiceConfig, description="Where ControlNets run.")
     api_keys: list[str] = Field(

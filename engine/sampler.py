@@ -29,6 +29,7 @@ from stepserve.engine.addons import ControlRows, LoraRows, StepAddons
 from stepserve.engine.addons.controlnet import StaleResiduals, control_tensor
 from stepserve.engine.families.base import DiffusionFamily, RowConditioning, TextEmbeddings
 from stepserve.engine.inpaint import EditLatents, image_tensor, mask_tensor, start_edit
+from stepserve.engine.template_edits import TemplateEdit
 from stepserve.policies.types import RequestSpec
 
 
@@ -88,6 +89,9 @@ class Sampler:
         # generator, so a request's result is the same on any device.
         self.generator = torch.Generator("cpu").manual_seed(spec.seed)
         self.edit: EditLatents | None = None
+        # Its use of its template's cached activations, if the runner gave it one (not state:
+        # a resumed edit finds its template again where it resumes).
+        self.template: TemplateEdit | None = None
         if spec.is_edit:
             if conditioning.edit is None:
                 raise ValueError(f"request {spec.request_id}: an edit needs its image and mask")
@@ -246,6 +250,7 @@ class Sampler:
         self.loras_joined = dict(state["loras_joined"])
         self.first_step = state["first_step"]
         self.edit = None if state["edit"] is None else EditLatents(**copy_to(state["edit"], family.device))
+        self.template = None
         _check_addons(self.spec, family)
         self.stale = _stale_holders(self.spec, family)  # stale residuals stay behind: one step waits
         self.generator = torch.Generator("cpu")

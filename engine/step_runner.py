@@ -29,6 +29,7 @@ from stepserve.engine.families.base import DiffusionFamily
 from stepserve.engine.parallel.latent import cfg_split_denoise
 from stepserve.engine.png import encode_png
 from stepserve.engine.sampler import Conditioning, Sampler
+from stepserve.engine.template_edits import ActivationSource, attach, finished_record, template_forward
 from stepserve.policies.types import (
     GroupSplit,
     RequestFailure,
@@ -52,12 +53,14 @@ class Admission:
 
 class StepRunner:
     def __init__(self, worker_id: str, families: Mapping[str, DiffusionFamily], incarnation: str = "",
-                 decode_images: bool = False, loras: LoraLoader | None = None, lora_join_by: float = 0.0):
+                 decode_images: bool = False, loras: LoraLoader | None = None, lora_join_by: float = 0.0,
+                 templates: ActivationSource | None = None):
         """`decode_images`: a finished image leaves as its PNG, decoded by this worker's VAE, not as
         its latents (`vae_decoder.on_workers`). A video always leaves decoded (`decode_on_worker`).
         `loras`: brings LoRAs that are not in the families yet (None: every LoRA a request names
         must be loaded already); `lora_join_by`: the fraction of a request's steps that may run
-        before its LoRAs have arrived (0: none, exact)."""
+        before its LoRAs have arrived (0: none, exact). `templates`: where edits of templates find
+        and keep cached activations (`engine.template_edits`; None: every edit is exact)."""
         if not 0.0 <= lora_join_by < 1.0:
             raise ValueError(f"lora_join_by must be in [0, 1), got {lora_join_by}")
         self.worker_id = worker_id
@@ -66,6 +69,7 @@ class StepRunner:
         self.decode_images = decode_images
         self.loras = loras
         self.lora_join_by = lora_join_by
+        self.templates = templates
         self.samplers: dict[str, Sampler] = {}
         self._cuda_devices = {f.device for f in self.families.values() if f.device.type == "cuda"}
 
@@ -183,6 +187,8 @@ class _PlanRun:
             else:
                 sampler = Sampler(spec, family, admission.conditioning)
             self._bring_loras(sampler, family)
+            if self.runner.templates is not None and spec.template_id is not None and family.cached_edits:
+                attach(sampler, family, self.runner.templates)
         except Exception as exc:  # one bad admission must not take the worker (or the plan) down
             self.fail(rid, f"admission failed: {type(exc).__name__}: {exc}", lost=False)
             return
@@ -255,9 +261,14 @@ class _PlanRun:
         try:
             process_group = sp_group(group.ranks) if group.ranks and sp_group is not None else None
             addons = _group_addons([sampler for _, sampler, _ in members])
+            samplers = [sampler for _, sampler, _ in members]
             if group.ranks and group.split is GroupSplit.CFG:
                 noise_pred = cfg_split_denoise(family, sample, timesteps, cond, process_group, addons)
+            elif not group.ranks and not addons and all(s.template is not None for s in samplers):
+                noise_pred = template_forward(family, samplers, sample, timesteps, cond)
             else:
+                for sampler in samplers:  # (a record missing this step would be no record)
+                    sampler.template = None
                 # Only families that take add-ons take the keyword (admission refused the others' requests).
                 extra = {"addons": addons} if addons else {}
                 noise_pred = family.denoise(sample, timesteps, cond, sp_group=process_group, **extra)
@@ -274,6 +285,9 @@ class _PlanRun:
                 self.fail(rid, f"denoising step failed: {type(exc).__name__}: {exc}", lost=False)
                 continue
             self.touched[rid] = None
+            record = finished_record(sampler)
+            if record is not None:
+                self.runner.templates.put(sampler.template.key, record)
 
     def _group_family(self, group: StepGroup, samplers: list[Sampler],
                       sp_group: Callable[[tuple[int, ...]], Any] | None) -> DiffusionFamily:

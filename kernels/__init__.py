@@ -1,4 +1,2 @@
-"""Compute ops, each with a torch reference (masked attention, patch stitching + GroupNorm, ...).
-
-Empty until an issue needs a fused op: the SD1.5 path runs diffusers' own modules unchanged.
-"""
+"""Compute ops, each with a torch reference: masked-query attention and token gather/scatter for
+edits that compute only their masked tokens (`masked_attention`, InstGenIE §3.1)."""

@@ -134,8 +134,8 @@ class Stopwatch:
         return time.perf_counter() - start
 
 
-def interleaved_medians(cases: dict[Any, Callable[[], Any]], watch: Stopwatch, warmup: int, repeats: int,
-                        label: Callable[[Any], str]) -> dict[Any, float]:
+def interleaved_times(cases: dict[Any, Callable[[], Any]], watch: Stopwatch, warmup: int,
+                      repeats: int) -> dict[Any, list[float]]:
     """Warm every case, then time them round-robin `repeats` times: drift on a shared machine
     then hits every case alike instead of whichever happened to run during it."""
     for _ in range(warmup):
@@ -145,7 +145,13 @@ def interleaved_medians(cases: dict[Any, Callable[[], Any]], watch: Stopwatch, w
     for _ in range(repeats):
         for key, fn in cases.items():
             times[key].append(watch.time(fn))
-    medians = {key: statistics.median(ts) for key, ts in times.items()}
+    return times
+
+
+def interleaved_medians(cases: dict[Any, Callable[[], Any]], watch: Stopwatch, warmup: int, repeats: int,
+                        label: Callable[[Any], str]) -> dict[Any, float]:
+    """`interleaved_times`' median per case, logged."""
+    medians = {key: statistics.median(ts) for key, ts in interleaved_times(cases, watch, warmup, repeats).items()}
     for key, value in medians.items():
         log(f"  {label(key)}: {value * 1e3:.3f} ms")
     return medians

@@ -116,6 +116,9 @@ class DiffusionFamily(ABC):
     # denoiser: it has `encode_image`, `image_latents` and `noise_image` (`engine.inpaint`), and
     # its workers load its VAE to encode the images.
     edits: ClassVar[bool] = False
+    # Edits of a template may reuse its cached activations (`engine.template_edits`): it has
+    # `patch_size`, `blocks`, `denoise_recording` and `denoise_masked`.
+    cached_edits: ClassVar[bool] = False
 
     source: ModelSource
     device: torch.device

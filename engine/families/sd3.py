@@ -21,6 +21,7 @@ from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import c
 from diffusers.utils.torch_utils import randn_tensor
 from transformers import CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel, T5Tokenizer
 
+from stepserve.engine.editing.masked_sd3 import MaskedPlan, SD3Inputs, masked_forward, recording_forward
 from stepserve.engine.families import sd15
 from stepserve.engine.families.base import DENOISER, TEXT, VAE, ModelSource, RowConditioning, TextEmbeddings
 from stepserve.engine.families.flow_matching import FlowMatchingImageFamily
@@ -79,7 +80,16 @@ FULL = dict(
              use_post_quant_conv=False),
 )
 
-PRESETS = {"tiny": TINY, "full": FULL}
+# Small: tiny's text encoders and VAE around a transformer wide and deep enough that its compute,
+# not the step loop's overhead, dominates a CPU forward (8 heads of 64, 6 layers; SD3-medium's
+# layout, no dual attention): what CPU benchmarks of the transformer's work (cached edits) serve.
+SMALL = dict(TINY, transformer=dict(
+    sample_size=64, patch_size=2, in_channels=16, out_channels=16, num_layers=6, attention_head_dim=64,
+    num_attention_heads=8, joint_attention_dim=64, caption_projection_dim=512, pooled_projection_dim=64,
+    pos_embed_max_size=64,
+))
+
+PRESETS = {"tiny": TINY, "small": SMALL, "full": FULL}
 
 
 def build_preset_components(preset: str, seed: int, parts: Collection[str], device: torch.device,
@@ -123,6 +133,7 @@ class SD3Family(FlowMatchingImageFamily):
     # refuses sides that are not multiples of the VAE's 8x times the transformer's patch of 2.
     modules = FlowMatchingImageFamily.modules + (TEXT_2, TEXT_3)
     edits = True  # as StableDiffusion3InpaintPipeline with this (16-channel) transformer
+    cached_edits = True
 
     def make_pipeline(self, components: dict[str, Any], scheduler: Any) -> Any:
         return StableDiffusion3Pipeline(
@@ -183,3 +194,26 @@ class SD3Family(FlowMatchingImageFamily):
         self.refuse_sequence_parallel(sp_group)
         return self.denoiser(hidden_states=sample, timestep=timesteps, encoder_hidden_states=cond["context"],
                              pooled_projections=cond["pooled"], return_dict=False)[0]
+
+    # ---- template edits with cached activations (`engine.template_edits`) ------------------
+
+    @property
+    def patch_size(self) -> int:
+        return self.denoiser.config.patch_size
+
+    @property
+    def blocks(self) -> int:
+        return len(self.denoiser.transformer_blocks)
+
+    def _inputs(self, sample: torch.Tensor, timesteps: torch.Tensor, cond: RowConditioning) -> SD3Inputs:
+        return SD3Inputs(sample, cond["context"], cond["pooled"], timesteps)
+
+    def denoise_recording(self, sample: torch.Tensor, timesteps: torch.Tensor,
+                          cond: RowConditioning) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """`denoise`, and every block's image-token output (a template's activations at this step)."""
+        return recording_forward(self.denoiser, self._inputs(sample, timesteps, cond))
+
+    def denoise_masked(self, sample: torch.Tensor, timesteps: torch.Tensor, cond: RowConditioning,
+                       plan: MaskedPlan) -> torch.Tensor:
+        """`denoise` computing only `plan`'s masked tokens in the blocks it says, the rest cached."""
+        return masked_forward(self.denoiser, self._inputs(sample, timesteps, cond), plan)

@@ -1,0 +1,88 @@
+"""Edits of a template with cached activations, through the step runner: the first edit of a
+template records its activations (and is exact), later ones compute only their masked tokens."""
+
+import numpy as np
+import pytest
+
+from stepserve.actors.activation_cache import ActivationCache
+from stepserve.engine.step_runner import StepRunner
+from stepserve.engine.template_edits import template_key
+from stepserve.policies.types import RequestSpec, StepGroup, WorkerPlan
+
+from tests.cpu.engine.test_edit_golden import edit_admission, edit_spec
+
+
+def templated(spec: RequestSpec, template: str = "sofa") -> RequestSpec:
+    return RequestSpec(**{**spec.__dict__, "template_id": template})
+
+
+def run(runner: StepRunner, family, specs_inputs, rounds: int = 40) -> dict[str, np.ndarray]:
+    """Everyone admitted at once, one group, stepped to the end."""
+    admissions = {spec.request_id: edit_admission(family, spec, inputs) for spec, inputs in specs_inputs}
+    left = {spec.request_id: spec.steps_to_run for spec, _ in specs_inputs}
+    done, admit = {}, tuple(admissions)
+    for rnd in range(rounds):
+        if not left:
+            break
+        finish = tuple(rid for rid in left if left[rid] == 1)
+        plan = WorkerPlan("w0", admit=admit, groups=(StepGroup(tuple(left)),), finish=finish, plan_id=rnd)
+        report, payloads = runner.execute(plan, admissions if admit else {})
+        assert not report.failed, report.failed
+        admit = ()
+        for rid in list(left):
+            left[rid] -= 1
+        done.update(zip(finish, payloads))
+        for rid in finish:
+            del left[rid]
+    return done
+
+
+@pytest.fixture
+def store():
+    return ActivationCache(memory_bytes=256 << 20)
+
+
+def test_the_first_edit_records_exactly_and_a_later_one_reuses_the_record(tiny_sd3, store, monkeypatch):
+    runner = StepRunner("w0", {tiny_sd3.source.name: tiny_sd3}, templates=store)
+    exact = StepRunner("w0", {tiny_sd3.source.name: tiny_sd3})
+    first, first_in = edit_spec(tiny_sd3, "a", seed=1, size=128, box=(32, 32, 80, 64))
+    recorded = run(runner, tiny_sd3, [(templated(first), first_in)])
+    np.testing.assert_array_equal(recorded["a"], run(exact, tiny_sd3, [(first, first_in)])["a"])
+    key = template_key(templated(first))
+    record = store.get(key)
+    blocks = len(tiny_sd3.denoiser.transformer_blocks)
+    assert sorted(record) == sorted(f"{s}.{b}" for s in range(first.steps_to_run) for b in range(blocks))
+    assert record["0.0"].shape == (2, (128 // 16) ** 2, tiny_sd3.denoiser.inner_dim)
+
+    masked_calls = []
+    original = type(tiny_sd3).denoise_masked
+    monkeypatch.setattr(type(tiny_sd3), "denoise_masked",
+                        lambda self, *args: masked_calls.append(args[3].index.shape) or original(self, *args))
+    # The same edit again reuses a record of its own inputs: exact still.
+    again = run(runner, tiny_sd3, [(templated(RequestSpec(**{**first.__dict__, "request_id": "b"})), first_in)])
+    np.testing.assert_allclose(again["b"], recorded["a"], atol=1e-5, rtol=1e-4)
+    # Another prompt, seed and a smaller mask: close to its exact edit, not equal, and cheaper.
+    other, other_in = edit_spec(tiny_sd3, "c", seed=2, size=128, box=(40, 40, 72, 56), prompt="a green chair")
+    cached = run(runner, tiny_sd3, [(templated(other), other_in)])["c"]
+    exact_other = run(exact, tiny_sd3, [(other, other_in)])["c"]
+    assert 0 < np.abs(cached - exact_other).max() and np.abs(cached - exact_other).mean() < 0.5 * np.abs(exact_other).mean()
+    tokens = (128 // 16) ** 2
+    assert masked_calls and all(rows == 2 and width < tokens / 2 for rows, width in masked_calls)
+
+
+def test_template_edits_batch_together_and_a_mixed_group_falls_back_to_exact(tiny_sd3, store):
+    runner = StepRunner("w0", {tiny_sd3.source.name: tiny_sd3}, templates=store)
+    exact = StepRunner("w0", {tiny_sd3.source.name: tiny_sd3})
+    a, a_in = edit_spec(tiny_sd3, "a", seed=1, size=64)
+    run(runner, tiny_sd3, [(templated(a), a_in)])
+    b, b_in = edit_spec(tiny_sd3, "b", seed=2, size=64, box=(0, 0, 16, 16))
+    c, c_in = edit_spec(tiny_sd3, "c", seed=3, size=64, box=(16, 16, 64, 64))
+    together = run(runner, tiny_sd3, [(templated(b), b_in), (templated(c), c_in)])
+    alone = {spec.request_id: run(runner, tiny_sd3, [(templated(RequestSpec(**{**spec.__dict__})), inputs)])[
+        spec.request_id] for spec, inputs in ((b, b_in), (c, c_in))}
+    for rid in "bc":  # padding the shorter mask changes nothing
+        np.testing.assert_allclose(together[rid], alone[rid], atol=1e-5, rtol=1e-4)
+    # Beside an edit of no template, everyone runs exact (and records nothing).
+    d, d_in = edit_spec(tiny_sd3, "d", seed=4, size=64)
+    mixed = run(runner, tiny_sd3, [(templated(b), b_in), (d, d_in)])
+    np.testing.assert_allclose(mixed["b"], run(exact, tiny_sd3, [(b, b_in)])["b"], atol=1e-5, rtol=1e-4)
