@@ -55,7 +55,7 @@ def pipeline_latents(family, spec: RequestSpec, inputs: RequestInputs) -> np.nda
                        strength=spec.strength, num_inference_steps=spec.num_inference_steps,
                        guidance_scale=spec.guidance_scale, generator=torch.Generator("cpu").manual_seed(spec.seed),
                        output_type="latent", **extra).images
-    return latents.float().numpy()
+    return latents.float().cpu().numpy()
 
 
 @pytest.fixture(params=["tiny_family", "tiny_sd3"])
