@@ -27,9 +27,11 @@ from stepserve.actors.controlnet_client import ServiceControlNets
 from stepserve.actors.lora_store import StoreLoras
 from stepserve.actors.node_stores import stores_by_node
 from stepserve.engine.addons.source import AddonKind, AddonSource, load_addon
+from stepserve.engine.editing.masked_sd3 import CacheKind
 from stepserve.engine.families import DENOISER, TEXT, VAE, ModelSource, family_class, load_family
 from stepserve.engine.sampler import Conditioning
 from stepserve.engine.step_runner import Admission, StepRunner
+from stepserve.engine.template_edits import TemplateCache
 from stepserve.engine.text_encoding import CachedTextEncoder, Pair, encode_items, text_item
 from stepserve.policies.types import RequestFailure, RequestSpec, StepReport, WorkerPlan
 
@@ -87,7 +89,8 @@ class DenoiserWorker:
                  torch_threads: int | None = None, decode_images: bool = False, text_cache_size: int | None = None,
                  addons: Sequence[AddonSource] = (), lora_stores: Mapping[str, Any] | None = None,
                  lora_join_by: float = 0.0, max_resident_loras: int = 32, controlnet_service: Any | None = None,
-                 controlnet_stale: bool = False, activation_stores: Mapping[str, Any] | None = None):
+                 controlnet_stale: bool = False, activation_stores: Mapping[str, Any] | None = None,
+                 edit_cache_kind: CacheKind = CacheKind.KEYS_VALUES):
         """`text_cache_size`: None, the text encoder deployment encodes prompts; else this worker
         does, keeping that many embeddings. `addons`: the ControlNets it holds and the LoRAs it
         serves; LoRAs come from `lora_stores` (by node id; this node's, or any) as requests need
@@ -95,7 +98,8 @@ class DenoiserWorker:
         ControlNet deployment, which then runs the ControlNets instead of this worker; with
         `controlnet_stale`, a step may add the residuals of its request's previous step.
         `activation_stores` (by node id; `edit_cache`): edits of templates reuse the cached
-        activations this node's store holds, and record them there when it has none."""
+        activations (of `edit_cache_kind`) this node's store holds, and record them there when
+        it has none."""
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.device = resolve_device(device)
@@ -117,7 +121,8 @@ class DenoiserWorker:
         self.text = CachedTextEncoder(families, text_cache_size) if encodes else None
         # New on every process start: a restarted actor has lost every resident request.
         self.incarnation = uuid4().hex
-        templates = StoreActivations(node_store(activation_stores)) if activation_stores else None
+        templates = TemplateCache(StoreActivations(node_store(activation_stores)), edit_cache_kind) \
+            if activation_stores else None
         self.runner = StepRunner(worker_id, families, self.incarnation, decode_images, loras, lora_join_by,
                                  templates)
         self.sp_world: SPWorld | None = None

@@ -13,6 +13,7 @@ from stepserve.actors.denoiser import CONTROL, DenoiserWorker
 from stepserve.actors.lora_store import LoraStore
 from stepserve.actors.node_stores import start_per_node
 from stepserve.engine.addons.source import AddonKind, AddonSource
+from stepserve.engine.editing.masked_sd3 import CacheKind
 from stepserve.engine.families import ModelSource
 
 
@@ -34,6 +35,7 @@ class WorkerPoolSpec:
     preload_loras: bool = False  # `lora_loading.preload`: every worker loads every LoRA at start, no stores
     controlnet_stale: bool = False  # `controlnet_service.stale`
     edit_cache: ActivationStoreSpec | None = None  # `edit_cache` when enabled: each node's activation store
+    edit_cache_kind: CacheKind = CacheKind.KEYS_VALUES  # `edit_cache.cache`: what a template's record holds
 
     @property
     def loras(self) -> tuple[AddonSource, ...]:
@@ -75,5 +77,5 @@ def start_workers(spec: WorkerPoolSpec, models: Sequence[ModelSource], name_pref
         ).remote(worker_id, list(models), spec.device, spec.torch_threads, spec.decode_images,
                  spec.text_cache_size if spec.encode_text else None, spec.addons, lora_stores or {},
                  spec.lora_join_by, spec.max_resident_loras, controlnet_service, spec.controlnet_stale,
-                 activation_stores or {})
+                 activation_stores or {}, spec.edit_cache_kind)
     return workers, names

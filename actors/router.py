@@ -76,6 +76,7 @@ class Router:
         self.lora_join_by = pool.lora_join_by
         # By node id; none unless `edit_cache` is on.
         self.activation_stores = start_activation_stores(pool.edit_cache, name) if pool.edit_cache else {}
+        self.edit_cache_kind = pool.edit_cache_kind
         self.workers, self._actor_names = start_workers(pool, models, name, self.lora_stores, controlnet_service,
                                                         self.activation_stores)
         costs = load_profile(*spec.profiles, controlnets=spec.controlnets) if spec.profiles else None
@@ -216,7 +217,7 @@ class Router:
         if spec.template_id is not None and self.activation_stores:
             # A template spilled to disk comes back to memory while the edit waits (InstGenIE §4.2).
             for store in self.activation_stores.values():
-                store.prefetch.remote([template_key(spec)])
+                store.prefetch.remote([template_key(spec, self.edit_cache_kind)])
         loras = bool(spec.loras and self.lora_stores)
         # When its LoRAs may not join late (exact), it is ready only once the stores hold them:
         # a worker must not stall its batch on a file read. Else they load while it runs.

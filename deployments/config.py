@@ -15,6 +15,7 @@ from stepserve.actors.activation_store import ActivationStoreSpec
 from stepserve.actors.pool import WorkerPoolSpec
 from stepserve.actors.router_core import CoreConfig
 from stepserve.engine.addons.source import AddonKind, AddonSource
+from stepserve.engine.editing.masked_sd3 import CacheKind
 from stepserve.engine.families import FAMILIES, ModelSource, family_class
 from stepserve.policies import needs_costs
 from stepserve.policies.registry import validate_policy
@@ -165,6 +166,12 @@ class EditCacheConfig(_Strict):
                     "the rest from that record. An approximation (`python -m stepserve.load_tests.bench_edit_cache` "
                     "measures its speed and fidelity); off: every edit is exact. Models whose family has "
                     "`cached_edits` (SD3) only.")
+    cache: CacheKind = Field(
+        default=CacheKind.KEYS_VALUES,
+        description="What a template's record holds: 'keys_values' (each block's image keys and values: an edit "
+                    "computes nothing but its masked tokens; twice the bytes; the paper's Fig. 7) or 'outputs' (each "
+                    "block's image-token outputs: keys and values are recomputed over every token; the paper's main "
+                    "design).")
     memory_bytes: int = Field(default=16 << 30, ge=1 << 20,
                               description="Host memory per node for templates' activations (the node's activation "
                                           "store, LRU).")

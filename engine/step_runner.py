@@ -29,7 +29,7 @@ from stepserve.engine.families.base import DiffusionFamily
 from stepserve.engine.parallel.latent import cfg_split_denoise
 from stepserve.engine.png import encode_png
 from stepserve.engine.sampler import Conditioning, Sampler
-from stepserve.engine.template_edits import ActivationSource, attach, finished_record, template_forward
+from stepserve.engine.template_edits import TemplateCache, attach, finished_record, template_forward
 from stepserve.policies.types import (
     GroupSplit,
     RequestFailure,
@@ -54,13 +54,14 @@ class Admission:
 class StepRunner:
     def __init__(self, worker_id: str, families: Mapping[str, DiffusionFamily], incarnation: str = "",
                  decode_images: bool = False, loras: LoraLoader | None = None, lora_join_by: float = 0.0,
-                 templates: ActivationSource | None = None):
+                 templates: TemplateCache | None = None):
         """`decode_images`: a finished image leaves as its PNG, decoded by this worker's VAE, not as
         its latents (`vae_decoder.on_workers`). A video always leaves decoded (`decode_on_worker`).
         `loras`: brings LoRAs that are not in the families yet (None: every LoRA a request names
         must be loaded already); `lora_join_by`: the fraction of a request's steps that may run
         before its LoRAs have arrived (0: none, exact). `templates`: where edits of templates find
-        and keep cached activations (`engine.template_edits`; None: every edit is exact)."""
+        and keep cached activations, and what they hold (`engine.template_edits`; None: every
+        edit is exact)."""
         if not 0.0 <= lora_join_by < 1.0:
             raise ValueError(f"lora_join_by must be in [0, 1), got {lora_join_by}")
         self.worker_id = worker_id
@@ -287,7 +288,7 @@ class _PlanRun:
             self.touched[rid] = None
             record = finished_record(sampler)
             if record is not None:
-                self.runner.templates.put(sampler.template.key, record)
+                self.runner.templates.source.put(sampler.template.key, record)
 
     def _group_family(self, group: StepGroup, samplers: list[Sampler],
                       sp_group: Callable[[tuple[int, ...]], Any] | None) -> DiffusionFamily:

@@ -9,7 +9,11 @@ off by default (`edit_cache.enabled`), its fidelity measured against the exact p
 
 A request's `TemplateEdit` rides on its `Sampler` (the runner attaches it at admission); records
 go to the node's activation store when the recording request finishes, and come back from it for
-later edits (`ActivationSource`: `actors.activation_store` on a worker, any mapping in tests).
+later edits (`ActivationSource`: `actors.activation_store` on a worker, `ActivationCache` in
+tests). What a record holds is the `CacheKind`: each block's outputs (the paper's main design:
+keys and values are recomputed over every token) or each block's keys and values (its Fig. 7
+alternative: twice the bytes, nothing but the masked tokens computed). A forward's record is
+loaded slot by slot beside the computation (`BlockLoader`: pinned copies on a side CUDA stream).
 """
 
 from __future__ import annotations
@@ -19,10 +23,13 @@ from typing import Any, Protocol
 
 import torch
 
-from stepserve.engine.editing.masked_sd3 import MaskedPlan, token_index
+from stepserve.engine.editing.block_loader import BlockLoader, pin
+from stepserve.engine.editing.masked_sd3 import CacheKind, MaskedPlan, token_index
 from stepserve.policies.types import RequestSpec
 
-Activations = dict[str, torch.Tensor]  # "<step>.<block>" -> image-token outputs [rows, tokens, hidden]
+# "<step>.<slot>" -> one slot of one step's record, rows first (`engine.editing.masked_sd3`:
+# per block, the image tokens' outputs or their keys and values).
+Activations = dict[str, torch.Tensor]
 
 
 class ActivationSource(Protocol):
@@ -33,11 +40,19 @@ class ActivationSource(Protocol):
     def put(self, key: str, activations: Activations) -> None: ...
 
 
-def template_key(spec: RequestSpec) -> str:
+@dataclass(frozen=True)
+class TemplateCache:
+    """A worker's templates: where their records are, and what a record holds."""
+
+    source: ActivationSource
+    kind: CacheKind = CacheKind.KEYS_VALUES
+
+
+def template_key(spec: RequestSpec, kind: CacheKind) -> str:
     """What an edit's cached activations must match: the model, the template, the latent grid,
-    the timesteps it runs (steps and skipped steps) and its rows (CFG or not)."""
+    the timesteps it runs (steps and skipped steps), its rows (CFG or not) and the record's kind."""
     return (f"{spec.model}/{spec.template_id}/{spec.width}x{spec.height}/"
-            f"{spec.num_inference_steps}-{spec.skip_steps}/{spec.rows}")
+            f"{spec.num_inference_steps}-{spec.skip_steps}/{spec.rows}/{CacheKind(kind).value}")
 
 
 @dataclass
@@ -46,6 +61,7 @@ class TemplateEdit:
     (`cached`, host memory) or what it records for the template meanwhile (`recorded`)."""
 
     key: str
+    kind: CacheKind
     index: torch.Tensor  # [rows, M]: its masked image tokens (`token_index`)
     cached: Activations | None = None
     recorded: Activations = field(default_factory=dict)
@@ -55,30 +71,34 @@ class TemplateEdit:
         return self.cached is None
 
 
-def attach(sampler: Any, family: Any, source: ActivationSource) -> None:
-    """Give an admitted edit of a template its `TemplateEdit` (the template's activations if the
-    store has them, else it records them)."""
+def attach(sampler: Any, family: Any, templates: TemplateCache) -> None:
+    """Give an admitted edit of a template its `TemplateEdit`: the template's record if the store
+    has one (pinned for asynchronous copies where the family runs on CUDA: once per edit), else
+    it records one."""
     spec = sampler.spec
-    key = template_key(spec)
+    key = template_key(spec, templates.kind)
     mask = sampler.edit.mask.expand(spec.rows, -1, -1, -1)
-    sampler.template = TemplateEdit(key, token_index(mask, family.patch_size), source.get(key))
+    record = templates.source.get(key)
+    if record is not None and family.device.type == "cuda":
+        record = pin(record)
+    sampler.template = TemplateEdit(key, templates.kind, token_index(mask, family.patch_size), record)
 
 
 def template_forward(family: Any, samplers: list[Any], sample: torch.Tensor, timesteps: torch.Tensor,
                      cond: dict[str, torch.Tensor]) -> torch.Tensor:
     """One forward of a group of template edits: masked when every member has its template's
     activations, else exact, recording the block outputs of the members that record."""
-    templates = [s.template for s in samplers]
-    if all(not t.records for t in templates):
-        return family.denoise_masked(sample, timesteps, cond, _plan(family, samplers, sample.device))
-    noise_pred, blocks = family.denoise_recording(sample, timesteps, cond)
+    kind = samplers[0].template.kind
+    if all(not s.template.records for s in samplers):
+        return family.denoise_masked(sample, timesteps, cond, _plan(family, samplers, sample.device, kind))
+    noise_pred, slots = family.denoise_recording(sample, timesteps, cond, kind)
     first = 0
     for sampler in samplers:
         rows = slice(first, first + sampler.rows)
         first += sampler.rows
         if sampler.template.records:
-            for b, output in enumerate(blocks):
-                sampler.template.recorded[f"{sampler.step_index}.{b}"] = output[rows].to("cpu", copy=True)
+            for slot, tensor in enumerate(slots):
+                sampler.template.recorded[f"{sampler.step_index}.{slot}"] = tensor[rows].to("cpu", copy=True)
     return noise_pred
 
 
@@ -90,17 +110,17 @@ def finished_record(sampler: Any) -> Activations | None:
     return template.recorded
 
 
-def _plan(family: Any, samplers: list[Any], device: torch.device) -> MaskedPlan:
+def _plan(family: Any, samplers: list[Any], device: torch.device, kind: CacheKind) -> MaskedPlan:
     """The members' masked tokens, padded to the longest (each row repeats its own first token:
-    duplicate queries give identical outputs), and their cached block outputs at their steps."""
+    duplicate queries give identical outputs), and their records at their steps, every slot
+    loaded beside the computation (the bubble-free DP picks every block at these mask ratios on
+    an H100: docs/results/cache-loading-h100)."""
     width = max(s.template.index.shape[1] for s in samplers)
     index = torch.cat([_pad(s.template.index, width) for s in samplers]).to(device)
-
-    def cached(block: int) -> torch.Tensor:
-        parts = [s.template.cached[f"{s.step_index}.{block}"] for s in samplers]
-        return torch.cat(parts).to(device=device, non_blocking=True)
-
-    return MaskedPlan(index, cached, [True] * family.blocks)
+    use_cache = [True] * family.cache_slots(kind)
+    loader = BlockLoader(lambda slot: [s.template.cached[f"{s.step_index}.{slot}"] for s in samplers], use_cache,
+                         device)
+    return MaskedPlan(index, loader, use_cache, kind)
 
 
 def _pad(index: torch.Tensor, width: int) -> torch.Tensor:

@@ -11,10 +11,14 @@ largest count, each shorter row padded by repeating its own first masked token. 
 query computes the same row again, so scattering the subset back writes identical values to
 that token and stays exact; the rows stay rectangular, so one batched kernel call serves them.
 
-The fast path is torch's scaled_dot_product_attention (flash / memory-efficient kernels on GPU,
-which accept a query length different from the key length); the reference is the explicit
-softmax(QK^T / sqrt(d)) V in float32 it is tested against. There is no Triton version: SDPA
-already covers this shape, and Triton is not installed where it could be tested on CPU.
+The fast path is torch's scaled_dot_product_attention restricted to the flash / memory-efficient
+kernels on GPU (they accept a query length different from the key length, and any strides with
+contiguous head features). Not cuDNN's: it builds an execution plan per shape, and the masked
+query count changes from batch to batch; measured on an H100 (torch 2.11, SD3-medium, bf16),
+with nine query shapes alternating, a masked forward took 45 ms instead of 24 ms with it, and
+with flash 23 ms. The reference is the explicit softmax(QK^T / sqrt(d)) V in float32 it is tested
+against. There is no Triton version: SDPA already covers this shape, and Triton is not installed
+where it could be tested on CPU.
 """
 
 from __future__ import annotations
@@ -23,12 +27,17 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# Every backend but cuDNN's (see the module docstring); math takes what the others refuse.
+_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def masked_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """softmax(q k^T / sqrt(d)) v for q [B, heads, M, d] over k, v [B, heads, L, d]: [B, heads, M, d]."""
     _check_shapes(q, k, v)
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)
+    with sdpa_kernel(_BACKENDS):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)
 
 
 def reference_masked_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -55,6 +64,13 @@ def scatter_tokens(base: torch.Tensor, index: torch.Tensor, values: torch.Tensor
     """A copy of base [B, L, H] with values [B, M, H] written at index [B, M]; base is left as is
     (it is usually a cached activation that later requests reuse)."""
     return base.scatter(1, _expanded(index, base), values.to(base.dtype))
+
+
+def write_tokens(base: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """base [B, N, H] with values [B, M, H] written at index [B, M], in place, and returned: for a
+    tensor the caller has just made (a join of a cache and other tokens), saving the copy
+    `scatter_tokens` makes."""
+    return base.scatter_(1, _expanded(index, base), values.to(base.dtype))
 
 
 def _expanded(index: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

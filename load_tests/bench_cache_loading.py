@@ -4,7 +4,7 @@ it, against the same forward with its cache already on the device.
 
 A template's activations are recorded once (`recording_forward`, the same inputs: a self-cache,
 so every case must give the exact output; `vs_exact` checks that the loads delivered the right
-blocks) and pinned in host memory. For each mask ratio the per-block costs C_w, C_wo and L are
+slots) and pinned in host memory. For each mask ratio the per-slot costs C_w, C_wo and L are
 measured (`engine.editing.block_costs`), the DP plans from them, and whole forwards are timed:
 
 - `ideal`: every block uses its cache, already on the device (Fig. 4-left "Ideal");
@@ -17,15 +17,25 @@ measured (`engine.editing.block_costs`), the DP plans from them, and whole forwa
 - `exact`: the plain forward, every token of every block (one case: it does not depend on the
   mask).
 
+`--cache keys_values` runs the same with the keys-and-values record (InstGenIE Fig. 7,
+`engine.editing.masked_sd3.CacheKind`): one slot per block (its keys and values: twice a block
+output's size, four times in a dual-attention block) and one for the final image tokens, all of
+which a keys-values forward must use, so only `ideal`, `naive` and `always_load` exist there (the
+DP's choices would compute some blocks in full, which needs the unmasked tokens that forward never
+has).
+
 Next to each measured median is the DP's prediction: its pipeline latency plus the forward's
-work outside the blocks (embeddings, output layer), taken as exact - sum(C_wo). Cases are timed
-round-robin after warmup, every timing synchronized on CUDA. On CPU nothing is loaded (the cache
-is where the computation reads it, L = 0), so every plan is the ideal one: that run checks the
-benchmark, not the pipeline. Weights are random, built from the config: nothing is downloaded.
+work outside the cache slots (embeddings; the output layer too with cached outputs), taken as
+exact - sum(C_wo). Cases are timed round-robin after warmup, every timing synchronized on CUDA.
+On CPU nothing is loaded (the cache is where the computation reads it, L = 0), so every plan is
+the ideal one: that run checks the benchmark, not the pipeline. Weights are random, built from
+the config: nothing is downloaded.
 
     python -m stepserve.load_tests.bench_cache_loading --config tiny --device cpu --out results/cache-loading-cpu
     python -m stepserve.load_tests.bench_cache_loading --config sd3-medium --device cuda --dtype bfloat16 \\
         --out results/cache-loading-gpu
+    python -m stepserve.load_tests.bench_cache_loading --config sd3-medium --device cuda --dtype bfloat16 \\
+        --cache keys_values --out results/cache-loading-kv-gpu
 
 Writes cache_loading.json and cache_loading.png into --out.
 """
@@ -49,7 +59,7 @@ from matplotlib.ticker import MaxNLocator
 from stepserve.engine.editing.block_costs import BlockCosts, measure_block_costs
 from stepserve.engine.editing.block_loader import BlockLoader, pin
 from stepserve.engine.editing.masked_sd3 import (
-    MaskedPlan, SD3Inputs, masked_forward, plain_forward, recording_forward, token_index,
+    CacheKind, MaskedPlan, SD3Inputs, masked_forward, plain_forward, recording_forward, token_index,
 )
 from stepserve.load_tests.bench_masked_compute import (
     CONFIGS, DTYPES, VAE_SCALE, box_mask, build_transformer, difference, interleaved_times, make_inputs,
@@ -57,7 +67,10 @@ from stepserve.load_tests.bench_masked_compute import (
 from stepserve.policies.instgenie.pipeline_dp import Loading, Pipeline, plan
 from stepserve.profile import Stopwatch, device_description, log, set_threads
 
-LOADINGS = (Loading.IDEAL, Loading.NAIVE, Loading.ALWAYS_LOAD, Loading.ALGORITHM1, Loading.OPTIMAL)
+LOADINGS = {
+    CacheKind.OUTPUTS: (Loading.IDEAL, Loading.NAIVE, Loading.ALWAYS_LOAD, Loading.ALGORITHM1, Loading.OPTIMAL),
+    CacheKind.KEYS_VALUES: (Loading.IDEAL, Loading.NAIVE, Loading.ALWAYS_LOAD),  # every slot loads
+}
 EXACT = "exact"
 
 
@@ -70,6 +83,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="default: float32 on CPU, bfloat16 on CUDA (random weights overflow float16 more easily)")
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.1, 0.2, 0.5])
+    parser.add_argument("--cache", choices=[kind.value for kind in CacheKind], default=CacheKind.OUTPUTS.value,
+                        help="what the template's record holds: block outputs, or keys and values")
     # sd3-medium on an H100: 16 cases x 12 forwards of 40-100 ms, about 15 s of the whole run.
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=10)
@@ -82,15 +97,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def forward_case(transformer: SD3Transformer2DModel, inputs: SD3Inputs, index: torch.Tensor, loading: Loading,
                  use_cache: Sequence[bool], host: list[torch.Tensor], on_device: list[torch.Tensor],
-                 device: torch.device) -> Callable[[], torch.Tensor]:
+                 device: torch.device, kind: CacheKind) -> Callable[[], torch.Tensor]:
     """One masked forward as `loading` runs it. The loader is made inside the call: every forward
     loads its cache anew, as an edit does."""
     if loading is Loading.IDEAL:
-        ready = MaskedPlan(index, on_device, use_cache)
+        ready = MaskedPlan(index, on_device, use_cache, kind)
         return lambda: masked_forward(transformer, inputs, ready)
     naive = loading is Loading.NAIVE
     return lambda: masked_forward(transformer, inputs,
-                                  MaskedPlan(index, BlockLoader(host, use_cache, device, naive), use_cache))
+                                  MaskedPlan(index, BlockLoader(host, use_cache, device, naive), use_cache, kind))
 
 
 def timed_rounds(cases: dict[Any, Callable[[], Any]], watch: Stopwatch, warmup: int,
@@ -106,17 +121,17 @@ def timed_rounds(cases: dict[Any, Callable[[], Any]], watch: Stopwatch, warmup: 
 
 
 def case_row(loading: Loading, pipeline: Pipeline, predicted_ideal: float, outside_s: float, samples: list[float],
-             ideal_s: float, copied_bytes: int, vs_exact: dict[str, float]) -> dict[str, Any]:
-    """One case's figures at one mask ratio: measured, predicted, and the blocks whose cache it
-    takes from host memory (`loads`; `copied_bytes` each, 0 on CPU where nothing is copied)."""
+             ideal_s: float, copied_bytes: Sequence[int], vs_exact: dict[str, float]) -> dict[str, Any]:
+    """One case's figures at one mask ratio: measured, predicted, and the slots whose cache it
+    takes from host memory (`loads`; `copied_bytes` per slot, 0 on CPU where nothing is copied)."""
     measured = statistics.median(samples)
     predicted = pipeline.latency + outside_s
     loads = [] if loading is Loading.IDEAL else [b for b, use in enumerate(pipeline.use_cache) if use]
     return {"measured_s": measured, "overhead_vs_ideal": measured / ideal_s - 1,
             "predicted_s": predicted, "predicted_blocks_s": pipeline.latency,
             "predicted_overhead_vs_ideal": predicted / (predicted_ideal + outside_s) - 1,
-            "use_cache": list(pipeline.use_cache), "loads": loads, "loaded_mb": len(loads) * copied_bytes / 2**20,
-            "samples_s": samples, "vs_exact": vs_exact}
+            "use_cache": list(pipeline.use_cache), "loads": loads,
+            "loaded_mb": sum(copied_bytes[b] for b in loads) / 2**20, "samples_s": samples, "vs_exact": vs_exact}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -127,29 +142,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     log(f"{args.config} on {device_description(args.device)}, {dtype}, {threads} threads: building the transformer")
     transformer = build_transformer(config, device, dtype, args.seed)
     inputs = make_inputs(transformer, config, args.seed)
-    exact, on_device = recording_forward(transformer, inputs)
-    blocks, patch = len(on_device), transformer.config.patch_size
+    kind = CacheKind(args.cache)
+    exact, on_device = recording_forward(transformer, inputs, kind)
+    slots, patch = len(on_device), transformer.config.patch_size
+    tokens = (config.image_size // VAE_SCALE // patch) ** 2
     # On CPU the cache already is where the computation reads it: the "host" copy is itself.
     host = list(pin(dict(enumerate(on_device))).values()) if device.type == "cuda" else on_device
-    block_bytes = on_device[0].numel() * on_device[0].element_size()
-    copied_bytes = block_bytes if device.type == "cuda" else 0
-    log(f"recorded {blocks} blocks x {tuple(on_device[0].shape)} ({block_bytes * blocks / 2**20:.0f} MiB), "
+    slot_bytes = [t.numel() * t.element_size() for t in on_device]
+    copied_bytes = slot_bytes if device.type == "cuda" else [0] * slots
+    log(f"recorded {kind.value}: {slots} slots, {tuple(on_device[0].shape)} first ({sum(slot_bytes) / 2**20:.0f} MiB), "
         f"{'pinned' if device.type == 'cuda' else 'not copied (CPU)'}")
 
     cases: dict[Any, Callable[[], torch.Tensor]] = {EXACT: lambda: plain_forward(transformer, inputs)}
     per_ratio: dict[float, tuple[torch.Tensor, BlockCosts, dict[Loading, Pipeline]]] = {}
     for ratio in args.ratios:
         index = token_index(box_mask(config.image_size // VAE_SCALE, patch, ratio).to(device), patch)
-        costs = measure_block_costs(transformer, inputs, index, host, device, repeats=args.cost_repeats)
-        pipelines = {loading: plan(loading, blocks, *costs) for loading in LOADINGS}
+        costs = measure_block_costs(transformer, inputs, index, host, device, repeats=args.cost_repeats, kind=kind)
+        pipelines = {loading: plan(loading, slots, *costs) for loading in LOADINGS[kind]}
         per_ratio[ratio] = (index, costs, pipelines)
         for loading, pipeline in pipelines.items():
             cases[(ratio, loading)] = forward_case(transformer, inputs, index, loading, pipeline.use_cache, host,
-                                                   on_device, device)
+                                                   on_device, device, kind)
         log(f"m={ratio}: costs measured (sum C_w {sum(costs.c_with) * 1e3:.2f} ms, C_wo "
-            f"{sum(costs.c_without) * 1e3:.2f} ms, L {sum(costs.load) * 1e3:.2f} ms); algorithm1 loads "
-            f"{sum(pipelines[Loading.ALGORITHM1].use_cache)}/{blocks} blocks, optimal "
-            f"{sum(pipelines[Loading.OPTIMAL].use_cache)}/{blocks}")
+            f"{sum(costs.c_without) * 1e3:.2f} ms, L {sum(costs.load) * 1e3:.2f} ms); slots loaded: " + ", ".join(
+                f"{loading.value} {sum(p.use_cache)}/{slots}" for loading, p in pipelines.items()))
 
     log(f"timing {len(cases)} cases round-robin: {args.warmup} warmup + {args.repeats} rounds")
     times = timed_rounds(cases, Stopwatch(args.device), args.warmup, args.repeats)
@@ -159,7 +175,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         outside_s = exact_s - sum(costs.c_without)
         ideal_s = statistics.median(times[(ratio, Loading.IDEAL)])
         rows.append({
-            "mask_ratio": ratio, "token_ratio": index.shape[1] / on_device[0].shape[1], "exact_s": exact_s,
+            "mask_ratio": ratio, "token_ratio": index.shape[1] / tokens, "exact_s": exact_s,
             "outside_blocks_s": outside_s, "costs": costs._asdict(),
             "cases": {loading.value: case_row(loading, pipeline, pipelines[Loading.IDEAL].latency, outside_s,
                                               times[(ratio, loading)], ideal_s, copied_bytes,
@@ -172,25 +188,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "device": device_description(args.device),
         "config": args.config, "dtype": str(dtype).removeprefix("torch."),
         "transformer": config.transformer, "image_size": config.image_size, "text_tokens": config.text_tokens,
-        "image_tokens": on_device[0].shape[1], "rows": on_device[0].shape[0], "blocks": blocks,
-        "block_cache_mb": block_bytes / 2**20, "threads": threads, "warmup": args.warmup, "repeats": args.repeats,
+        "image_tokens": tokens, "rows": on_device[0].shape[0], "cache": kind.value,
+        "blocks": len(transformer.transformer_blocks), "slots": slots, "slot_cache_mb": [b / 2**20 for b in slot_bytes],
+        "threads": threads, "warmup": args.warmup, "repeats": args.repeats,
         "cost_repeats": args.cost_repeats, "exact_s": exact_s, "exact_samples_s": times[EXACT],
         "results": rows,
     }
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    """Measured forward time per plan and ratio (the DP's prediction marked), the per-block
-    costs it planned with, and which blocks each DP plan loads."""
+    """Measured forward time per plan and ratio (the DP's prediction marked), the per-slot
+    costs it planned with, and which slots each DP plan loads (keys and values: every one)."""
     figure = Figure(figsize=(16, 4.8), layout="constrained")
     FigureCanvasAgg(figure)
     times, costs, loads = figure.subplots(1, 3, width_ratios=(1.3, 1, 1))
-    figure.suptitle(f"cache loading, masked SD3 forward: {result['config']}, {result['dtype']}, {result['device']}",
-                    fontsize=9)
+    figure.suptitle(f"cache loading, masked SD3 forward with cached {result['cache']}: {result['config']}, "
+                    f"{result['dtype']}, {result['device']}", fontsize=9)
     rows = result["results"]
-    width = 0.8 / len(LOADINGS)
-    for k, loading in enumerate(LOADINGS):
-        x = [i + (k - (len(LOADINGS) - 1) / 2) * width for i in range(len(rows))]
+    loadings = [Loading(name) for name in rows[0]["cases"]]
+    width = 0.8 / len(loadings)
+    for k, loading in enumerate(loadings):
+        x = [i + (k - (len(loadings) - 1) / 2) * width for i in range(len(rows))]
         cases = [r["cases"][loading.value] for r in rows]
         bars = times.bar(x, [c["measured_s"] * 1e3 for c in cases], width, label=loading.value, color=f"C{k}")
         times.bar_label(bars, labels=[f"{c['overhead_vs_ideal']:+.0%}" for c in cases], fontsize=6)
@@ -206,18 +224,21 @@ def plot(result: dict[str, Any], path: Path) -> None:
                    label=f"C_w m={r['token_ratio']:.2f}")
     costs.plot([c * 1e3 for c in rows[0]["costs"]["c_without"]], "s-", ms=3, color="grey", label="C_wo")
     costs.plot([c * 1e3 for c in rows[0]["costs"]["load"]], "k--", label="L (load)")
-    costs.set(xlabel="block", ylabel="ms", title="measured per-block costs")
+    costs.set(xlabel="cache slot (block; keys_values: then the output layer)", ylabel="ms",
+              title="measured per-slot costs")
     costs.xaxis.set_major_locator(MaxNLocator(integer=True))
     costs.legend(fontsize=7)
 
-    planned = [(r, loading) for r in rows for loading in (Loading.ALGORITHM1, Loading.OPTIMAL)]
+    shown = [loading for loading in (Loading.ALGORITHM1, Loading.OPTIMAL) if loading in loadings]
+    shown = shown or [Loading.ALWAYS_LOAD]
+    planned = [(r, loading) for r in rows for loading in shown]
     loads.pcolormesh([[float(u) for u in r["cases"][loading.value]["use_cache"]] for r, loading in planned],
                      cmap="Greens", vmin=0, vmax=1.3, edgecolors="white", linewidth=0.5)
     loads.set_yticks([i + 0.5 for i in range(len(planned))],
                      [f"m={r['token_ratio']:.2f} {loading.value}" for r, loading in planned], fontsize=7)
-    loads.set_xticks([b + 0.5 for b in range(result["blocks"])], range(result["blocks"]), fontsize=6)
+    loads.set_xticks([b + 0.5 for b in range(result["slots"])], range(result["slots"]), fontsize=6)
     loads.invert_yaxis()
-    loads.set(xlabel="block", title="blocks that load their cache (green)")
+    loads.set(xlabel="cache slot", title="slots that load their cache (green)")
     figure.savefig(path, dpi=110)
 
 

@@ -7,11 +7,15 @@ its own device for the shapes it serves and the policies' DP reads them; the cac
 benchmark uses the same function.
 
 Each block is timed alone on its own input from a plain forward (captured with forward
-pre-hooks, so the model's own forward runs): in full, masked with its cached output already on
-the device, and the copy of that cached output from host memory. On CUDA every sample is timed
-with events around the work on the current stream after a synchronize; on CPU with the wall
-clock. Loads are timed alone, not under concurrent compute: sharing memory bandwidth with the
-kernels may slow them a little, which the benchmark's measured-against-predicted shows.
+pre-hooks, so the model's own forward runs): in full, masked with its cached slot already on the
+device, and the copy of that slot from host memory. A `KEYS_VALUES` record has one more slot, the
+final image tokens, needed by the output layer after the last block: its costs are the output
+layer's (masked: the masked tokens, then the scatter into the slot), as one more entry, so the DP
+sees the forward as the loader runs it (that slot's copy queued after the last block's). On CUDA
+every sample is timed with events around the work on the current stream after a synchronize; on
+CPU with the wall clock. Loads are timed alone, not under concurrent compute: sharing memory
+bandwidth with the kernels may slow them a little, which the benchmark's measured-against-
+predicted shows.
 """
 
 from __future__ import annotations
@@ -24,29 +28,32 @@ from typing import Any, NamedTuple
 import torch
 from diffusers import SD3Transformer2DModel
 
-from stepserve.engine.editing.masked_block import masked_block_forward
-from stepserve.engine.editing.masked_sd3 import SD3Inputs, plain_forward
+from stepserve.engine.editing.masked_block import keys_values_block_forward, masked_block_forward
+from stepserve.engine.editing.masked_sd3 import CacheKind, SD3Inputs, cache_slots, plain_forward
+from stepserve.kernels.masked_attention import gather_tokens, scatter_tokens
 
 
 class BlockCosts(NamedTuple):
-    """Seconds per block, in block order; unpacks as `pipeline_dp.plan`'s three cost arguments."""
+    """Seconds per cache slot (per block, and the output layer for `KEYS_VALUES`), in slot order;
+    unpacks as `pipeline_dp.plan`'s three cost arguments."""
 
     c_with: tuple[float, ...]  # computing the masked tokens, the rest from the cache
     c_without: tuple[float, ...]  # computing every token
-    load: tuple[float, ...]  # copying the block's cached output to the device (0 on CPU: no copy)
+    load: tuple[float, ...]  # copying the slot to the device (0 on CPU: no copy)
 
 
 def measure_block_costs(transformer: SD3Transformer2DModel, inputs: SD3Inputs, plan_index: torch.Tensor,
                         cached: Sequence[torch.Tensor], device: torch.device | str, warmup: int = 1,
-                        repeats: int = 5) -> BlockCosts:
-    """Median per-block costs of a masked forward of `inputs` computing the tokens `plan_index`
-    [B, M], with `cached[b]` block b's cached output [B, L, H] in host memory (pinned, as the
-    loader reads it, or the load times are those of pageable copies)."""
+                        repeats: int = 5, kind: CacheKind = CacheKind.OUTPUTS) -> BlockCosts:
+    """Median per-slot costs of a masked forward of `inputs` computing the tokens `plan_index`
+    [B, M], with `cached[s]` slot s of a record of `kind` in host memory (pinned, as the loader
+    reads it, or the load times are those of pageable copies)."""
     device = torch.device(device)
-    blocks = transformer.transformer_blocks
-    if len(cached) != len(blocks):
-        raise ValueError(f"{len(cached)} cached outputs for {len(blocks)} blocks")
-    block_inputs = _block_inputs(transformer, inputs)
+    kind = CacheKind(kind)
+    slots = cache_slots(transformer, kind)
+    if len(cached) != slots:
+        raise ValueError(f"{len(cached)} cached slots for a {kind.value} record of {slots}")
+    block_inputs, final_input = _block_inputs(transformer, inputs)
     timed = _timer(device)
 
     def median(fn: Callable[[], Any]) -> float:
@@ -54,13 +61,29 @@ def measure_block_costs(transformer: SD3Transformer2DModel, inputs: SD3Inputs, p
             fn()
         return statistics.median([timed(fn) for _ in range(repeats)])
 
+    def masked_block(block: Any, kwargs: dict[str, torch.Tensor], on_device: torch.Tensor) -> Callable[[], Any]:
+        hidden, context, temb = kwargs["hidden_states"], kwargs["encoder_hidden_states"], kwargs["temb"]
+        if kind is CacheKind.OUTPUTS:
+            return lambda: masked_block_forward(block, hidden, context, temb, plan_index, on_device)
+        masked = gather_tokens(hidden, plan_index)  # what the previous masked block hands on
+        return lambda: keys_values_block_forward(block, masked, context, temb, plan_index, on_device)
+
+    def output_layer(hidden: torch.Tensor) -> torch.Tensor:
+        return transformer.proj_out(transformer.norm_out(hidden, final_input["temb"]))
+
     c_with, c_without, load = [], [], []
-    with torch.inference_mode():  # each lambda below is timed at once, so it sees this iteration's block
-        for block, kwargs, host in zip(blocks, block_inputs, cached):
-            c_without.append(median(lambda: block(**kwargs)))
-            hidden, context, temb = kwargs["hidden_states"], kwargs["encoder_hidden_states"], kwargs["temb"]
+    with torch.inference_mode():  # each lambda below is timed at once, so it sees this iteration's slot
+        for slot, host in enumerate(cached):
             on_device = host.to(device)
-            c_with.append(median(lambda: masked_block_forward(block, hidden, context, temb, plan_index, on_device)))
+            if slot < len(block_inputs):
+                block, kwargs = transformer.transformer_blocks[slot], block_inputs[slot]
+                c_without.append(median(lambda: block(**kwargs)))
+                c_with.append(median(masked_block(block, kwargs, on_device)))
+            else:  # the final image tokens
+                hidden = final_input["hidden_states"]
+                masked = gather_tokens(hidden, plan_index)
+                c_without.append(median(lambda: output_layer(hidden)))
+                c_with.append(median(lambda: scatter_tokens(on_device, plan_index, output_layer(masked))))
             if device.type == "cuda":
                 target = torch.empty_like(host, device=device)
                 load.append(median(lambda: target.copy_(host, non_blocking=host.is_pinned())))
@@ -69,18 +92,22 @@ def measure_block_costs(transformer: SD3Transformer2DModel, inputs: SD3Inputs, p
     return BlockCosts(tuple(c_with), tuple(c_without), tuple(load))
 
 
-def _block_inputs(transformer: SD3Transformer2DModel, inputs: SD3Inputs) -> list[dict[str, torch.Tensor]]:
+def _block_inputs(transformer: SD3Transformer2DModel,
+                  inputs: SD3Inputs) -> tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
     """Every block's keyword arguments (hidden_states, encoder_hidden_states, temb) in a plain
-    forward of `inputs`."""
+    forward of `inputs`, and the output layer's input (its hidden_states and temb)."""
     captured: list[dict[str, torch.Tensor]] = []
+    final: dict[str, torch.Tensor] = {}
     hooks = [block.register_forward_pre_hook(lambda _, args, kwargs: captured.append(dict(kwargs)), with_kwargs=True)
              for block in transformer.transformer_blocks]
+    hooks.append(transformer.norm_out.register_forward_pre_hook(
+        lambda _, args: final.update(hidden_states=args[0], temb=args[1])))
     try:
         plain_forward(transformer, inputs)
     finally:
         for hook in hooks:
             hook.remove()
-    return captured
+    return captured, final
 
 
 def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:

@@ -117,7 +117,7 @@ class DiffusionFamily(ABC):
     # its workers load its VAE to encode the images.
     edits: ClassVar[bool] = False
     # Edits of a template may reuse its cached activations (`engine.template_edits`): it has
-    # `patch_size`, `blocks`, `denoise_recording` and `denoise_masked`.
+    # `patch_size`, `cache_slots`, `denoise_recording` and `denoise_masked`.
     cached_edits: ClassVar[bool] = False
 
     source: ModelSource

@@ -21,7 +21,9 @@ from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import c
 from diffusers.utils.torch_utils import randn_tensor
 from transformers import CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel, T5Tokenizer
 
-from stepserve.engine.editing.masked_sd3 import MaskedPlan, SD3Inputs, masked_forward, recording_forward
+from stepserve.engine.editing.masked_sd3 import (
+    CacheKind, MaskedPlan, SD3Inputs, cache_slots, masked_forward, recording_forward,
+)
 from stepserve.engine.families import sd15
 from stepserve.engine.families.base import DENOISER, TEXT, VAE, ModelSource, RowConditioning, TextEmbeddings
 from stepserve.engine.families.flow_matching import FlowMatchingImageFamily
@@ -201,17 +203,16 @@ class SD3Family(FlowMatchingImageFamily):
     def patch_size(self) -> int:
         return self.denoiser.config.patch_size
 
-    @property
-    def blocks(self) -> int:
-        return len(self.denoiser.transformer_blocks)
+    def cache_slots(self, kind: CacheKind) -> int:
+        return cache_slots(self.denoiser, kind)
 
     def _inputs(self, sample: torch.Tensor, timesteps: torch.Tensor, cond: RowConditioning) -> SD3Inputs:
         return SD3Inputs(sample, cond["context"], cond["pooled"], timesteps)
 
-    def denoise_recording(self, sample: torch.Tensor, timesteps: torch.Tensor,
-                          cond: RowConditioning) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """`denoise`, and every block's image-token output (a template's activations at this step)."""
-        return recording_forward(self.denoiser, self._inputs(sample, timesteps, cond))
+    def denoise_recording(self, sample: torch.Tensor, timesteps: torch.Tensor, cond: RowConditioning,
+                          kind: CacheKind) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """`denoise`, and its record of `kind` (a template's activations at this step)."""
+        return recording_forward(self.denoiser, self._inputs(sample, timesteps, cond), kind)
 
     def denoise_masked(self, sample: torch.Tensor, timesteps: torch.Tensor, cond: RowConditioning,
                        plan: MaskedPlan) -> torch.Tensor:

@@ -7,9 +7,12 @@ import pytest
 import torch
 
 from stepserve.actors.activation_cache import ActivationCache
-from stepserve.engine.editing.masked_sd3 import MaskedPlan, SD3Inputs, masked_forward, recording_forward, token_index
+from stepserve.engine.editing.masked_sd3 import (
+    CacheKind, MaskedPlan, SD3Inputs, masked_forward, recording_forward, token_index,
+)
 from stepserve.engine.families import ALL_PARTS, ModelSource, load_family
 from stepserve.engine.step_runner import StepRunner
+from stepserve.engine.template_edits import TemplateCache
 
 from tests.cpu.engine.test_edit_golden import edit_admission, edit_spec, pipeline_latents
 from tests.cpu.engine.test_template_edits import run, templated
@@ -48,7 +51,8 @@ def test_masked_forward_with_its_own_record_equals_plain_on_cuda(cuda_sd3):
 
 
 def test_template_edits_record_and_reuse_on_cuda(cuda_sd3):
-    runner = StepRunner("gpu0", {"tiny-sd3": cuda_sd3}, templates=ActivationCache(memory_bytes=256 << 20))
+    runner = StepRunner("gpu0", {"tiny-sd3": cuda_sd3},
+                        templates=TemplateCache(ActivationCache(memory_bytes=256 << 20), CacheKind.KEYS_VALUES))
     first, first_in = edit_spec(cuda_sd3, "a", seed=1)
     recorded = run(runner, cuda_sd3, [(templated(first), first_in)])["a"]
     again = run(runner, cuda_sd3, [(templated(first.__class__(**{**first.__dict__, "request_id": "b"})), first_in)])

@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 
 from stepserve.actors.activation_cache import ActivationCache
+from stepserve.engine.editing.masked_sd3 import CacheKind, cache_slots
 from stepserve.engine.step_runner import StepRunner
-from stepserve.engine.template_edits import template_key
+from stepserve.engine.template_edits import TemplateCache, template_key
 from stepserve.policies.types import RequestSpec, StepGroup, WorkerPlan
 
 from tests.cpu.engine.test_edit_golden import edit_admission, edit_spec
@@ -42,17 +43,21 @@ def store():
     return ActivationCache(memory_bytes=256 << 20)
 
 
-def test_the_first_edit_records_exactly_and_a_later_one_reuses_the_record(tiny_sd3, store, monkeypatch):
-    runner = StepRunner("w0", {tiny_sd3.source.name: tiny_sd3}, templates=store)
+@pytest.fixture(params=list(CacheKind))
+def kind(request):
+    return request.param
+
+
+def test_the_first_edit_records_exactly_and_a_later_one_reuses_the_record(tiny_sd3, store, kind, monkeypatch):
+    runner = StepRunner("w0", {tiny_sd3.source.name: tiny_sd3}, templates=TemplateCache(store, kind))
     exact = StepRunner("w0", {tiny_sd3.source.name: tiny_sd3})
     first, first_in = edit_spec(tiny_sd3, "a", seed=1, size=128, box=(32, 32, 80, 64))
     recorded = run(runner, tiny_sd3, [(templated(first), first_in)])
     np.testing.assert_array_equal(recorded["a"], run(exact, tiny_sd3, [(first, first_in)])["a"])
-    key = template_key(templated(first))
-    record = store.get(key)
-    blocks = len(tiny_sd3.denoiser.transformer_blocks)
-    assert sorted(record) == sorted(f"{s}.{b}" for s in range(first.steps_to_run) for b in range(blocks))
-    assert record["0.0"].shape == (2, (128 // 16) ** 2, tiny_sd3.denoiser.inner_dim)
+    record = store.get(template_key(templated(first), kind))
+    slots = cache_slots(tiny_sd3.denoiser, kind)
+    assert sorted(record) == sorted(f"{s}.{b}" for s in range(first.steps_to_run) for b in range(slots))
+    assert record["0.0"].shape[0] == 2 and (128 // 16) ** 2 in record["0.0"].shape
 
     masked_calls = []
     original = type(tiny_sd3).denoise_masked
@@ -70,8 +75,8 @@ def test_the_first_edit_records_exactly_and_a_later_one_reuses_the_record(tiny_s
     assert masked_calls and all(rows == 2 and width < tokens / 2 for rows, width in masked_calls)
 
 
-def test_template_edits_batch_together_and_a_mixed_group_falls_back_to_exact(tiny_sd3, store):
-    runner = StepRunner("w0", {tiny_sd3.source.name: tiny_sd3}, templates=store)
+def test_template_edits_batch_together_and_a_mixed_group_falls_back_to_exact(tiny_sd3, store, kind):
+    runner = StepRunner("w0", {tiny_sd3.source.name: tiny_sd3}, templates=TemplateCache(store, kind))
     exact = StepRunner("w0", {tiny_sd3.source.name: tiny_sd3})
     a, a_in = edit_spec(tiny_sd3, "a", seed=1, size=64)
     run(runner, tiny_sd3, [(templated(a), a_in)])

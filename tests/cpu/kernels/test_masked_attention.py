@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from stepserve.kernels.masked_attention import (
-    gather_tokens, masked_query_attention, reference_masked_query_attention, scatter_tokens,
+    gather_tokens, masked_query_attention, reference_masked_query_attention, scatter_tokens, write_tokens,
 )
 
 
@@ -56,6 +56,17 @@ def test_gather_then_scatter_round_trips_and_leaves_base_alone():
     expected = base.clone()
     expected[0, [0, 3]], expected[1, [5, 1]] = x[0, [0, 3]], x[1, [5, 1]]
     torch.testing.assert_close(out, expected, atol=0, rtol=0)
+
+
+def test_write_tokens_writes_in_place_what_scatter_tokens_copies():
+    """The same values as the copy, into the caller's tensor, duplicates (a padded row) included."""
+    base = torch.randn(2, 8, 4)
+    index = torch.tensor([[0, 3], [5, 5]])
+    values = torch.randn(2, 2, 4)
+    values[1, 1] = values[1, 0]  # a padded row writes its token twice, the same value
+    expected = scatter_tokens(base, index, values)
+    assert write_tokens(base, index, values) is base
+    torch.testing.assert_close(base, expected, atol=0, rtol=0)
 
 
 def test_padding_with_first_masked_token_is_exact():
