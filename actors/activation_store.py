@@ -120,19 +120,37 @@ def node_store(stores: Mapping[str, Any]) -> Any:
 
 
 class StoreActivations:
-    """A worker's `engine.template_edits.ActivationSource`: its node's store. A store that fails
-    to answer makes the edit record its template again (exact), never fails it; records are put
+    """A worker's `engine.template_edits.ActivationSource`: its node's store, behind a small LRU of
+    the records this worker used last (`local`): a hot template's edits on one worker then skip
+    the store's copy through the object store (hundreds of MB a record). A store that fails to
+    answer makes the edit record its template again (exact), never fails it; records are put
     without waiting (the worker goes on stepping; the store takes them when it can)."""
 
-    def __init__(self, store: Any):
+    def __init__(self, store: Any, local: ActivationCache | None = None):
         self.store = store
+        self.local = local
 
     def get(self, key: str) -> dict[str, torch.Tensor] | None:
+        record = None if self.local is None else self.local.get(key)
+        if record is not None:
+            return record
         try:
-            return ray.get(self.store.get.remote(key))
+            record = ray.get(self.store.get.remote(key))
         except Exception as exc:  # a restarting store has lost its templates anyway
             logger.warning("activation store unavailable, recording template %s again: %r", key, exc)
             return None
+        if record is not None:
+            self._keep(key, record)
+        return record
 
     def put(self, key: str, activations: Mapping[str, torch.Tensor]) -> None:
         self.store.put.remote(key, dict(activations))
+        self._keep(key, activations)
+
+    def _keep(self, key: str, record: Mapping[str, torch.Tensor]) -> None:
+        if self.local is None:
+            return
+        try:
+            self.local.put(key, record)
+        except ValueError:  # larger than the worker's share: the store keeps it alone
+            pass

@@ -21,6 +21,7 @@ from uuid import uuid4
 import ray
 import torch
 
+from stepserve.actors.activation_cache import ActivationCache
 from stepserve.actors.activation_store import StoreActivations, node_store
 from stepserve.actors.sp_world import DEFAULT_TIMEOUT_S, SPWorld, backend_for, rendezvous_address
 from stepserve.actors.controlnet_client import ServiceControlNets
@@ -90,7 +91,7 @@ class DenoiserWorker:
                  addons: Sequence[AddonSource] = (), lora_stores: Mapping[str, Any] | None = None,
                  lora_join_by: float = 0.0, max_resident_loras: int = 32, controlnet_service: Any | None = None,
                  controlnet_stale: bool = False, activation_stores: Mapping[str, Any] | None = None,
-                 edit_cache_kind: CacheKind = CacheKind.KEYS_VALUES):
+                 edit_cache_kind: CacheKind = CacheKind.KEYS_VALUES, edit_cache_worker_bytes: int = 4 << 30):
         """`text_cache_size`: None, the text encoder deployment encodes prompts; else this worker
         does, keeping that many embeddings. `addons`: the ControlNets it holds and the LoRAs it
         serves; LoRAs come from `lora_stores` (by node id; this node's, or any) as requests need
@@ -99,7 +100,7 @@ class DenoiserWorker:
         `controlnet_stale`, a step may add the residuals of its request's previous step.
         `activation_stores` (by node id; `edit_cache`): edits of templates reuse the cached
         activations (of `edit_cache_kind`) this node's store holds, and record them there when
-        it has none."""
+        it has none; it keeps those it used last in `edit_cache_worker_bytes` of its own."""
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.device = resolve_device(device)
@@ -121,8 +122,10 @@ class DenoiserWorker:
         self.text = CachedTextEncoder(families, text_cache_size) if encodes else None
         # New on every process start: a restarted actor has lost every resident request.
         self.incarnation = uuid4().hex
-        templates = TemplateCache(StoreActivations(node_store(activation_stores)), edit_cache_kind) \
-            if activation_stores else None
+        templates = None
+        if activation_stores:
+            local = ActivationCache(edit_cache_worker_bytes) if edit_cache_worker_bytes else None
+            templates = TemplateCache(StoreActivations(node_store(activation_stores), local), edit_cache_kind)
         self.runner = StepRunner(worker_id, families, self.incarnation, decode_images, loras, lora_join_by,
                                  templates)
         self.sp_world: SPWorld | None = None

@@ -36,6 +36,7 @@ class WorkerPoolSpec:
     controlnet_stale: bool = False  # `controlnet_service.stale`
     edit_cache: ActivationStoreSpec | None = None  # `edit_cache` when enabled: each node's activation store
     edit_cache_kind: CacheKind = CacheKind.KEYS_VALUES  # `edit_cache.cache`: what a template's record holds
+    edit_cache_worker_bytes: int = 4 << 30  # `edit_cache.worker_bytes`: each worker's LRU of records it used
 
     @property
     def loras(self) -> tuple[AddonSource, ...]:
@@ -77,5 +78,5 @@ def start_workers(spec: WorkerPoolSpec, models: Sequence[ModelSource], name_pref
         ).remote(worker_id, list(models), spec.device, spec.torch_threads, spec.decode_images,
                  spec.text_cache_size if spec.encode_text else None, spec.addons, lora_stores or {},
                  spec.lora_join_by, spec.max_resident_loras, controlnet_service, spec.controlnet_stale,
-                 activation_stores or {}, spec.edit_cache_kind)
+                 activation_stores or {}, spec.edit_cache_kind, spec.edit_cache_worker_bytes)
     return workers, names

@@ -175,6 +175,10 @@ class EditCacheConfig(_Strict):
     memory_bytes: int = Field(default=16 << 30, ge=1 << 20,
                               description="Host memory per node for templates' activations (the node's activation "
                                           "store, LRU).")
+    worker_bytes: int = Field(default=4 << 30, ge=0,
+                              description="Host memory each worker keeps the records it used last in (LRU): a hot "
+                                          "template's edits on one worker skip the copy from the node's store. 0: "
+                                          "every edit asks the store.")
     disk_dir: str | None = Field(default=None, description="A local folder each node's store spills least recently "
                                                            "used templates to (safetensors); None: they are dropped.")
     disk_bytes: int | None = Field(default=None, ge=1 << 20, description="Disk per node for spilled templates (LRU); "

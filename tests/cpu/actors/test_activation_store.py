@@ -9,8 +9,9 @@ import ray
 import torch
 
 from stepserve.actors import activation_store
+from stepserve.actors.activation_cache import ActivationCache
 from stepserve.actors.activation_store import (
-    ActivationStore, ActivationStoreSpec, node_store, start_activation_stores,
+    ActivationStore, ActivationStoreSpec, StoreActivations, node_store, start_activation_stores,
 )
 from stepserve.runtime import start_local_ray
 
@@ -101,3 +102,18 @@ def test_the_actor_prefetches_in_the_background(store):
     assert_equal(ray.get(store.get.remote("x")), value(10))
     after = ray.get(store.stats.remote())
     assert (after.memory_hits - before.memory_hits, after.disk_hits - before.disk_hits) == (1, 0)
+
+
+def test_a_worker_keeps_the_records_it_used_last(store):
+    """`StoreActivations` (a worker's view of its node's store): what it put or got once comes from
+    its own LRU afterwards; without one (worker_bytes 0) every get asks the store."""
+    keeping = StoreActivations(store, ActivationCache(2 * VALUE_BYTES))
+    asking = StoreActivations(store)
+    keeping.put("w", value(30))
+    wait_for(lambda: ray.get(store.contains.remote("w")) is not None)
+    before = ray.get(store.stats.remote())
+    assert_equal(keeping.get("w"), value(30))
+    assert_equal(asking.get("w"), value(30))
+    after = ray.get(store.stats.remote())
+    assert after.memory_hits + after.disk_hits - before.memory_hits - before.disk_hits == 1  # the asking one's
+    assert keeping.get("missing") is None and ray.get(store.stats.remote()).misses == after.misses + 1

@@ -24,7 +24,9 @@ CONFIG = {
                           "workers": {"num_workers": 1, "max_batch_size": 4, "num_cpus": 0.5, "device": "cpu",
                                       "torch_threads": 1},
                           "text_encoder": {"on_workers": True}, "vae_decoder": {"on_workers": True},
-                          "ingress": {"num_cpus": 0.1}, "edit_cache": {"enabled": True, "memory_bytes": 64 << 20},
+                          "ingress": {"num_cpus": 0.1},
+                          # (each worker keeps no record of its own: every edit asks the store)
+                          "edit_cache": {"enabled": True, "memory_bytes": 64 << 20, "worker_bytes": 0},
                       }}],
 }
 
