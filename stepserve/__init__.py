@@ -10,6 +10,7 @@ _PUBLIC = {
     "APIError": "stepserve.deployments.errors",
     "AppConfig": "stepserve.deployments.config",
     "ImageGenerationRequest": "stepserve.deployments.protocol",
+    "ImageEditRequest": "stepserve.deployments.protocol",
     "build_app": "stepserve.deployments.app",
 }
 

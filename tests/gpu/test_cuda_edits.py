@@ -5,15 +5,19 @@ its own inputs equals the plain one there."""
 import numpy as np
 import pytest
 import torch
+from diffusers import SD3Transformer2DModel
 
 from stepserve.actors.activation_cache import ActivationCache
+from stepserve.engine.editing.block_loader import BlockLoader, pin
 from stepserve.engine.editing.masked_sd3 import (
     CacheKind, MaskedPlan, SD3Inputs, masked_forward, recording_forward, token_index,
 )
 from stepserve.engine.families import ALL_PARTS, ModelSource, load_family
+from stepserve.engine.families.sd3 import TINY
 from stepserve.engine.step_runner import StepRunner
 from stepserve.engine.template_edits import TemplateCache
 
+from tests.cpu.engine.editing.test_block_loader import USE, _index, _inputs
 from tests.cpu.engine.test_edit_golden import edit_admission, edit_spec, pipeline_latents
 from tests.cpu.engine.test_template_edits import run, templated
 
@@ -57,3 +61,23 @@ def test_template_edits_record_and_reuse_on_cuda(cuda_sd3):
     recorded = run(runner, cuda_sd3, [(templated(first), first_in)])["a"]
     again = run(runner, cuda_sd3, [(templated(first.__class__(**{**first.__dict__, "request_id": "b"})), first_in)])
     np.testing.assert_allclose(again["b"], recorded, atol=1e-4, rtol=1e-3)
+
+
+def test_cuda_loads_equal_the_host_tensors_and_the_forward():
+    """`BlockLoader` on CUDA: the side stream's copies, pinned or pageable, pipelined or naive,
+    give the forward with the record already on the device."""
+    torch.manual_seed(0)
+    model = SD3Transformer2DModel(**{**TINY["transformer"], "num_layers": len(USE)}).eval().to("cuda")
+    inputs, index = _inputs(model, "cuda"), _index("cuda")
+    _, on_device = recording_forward(model, inputs)
+    expected = masked_forward(model, inputs, MaskedPlan(index, on_device, USE))
+    pinned = pin(dict(enumerate(on_device)))
+    assert all(t.is_pinned() for t in pinned.values()) and pin(pinned)[0] is pinned[0]
+    pageable = [t.cpu() for t in on_device]
+    for host in (pinned, pageable):
+        for naive in (False, True):
+            loader = BlockLoader(lambda b: host[b], USE, "cuda", naive)
+            out = masked_forward(model, inputs, MaskedPlan(index, loader, USE))
+            torch.testing.assert_close(out, expected)
+    parts = BlockLoader(lambda b: [pinned[b][:1], pinned[b][1:]], USE, "cuda")(0)
+    torch.testing.assert_close(parts, on_device[0], atol=0, rtol=0)  # a copy: bit for bit
