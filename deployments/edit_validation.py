@@ -9,16 +9,15 @@ whose fully transparent pixels mark the area to edit. Pure: no Ray, no I/O.
 from __future__ import annotations
 
 import re
-import secrets
 
 import numpy as np
 import PIL.Image
 
 from stepserve.deployments.config import AppConfig, LimitsConfig, check_size
-from stepserve.deployments.errors import APIError, invalid
+from stepserve.deployments.errors import invalid
 from stepserve.deployments.image_inputs import decode_base64_image
 from stepserve.deployments.protocol import ImageEditRequest
-from stepserve.deployments.validation import MAX_SEED, addon_uses, check_prompts, parse_body, sampling_settings
+from stepserve.deployments.validation import addon_uses, image_settings, parse_body, served_model
 from stepserve.engine.families import family_class
 from stepserve.engine.inpaint import edit_pixels, mask_ratio
 from stepserve.engine.sampler import RequestInputs
@@ -36,20 +35,11 @@ def to_edit_specs(payload: object, config: AppConfig, request_id: str,
     """The request's specs (one per image of `n`) and the pixels they share."""
     req = parse_edit(payload)
     limits = config.limits
-    model = next((m for m in config.models if family_class(m.family).edits), None) if req.model is None \
-        else config.model(req.model)
-    if model is None:
-        what = "no served model edits images" if req.model is None else f"model {req.model!r} does not exist"
-        raise APIError(404, f"{what}; see GET /v1/models", param="model", code="model_not_found")
+    model = served_model(config, req.model, lambda m: family_class(m.family).edits, "no served model edits images")
     family = family_class(model.family)
     if not family.edits:
         raise invalid("model", f"{model.name} ({model.family}) does not edit images", code="unsupported_model")
-    if req.response_format != "b64_json":
-        raise invalid("response_format", "only response_format='b64_json' is supported")
-    check_prompts(req, limits)
-    if not 1 <= req.n <= limits.max_n:
-        raise invalid("n", f"n must be between 1 and {limits.max_n}")
-    steps, guidance = sampling_settings(req, model, limits)
+    steps, guidance, seed = image_settings(req, model, limits, default_seed)
     if not 0 < req.strength <= 1:  # also rejects NaN
         raise invalid("strength", "strength must be in (0, 1]")
     skip = family.skipped_steps(steps, req.strength)
@@ -57,9 +47,6 @@ def to_edit_specs(payload: object, config: AppConfig, request_id: str,
         raise invalid("strength", f"strength {req.strength} of {steps} steps leaves no step to run")
     if req.template_id is not None and not TEMPLATE_ID.fullmatch(req.template_id):
         raise invalid("template_id", "template_id must be 1 to 128 letters, digits, '.', '_' or '-'")
-    seed = req.seed if req.seed is not None else secrets.randbelow(2**31) if default_seed is None else default_seed
-    if not 0 <= seed <= MAX_SEED - req.n:
-        raise invalid("seed", f"seed must be between 0 and {MAX_SEED - req.n}")
     _, loras = addon_uses([], req.loras or [], model, config)
     image = decode_base64_image(req.image, "image", limits)
     edit_area = decode_mask(req.mask, image.size, limits)

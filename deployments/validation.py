@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import secrets
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -90,20 +91,22 @@ def sampling_settings(req: Any, model: ModelConfig, limits: LimitsConfig) -> tup
     return steps, guidance
 
 
-def to_specs(payload: object, config: AppConfig, request_id: str, default_seed: int | None = None) -> list[RequestSpec]:
-    """`default_seed`: the seed when the body has none (an idempotent retry must draw the same)."""
-    req = parse_request(payload)
-    limits = config.limits
-    # Without `model`, the first image model: the first configured one may make videos.
-    if req.model is None:
-        model = next((m for m in config.models if not m.is_video), None)
-    else:
-        model = config.model(req.model)
+def served_model(config: AppConfig, name: str | None, default: Callable[[ModelConfig], bool],
+                 nothing: str) -> ModelConfig:
+    """The model a request names, or without a name the first that `default` accepts; 404 when
+    there is none (`nothing` says what is missing then)."""
+    model = next((m for m in config.models if default(m)), None) if name is None else config.model(name)
     if model is None:
-        what = "no image model is served" if req.model is None else f"model {req.model!r} does not exist"
+        what = nothing if name is None else f"model {name!r} does not exist"
         raise APIError(404, f"{what}; see GET /v1/models", param="model", code="model_not_found")
-    if model.is_video:
-        raise invalid("model", f"{model.name} makes videos; use POST /v1/videos", code="unsupported_model")
+    return model
+
+
+def image_settings(req: Any, model: ModelConfig, limits: LimitsConfig,
+                   default_seed: int | None) -> tuple[int, float, int]:
+    """(steps, guidance, seed) of an image request, generation or edit, after the checks they
+    share: response format, prompts, n, sampling settings and seed (`default_seed` when the body
+    has none: an idempotent retry must draw the same)."""
     if req.response_format != "b64_json":
         raise invalid("response_format", "only response_format='b64_json' is supported")
     check_prompts(req, limits)
@@ -116,6 +119,17 @@ def to_specs(payload: object, config: AppConfig, request_id: str, default_seed: 
         seed = secrets.randbelow(2**31) if default_seed is None else default_seed
     if not 0 <= seed <= MAX_SEED - req.n:
         raise invalid("seed", f"seed must be between 0 and {MAX_SEED - req.n}")
+    return steps, guidance, seed
+
+
+def to_specs(payload: object, config: AppConfig, request_id: str, default_seed: int | None = None) -> list[RequestSpec]:
+    """`default_seed`: the seed when the body has none (an idempotent retry must draw the same)."""
+    req = parse_request(payload)
+    # Without `model`, the first image model: the first configured one may make videos.
+    model = served_model(config, req.model, lambda m: not m.is_video, "no image model is served")
+    if model.is_video:
+        raise invalid("model", f"{model.name} makes videos; use POST /v1/videos", code="unsupported_model")
+    steps, guidance, seed = image_settings(req, model, config.limits, default_seed)
     family = family_class(model.family)
     width, height = parse_size(req.size, model, family.size_multiple)
     controlnets, loras = addon_uses(req.controlnets or [], req.loras or [], model, config)

@@ -10,8 +10,8 @@ import numpy as np
 import openai
 import pytest
 from PIL import Image
-from prometheus_client.parser import text_string_to_metric_families
 
+from stepserve.load_tests.bench_edit_cache import cache_stats
 from tests.cpu.deployments.test_edits_api import mask_png
 from tests.cpu.integration.conftest import serving
 
@@ -36,10 +36,8 @@ def app():
     yield from serving(CONFIG)
 
 
-def cache_stats(url: str) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    return {s.labels["stat"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
-            if s.name == "stepserve_activation_cache"}
+def store_stats(url: str) -> dict[str, float]:
+    return cache_stats(httpx.get(f"{url}/metrics", timeout=30).text)
 
 
 def test_a_template_is_recorded_once_and_reused(app):
@@ -56,10 +54,10 @@ def test_a_template_is_recorded_once_and_reused(app):
 
     first = edit(1, "sofa")  # records (exact)
     assert np.array_equal(first, edit(1, None))
-    before = cache_stats(url)
+    before = store_stats(url)
     assert before["memory_values"] == 1 and before["misses"] == 1 and before["memory_hits"] == 0
     reused = edit(2, "sofa", box=(16, 16, 32, 32))  # reuses the record: another seed and mask
-    after = cache_stats(url)
+    after = store_stats(url)
     assert after["memory_hits"] == 1 and after["memory_values"] == 1
     exact = edit(2, None, box=(16, 16, 32, 32))
     assert reused.shape == exact.shape and np.abs(reused.astype(int) - exact.astype(int)).mean() < 8
