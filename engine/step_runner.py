@@ -247,8 +247,9 @@ class _PlanRun:
                 self.fail(rid, f"denoising step failed: {type(exc).__name__}: {exc}", lost=False)
         if not members:
             return
+        samplers = [sampler for _, sampler, _ in members]
         try:
-            family = self._group_family(group, [sampler for _, sampler, _ in members], sp_group)
+            family = self._group_family(group, samplers, sp_group)
         except Exception as exc:
             for rid, _, _ in members:
                 self.fail(rid, f"denoising step refused: {type(exc).__name__}: {exc}", lost=False)
@@ -261,8 +262,7 @@ class _PlanRun:
             cond = {name: torch.cat([x[2][name] for x in inputs]) for name in inputs[0][2]}
         try:
             process_group = sp_group(group.ranks) if group.ranks and sp_group is not None else None
-            addons = _group_addons([sampler for _, sampler, _ in members])
-            samplers = [sampler for _, sampler, _ in members]
+            addons = _group_addons(samplers)
             if group.ranks and group.split is GroupSplit.CFG:
                 noise_pred = cfg_split_denoise(family, sample, timesteps, cond, process_group, addons)
             elif not group.ranks and not addons and all(s.template is not None for s in samplers):
