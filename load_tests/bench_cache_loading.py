@@ -27,11 +27,17 @@ has).
 Next to each measured median is the DP's prediction: its pipeline latency plus the forward's
 work outside the cache slots (embeddings; the output layer too with cached outputs), taken as
 exact - sum(C_wo). Cases are timed round-robin after warmup, every timing synchronized on CUDA.
-On CPU nothing is loaded (the cache is where the computation reads it, L = 0), so every plan is
-the ideal one: that run checks the benchmark, not the pipeline. Weights are random, built from
-the config: nothing is downloaded.
+On CPU with the record in memory nothing is loaded (the cache is where the computation reads it,
+L = 0), so every plan is the ideal one. `--host disk` is the CPU node's loading problem: the
+record is spilled to the activation store's disk as the store spills it (one safetensors file),
+slots are read from it with `engine.editing.record_file.RecordFile` (a background thread reads
+ahead for the pipelined plans, `BlockLoader(threaded=True)`), L is a slot's read with its pages
+dropped from the page cache, and every case (exact and ideal too) first drops the file's pages,
+so each forward reads from the disk as the first edit after a spill does. Weights are random,
+built from the config: nothing is downloaded.
 
     python -m stepserve.load_tests.bench_cache_loading --config tiny --device cpu --out results/cache-loading-cpu
+    python -m stepserve.load_tests.bench_cache_loading --host disk --threads 1 --out results/cache-loading-disk
     python -m stepserve.load_tests.bench_cache_loading --config sd3-medium --device cuda --dtype bfloat16 \\
         --out results/cache-loading-gpu
     python -m stepserve.load_tests.bench_cache_loading --config sd3-medium --device cuda --dtype bfloat16 \\
@@ -44,7 +50,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -52,12 +60,14 @@ from typing import Any
 
 import torch
 from diffusers import SD3Transformer2DModel
+from safetensors.torch import save_file
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from stepserve.engine.editing.block_costs import BlockCosts, measure_block_costs
 from stepserve.engine.editing.block_loader import BlockLoader, pin
+from stepserve.engine.editing.record_file import RecordFile
 from stepserve.engine.editing.masked_sd3 import (
     CacheKind, MaskedPlan, SD3Inputs, masked_forward, plain_forward, recording_forward, token_index,
 )
@@ -83,6 +93,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="default: float32 on CPU, bfloat16 on CUDA (random weights overflow float16 more easily)")
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.1, 0.2, 0.5])
+    parser.add_argument("--host", choices=("memory", "disk"), default="memory",
+                        help="where the record waits: host memory (copied to a CUDA device; on CPU nothing loads), "
+                             "or, on CPU, the activation store's disk (read slot by slot)")
+    parser.add_argument("--disk-dir", type=Path, default=None,
+                        help="--host disk: the directory to spill the record into (a real disk, not tmpfs; "
+                             "default: a temporary directory)")
     parser.add_argument("--cache", choices=[kind.value for kind in CacheKind], default=CacheKind.OUTPUTS.value,
                         help="what the template's record holds: block outputs, or keys and values")
     # sd3-medium on an H100: 16 cases x 12 forwards of 40-100 ms, about 15 s of the whole run.
@@ -92,20 +108,36 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None,
                         help="torch's CPU threads (default: torch's own); 1 is steadier on a shared machine")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.host == "disk" and torch.device(args.device).type != "cpu":
+        parser.error("--host disk is the CPU node's loading (a GPU node loads from host memory)")
+    return args
 
 
 def forward_case(transformer: SD3Transformer2DModel, inputs: SD3Inputs, index: torch.Tensor, loading: Loading,
-                 use_cache: Sequence[bool], host: list[torch.Tensor], on_device: list[torch.Tensor],
-                 device: torch.device, kind: CacheKind) -> Callable[[], torch.Tensor]:
+                 use_cache: Sequence[bool], host: list[torch.Tensor] | Callable[[int], torch.Tensor],
+                 on_device: list[torch.Tensor], device: torch.device, kind: CacheKind,
+                 from_disk: bool) -> Callable[[], torch.Tensor]:
     """One masked forward as `loading` runs it. The loader is made inside the call: every forward
-    loads its cache anew, as an edit does."""
+    loads its cache anew, as an edit does. `from_disk`: `host` reads slots from the disk, on a
+    thread where the plan is pipelined."""
     if loading is Loading.IDEAL:
         ready = MaskedPlan(index, on_device, use_cache, kind)
         return lambda: masked_forward(transformer, inputs, ready)
     naive = loading is Loading.NAIVE
-    return lambda: masked_forward(transformer, inputs,
-                                  MaskedPlan(index, BlockLoader(host, use_cache, device, naive), use_cache, kind))
+    threaded = from_disk and not naive
+    return lambda: masked_forward(transformer, inputs, MaskedPlan(
+        index, BlockLoader(host, use_cache, device, naive, threaded), use_cache, kind))
+
+
+def spill(record: list[torch.Tensor], disk_dir: Path) -> RecordFile:
+    """`record` written as the activation store spills a record (one safetensors file, slot s
+    named "s"), synced so its pages are clean and can be dropped, opened for slot reads."""
+    path = disk_dir / "record.safetensors"
+    save_file({str(s): t for s, t in enumerate(record)}, path)
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+    return RecordFile(path)
 
 
 def timed_rounds(cases: dict[Any, Callable[[], Any]], watch: Stopwatch, warmup: int,
@@ -123,7 +155,8 @@ def timed_rounds(cases: dict[Any, Callable[[], Any]], watch: Stopwatch, warmup: 
 def case_row(loading: Loading, pipeline: Pipeline, predicted_ideal: float, outside_s: float, samples: list[float],
              ideal_s: float, copied_bytes: Sequence[int], vs_exact: dict[str, float]) -> dict[str, Any]:
     """One case's figures at one mask ratio: measured, predicted, and the slots whose cache it
-    takes from host memory (`loads`; `copied_bytes` per slot, 0 on CPU where nothing is copied)."""
+    takes from host memory or disk (`loads`; `copied_bytes` per slot, 0 on CPU from memory, where
+    nothing is copied)."""
     measured = statistics.median(samples)
     predicted = pipeline.latency + outside_s
     loads = [] if loading is Loading.IDEAL else [b for b, use in enumerate(pipeline.use_cache) if use]
@@ -146,27 +179,43 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     exact, on_device = recording_forward(transformer, inputs, kind)
     slots, patch = len(on_device), transformer.config.patch_size
     tokens = (config.image_size // VAE_SCALE // patch) ** 2
-    # On CPU the cache already is where the computation reads it: the "host" copy is itself.
-    host = list(pin(dict(enumerate(on_device))).values()) if device.type == "cuda" else on_device
     slot_bytes = [t.numel() * t.element_size() for t in on_device]
-    copied_bytes = slot_bytes if device.type == "cuda" else [0] * slots
+    from_disk = args.host == "disk"
+    load_slot = None
+    if from_disk:
+        disk_dir = args.disk_dir or Path(tempfile.mkdtemp(prefix="stepserve-record-"))
+        disk_dir.mkdir(parents=True, exist_ok=True)
+        record = spill(on_device, disk_dir)
+        host = lambda s: record.read(str(s))  # noqa: E731
+        load_slot = lambda s: record.read(str(s), cold=True)  # noqa: E731
+        where = f"spilled to {record.path}, read slot by slot"
+    elif device.type == "cuda":
+        host = list(pin(dict(enumerate(on_device))).values())
+        where = "pinned"
+    else:  # the cache already is where the computation reads it: the "host" copy is itself
+        host = on_device
+        where = "not copied (CPU)"
+    copied_bytes = slot_bytes if device.type == "cuda" or from_disk else [0] * slots
     log(f"recorded {kind.value}: {slots} slots, {tuple(on_device[0].shape)} first ({sum(slot_bytes) / 2**20:.0f} MiB), "
-        f"{'pinned' if device.type == 'cuda' else 'not copied (CPU)'}")
+        f"{where}")
 
     cases: dict[Any, Callable[[], torch.Tensor]] = {EXACT: lambda: plain_forward(transformer, inputs)}
     per_ratio: dict[float, tuple[torch.Tensor, BlockCosts, dict[Loading, Pipeline]]] = {}
     for ratio in args.ratios:
         index = token_index(box_mask(config.image_size // VAE_SCALE, patch, ratio).to(device), patch)
-        costs = measure_block_costs(transformer, inputs, index, host, device, repeats=args.cost_repeats, kind=kind)
+        costs = measure_block_costs(transformer, inputs, index, on_device if from_disk else host, device,
+                                    repeats=args.cost_repeats, kind=kind, load_slot=load_slot)
         pipelines = {loading: plan(loading, slots, *costs) for loading in LOADINGS[kind]}
         per_ratio[ratio] = (index, costs, pipelines)
         for loading, pipeline in pipelines.items():
             cases[(ratio, loading)] = forward_case(transformer, inputs, index, loading, pipeline.use_cache, host,
-                                                   on_device, device, kind)
+                                                   on_device, device, kind, from_disk)
         log(f"m={ratio}: costs measured (sum C_w {sum(costs.c_with) * 1e3:.2f} ms, C_wo "
             f"{sum(costs.c_without) * 1e3:.2f} ms, L {sum(costs.load) * 1e3:.2f} ms); slots loaded: " + ", ".join(
                 f"{loading.value} {sum(p.use_cache)}/{slots}" for loading, p in pipelines.items()))
 
+    if from_disk:  # every case starts as the first edit after a spill: nothing of the record in the page cache
+        cases = {key: _cold(record, fn) for key, fn in cases.items()}
     log(f"timing {len(cases)} cases round-robin: {args.warmup} warmup + {args.repeats} rounds")
     times = timed_rounds(cases, Stopwatch(args.device), args.warmup, args.repeats)
     exact_s = statistics.median(times[EXACT])
@@ -186,7 +235,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "benchmark": "cache_loading",
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "device": device_description(args.device),
-        "config": args.config, "dtype": str(dtype).removeprefix("torch."),
+        "config": args.config, "dtype": str(dtype).removeprefix("torch."), "host": args.host,
         "transformer": config.transformer, "image_size": config.image_size, "text_tokens": config.text_tokens,
         "image_tokens": tokens, "rows": on_device[0].shape[0], "cache": kind.value,
         "blocks": len(transformer.transformer_blocks), "slots": slots, "slot_cache_mb": [b / 2**20 for b in slot_bytes],
@@ -196,13 +245,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _cold(record: RecordFile, forward: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    def run() -> torch.Tensor:
+        record.drop_cached_pages()
+        return forward()
+    return run
+
+
 def plot(result: dict[str, Any], path: Path) -> None:
     """Measured forward time per plan and ratio (the DP's prediction marked), the per-slot
     costs it planned with, and which slots each DP plan loads (keys and values: every one)."""
     figure = Figure(figsize=(16, 4.8), layout="constrained")
     FigureCanvasAgg(figure)
     times, costs, loads = figure.subplots(1, 3, width_ratios=(1.3, 1, 1))
-    figure.suptitle(f"cache loading, masked SD3 forward with cached {result['cache']}: {result['config']}, "
+    figure.suptitle(f"cache loading from {result['host']}, masked SD3 forward with cached {result['cache']}: "
+                    f"{result['config']}, "
                     f"{result['dtype']}, {result['device']}", fontsize=9)
     rows = result["results"]
     loadings = [Loading(name) for name in rows[0]["cases"]]

@@ -8,7 +8,8 @@ benchmark uses the same function.
 
 Each block is timed alone on its own input from a plain forward (captured with forward
 pre-hooks, so the model's own forward runs): in full, masked with its cached slot already on the
-device, and the copy of that slot from host memory. A `KEYS_VALUES` record has one more slot, the
+device, and the copy of that slot from host memory (or, given `load_slot`, whatever loading a
+slot is: on a CPU node, reading it from the activation store's disk, `record_file.RecordFile`). A `KEYS_VALUES` record has one more slot, the
 final image tokens, needed by the output layer after the last block: its costs are the output
 layer's (masked: the masked tokens, then the scatter into the slot), as one more entry, so the DP
 sees the forward as the loader runs it (that slot's copy queued after the last block's). On CUDA
@@ -39,15 +40,17 @@ class BlockCosts(NamedTuple):
 
     c_with: tuple[float, ...]  # computing the masked tokens, the rest from the cache
     c_without: tuple[float, ...]  # computing every token
-    load: tuple[float, ...]  # copying the slot to the device (0 on CPU: no copy)
+    load: tuple[float, ...]  # copying the slot to the device (0 on CPU: no copy), or `load_slot`
 
 
 def measure_block_costs(transformer: SD3Transformer2DModel, inputs: SD3Inputs, plan_index: torch.Tensor,
                         cached: Sequence[torch.Tensor], device: torch.device | str, warmup: int = 1,
-                        repeats: int = 5, kind: CacheKind = CacheKind.OUTPUTS) -> BlockCosts:
+                        repeats: int = 5, kind: CacheKind = CacheKind.OUTPUTS,
+                        load_slot: Callable[[int], Any] | None = None) -> BlockCosts:
     """Median per-slot costs of a masked forward of `inputs` computing the tokens `plan_index`
     [B, M], with `cached[s]` slot s of a record of `kind` in host memory (pinned, as the loader
-    reads it, or the load times are those of pageable copies)."""
+    reads it, or the load times are those of pageable copies). `load_slot(s)`, when given, is
+    what loading slot s takes (timed for L instead of the copy)."""
     device = torch.device(device)
     kind = CacheKind(kind)
     slots = cache_slots(transformer, kind)
@@ -84,7 +87,9 @@ def measure_block_costs(transformer: SD3Transformer2DModel, inputs: SD3Inputs, p
                 masked = gather_tokens(hidden, plan_index)
                 c_without.append(median(lambda: output_layer(hidden)))
                 c_with.append(median(lambda: scatter_tokens(on_device, plan_index, output_layer(masked))))
-            if device.type == "cuda":
+            if load_slot is not None:
+                load.append(median(lambda: load_slot(slot)))
+            elif device.type == "cuda":
                 target = torch.empty_like(host, device=device)
                 load.append(median(lambda: target.copy_(host, non_blocking=host.is_pinned())))
             else:

@@ -13,6 +13,12 @@ with. Blocks whose `use_cache` is off are never loaded (the DP chose to compute 
 `naive` loads every used block before the first block computes (Fig. 9-top): the copies are
 queued on the compute stream itself, so the computation waits for the last of them.
 
+On CPU the computation reads host memory itself, so nothing is copied, unless the blocks come
+from a slower tier: a record spilled to the activation store's disk (`record_file.RecordFile`).
+`threaded` then reads them as the side stream copies on CUDA: one background thread reads every
+used block in block order (the reads release the GIL), and the forward waits for block b's read
+alone; `naive` reads them all before the first block computes.
+
 Copies are asynchronous only from pinned (page-locked) host memory: from pageable memory CUDA
 stages them through a pinned buffer and the host waits, so the loader still works, but the
 copies no longer overlap anything. `pin` makes a template's pinned copy once.
@@ -20,6 +26,7 @@ copies no longer overlap anything. `pin` makes a template's pinned copy once.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
@@ -58,16 +65,22 @@ class BlockLoader:
     forward and use it for that forward only. Each used block is handed out once: its device
     tensor is dropped here then, so blocks already computed free their memory during the forward.
     On CPU nothing is copied: `loader(b)` returns the host tensor, fetched from `host` when asked
-    (or, `naive`, every used block's first)."""
+    (or, `naive`, every used block's first; `threaded`, by a background thread in block order:
+    for a `host` that reads from disk)."""
 
     def __init__(self, host: HostBlocks, use_cache: Sequence[bool], device: torch.device | str,
-                 naive: bool = False):
+                 naive: bool = False, threaded: bool = False):
         self._host = host if callable(host) else host.__getitem__
         self._use_cache = tuple(bool(u) for u in use_cache)
         self._device = torch.device(device)
+        if threaded and self._device.type != "cpu":
+            raise ValueError(f"threaded loading is for a CPU computation reading from disk, not {self._device}")
         # block -> (its tensor on the device, the side stream's event after its copy, or None
         # where the copy is ordered with the computation already).
         self._loaded: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
+        # Threaded: block -> set once its read ended (or failed: `_failure`).
+        self._read: dict[int, threading.Event] = {}
+        self._failure: BaseException | None = None
         used = [b for b, use in enumerate(self._use_cache) if use]
         if naive:
             for b in used:  # on CUDA, on the compute stream: block 0 waits for every copy
@@ -82,11 +95,31 @@ class BlockLoader:
                     event = torch.cuda.Event()
                     event.record(stream)
                     self._loaded[b] = (tensor, event)
-        self._lazy = not naive and self._device.type != "cuda"
+        elif threaded:
+            events = {b: threading.Event() for b in used}
+            self._read = dict(events)  # the forward pops its copy; the thread keeps `events`
+            threading.Thread(target=self._read_in_order, args=(events,), name="block-loader", daemon=True).start()
+        self._lazy = not naive and not threaded and self._device.type != "cuda"
+
+    def _read_in_order(self, events: dict[int, threading.Event]) -> None:
+        for b, event in events.items():  # in block order
+            try:
+                self._loaded[b] = (self._fetch(b), None)
+            except BaseException as exc:  # handed to the forward, which waits on this block or a later one
+                self._failure = exc
+                for waiting in events.values():
+                    waiting.set()
+                return
+            event.set()
 
     def __call__(self, block: int) -> torch.Tensor:
         if not self._use_cache[block]:
             raise ValueError(f"block {block} does not use its cache: its activations are not loaded")
+        read = self._read.pop(block, None)
+        if read is not None:
+            read.wait()
+            if block not in self._loaded and self._failure is not None:
+                raise RuntimeError(f"reading block {block}'s cached activations failed") from self._failure
         if block not in self._loaded:
             if self._lazy:
                 return self._fetch(block)

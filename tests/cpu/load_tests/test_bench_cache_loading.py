@@ -41,3 +41,25 @@ def test_the_tiny_cpu_run_writes_its_json_and_plot(tmp_path, cache):
             assert case["vs_exact"]["rel_l2"] < 1e-5, name
         assert row["cases"]["naive"]["loads"] == list(range(result["slots"]))
     assert (tmp_path / "cache_loading.png").stat().st_size > 10_000
+
+
+def test_the_disk_run_reads_every_loaded_slot_and_stays_exact(tmp_path):
+    """`--host disk`: the record is spilled and read back slot by slot (threaded for pipelined
+    plans); L is a real read (> 0), the bytes each plan loads are its slots' bytes, and every
+    forward still equals the exact one."""
+    out, disk = tmp_path / "out", tmp_path / "disk"
+    assert main(["--config", "tiny", "--host", "disk", "--disk-dir", str(disk), "--warmup", "1", "--repeats", "2",
+                 "--cost-repeats", "1", "--threads", "1", "--ratios", "0.2", "--out", str(out)]) == 0
+    result = json.loads((out / "cache_loading.json").read_text())
+    assert result["host"] == "disk" and (disk / "record.safetensors").exists()
+    (row,) = result["results"]
+    assert all(load > 0 for load in row["costs"]["load"])
+    for name, case in row["cases"].items():
+        assert case["loaded_mb"] == pytest.approx(sum(result["slot_cache_mb"][b] for b in case["loads"])), name
+        assert case["vs_exact"]["rel_l2"] < 1e-5, name
+    assert row["cases"]["naive"]["loaded_mb"] == pytest.approx(sum(result["slot_cache_mb"]))
+
+
+def test_disk_is_refused_off_cpu():
+    with pytest.raises(SystemExit):
+        main(["--host", "disk", "--device", "cuda", "--out", "unused"])

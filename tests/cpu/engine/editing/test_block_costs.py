@@ -1,6 +1,9 @@
 """Per-slot costs of a masked forward on the tiny SD3 transformer, for both cache kinds: one entry
 per cache slot (a keys-values record's last slot is the output layer), every cost measured, no
-load on CPU (nothing is copied); a record of the other kind's length is refused."""
+load on CPU (nothing is copied) unless a load is given (timed per slot); a record of the other
+kind's length is refused."""
+
+import time
 
 import pytest
 import torch
@@ -44,3 +47,22 @@ def test_a_record_of_the_other_kind_is_refused(preset):
     index = token_index(torch.ones(2, 1, 16, 16), 2)
     with pytest.raises(ValueError, match="3"):
         measure_block_costs(preset, inputs, index, outputs, "cpu", kind=CacheKind.KEYS_VALUES)
+
+
+def test_a_given_load_is_timed_per_slot(preset):
+    """On a CPU node the slow tier is the disk: `load_slot` is what L times, once per sample."""
+    inputs = _inputs(preset)
+    _, record = recording_forward(preset, inputs)
+    mask = torch.zeros(2, 1, 16, 16)
+    mask[:, :, 2:6, 4:10] = 1
+    loaded = []
+
+    def load_slot(slot):
+        loaded.append(slot)
+        time.sleep(0.002 * (slot + 1))
+
+    costs = measure_block_costs(preset, inputs, token_index(mask, 2), record, "cpu", warmup=1, repeats=2,
+                                load_slot=load_slot)
+    slots = cache_slots(preset, CacheKind.OUTPUTS)
+    assert loaded == [s for s in range(slots) for _ in range(3)]
+    assert all(0.002 * (s + 1) <= costs.load[s] < 0.002 * (s + 1) + 0.05 for s in range(slots))

@@ -1,15 +1,20 @@
 """`BlockLoader` on the tiny SD3 transformer: pipelined and naive loading hand out the same
 tensors and the same forward; only blocks that use their cache are fetched, in block order;
 naive fetches every one before the first block computes, pipelined (on CPU) each when its block
-is reached; CPU use never touches CUDA. (tests/gpu/test_cuda_edits.py checks the side stream's
+is reached, threaded (a record read from disk) ahead on a thread, the forward waiting for each
+block's read alone; CPU use never touches CUDA. (tests/gpu/test_cuda_edits.py checks the side stream's
 copies on CUDA against the host tensors, pinned or not.)"""
+
+import threading
 
 import pytest
 import torch
 from diffusers import SD3Transformer2DModel
+from safetensors.torch import save_file
 
 from stepserve.engine.editing.block_loader import BlockLoader, pin
 from stepserve.engine.editing.masked_sd3 import MaskedPlan, SD3Inputs, masked_forward, recording_forward, token_index
+from stepserve.engine.editing.record_file import RecordFile
 from stepserve.engine.families.sd3 import TINY
 
 LATENT = 16  # 8 x 8 tokens of patch 2
@@ -121,3 +126,58 @@ def test_pin_without_cuda_keeps_the_tensors():
     tensors = {"0.0": torch.randn(2, 3)}
     assert pin(tensors)["0.0"] is tensors["0.0"]
     assert not torch.cuda.is_initialized()
+
+
+def test_threaded_reads_block_b_while_earlier_blocks_compute(transformer):
+    """The reader thread must be able to run ahead: block 2's read is held until block 1 has
+    started computing, which a loader that read everything first would deadlock on."""
+    inputs = _inputs(transformer)
+    _, cache = recording_forward(transformer, inputs)
+    expected = masked_forward(transformer, inputs, MaskedPlan(_index(), cache, USE))
+    log, computing_1 = [], threading.Event()
+
+    def host(b):
+        if b == 2:
+            assert computing_1.wait(timeout=30), "block 1 never computed while block 2 was being read"
+        log.append(("load", b))
+        return cache[b]
+
+    hooks = _computes(transformer, log)
+    hooks.append(transformer.transformer_blocks[1].norm1.register_forward_pre_hook(lambda *_: computing_1.set()))
+    try:
+        out = masked_forward(transformer, inputs, MaskedPlan(_index(), BlockLoader(host, USE, "cpu", threaded=True),
+                                                             USE))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert torch.equal(out, expected)
+    assert [e for e in log if e[0] == "load"] == [("load", 0), ("load", 2), ("load", 3)]
+    assert log.index(("load", 2)) > log.index(("compute", 1)) and log.index(("load", 2)) < log.index(("compute", 2))
+
+
+def test_threaded_reads_a_spilled_record_and_hands_on_a_failed_read(transformer, tmp_path):
+    inputs = _inputs(transformer)
+    _, cache = recording_forward(transformer, inputs)
+    expected = masked_forward(transformer, inputs, MaskedPlan(_index(), cache, USE))
+    save_file({str(b): t for b, t in enumerate(cache)}, tmp_path / "record.safetensors")
+    with RecordFile(tmp_path / "record.safetensors") as record:
+        loader = BlockLoader(lambda b: record.read(str(b), cold=True), USE, "cpu", threaded=True)
+        assert torch.equal(masked_forward(transformer, inputs, MaskedPlan(_index(), loader, USE)), expected)
+
+    def broken(b):
+        if b == 2:
+            raise OSError("disk gone")
+        return cache[b]
+
+    loader = BlockLoader(broken, USE, "cpu", threaded=True)
+    assert loader(0) is cache[0]
+    with pytest.raises(RuntimeError, match="reading block 2") as failure:
+        loader(2)
+    assert isinstance(failure.value.__cause__, OSError)
+    with pytest.raises(RuntimeError, match="reading block 3"):
+        loader(3)
+
+
+def test_threaded_is_for_cpu_only():
+    with pytest.raises(ValueError, match="threaded loading is for a CPU computation"):
+        BlockLoader([torch.zeros(1)], (True,), "meta", threaded=True)
