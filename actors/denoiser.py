@@ -91,7 +91,8 @@ class DenoiserWorker:
                  addons: Sequence[AddonSource] = (), lora_stores: Mapping[str, Any] | None = None,
                  lora_join_by: float = 0.0, max_resident_loras: int = 32, controlnet_service: Any | None = None,
                  controlnet_stale: bool = False, activation_stores: Mapping[str, Any] | None = None,
-                 edit_cache_kind: CacheKind = CacheKind.KEYS_VALUES, edit_cache_worker_bytes: int = 4 << 30):
+                 edit_cache_kind: CacheKind = CacheKind.KEYS_VALUES, edit_cache_worker_bytes: int = 4 << 30,
+                 pack_resolutions: bool = True):
         """`text_cache_size`: None, the text encoder deployment encodes prompts; else this worker
         does, keeping that many embeddings. `addons`: the ControlNets it holds and the LoRAs it
         serves; LoRAs come from `lora_stores` (by node id; this node's, or any) as requests need
@@ -100,7 +101,9 @@ class DenoiserWorker:
         `controlnet_stale`, a step may add the residuals of its request's previous step.
         `activation_stores` (by node id; `edit_cache`): edits of templates reuse the cached
         activations (of `edit_cache_kind`) this node's store holds, and record them there when
-        it has none; it keeps those it used last in `edit_cache_worker_bytes` of its own."""
+        it has none; it keeps those it used last in `edit_cache_worker_bytes` of its own.
+        `pack_resolutions`: a plan's plain groups of one model run as one forward where its family
+        can (`StepRunner`)."""
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.device = resolve_device(device)
@@ -127,7 +130,7 @@ class DenoiserWorker:
             local = ActivationCache(edit_cache_worker_bytes) if edit_cache_worker_bytes else None
             templates = TemplateCache(StoreActivations(node_store(activation_stores), local), edit_cache_kind)
         self.runner = StepRunner(worker_id, families, self.incarnation, decode_images, loras, lora_join_by,
-                                 templates)
+                                 templates, pack_resolutions)
         self.sp_world: SPWorld | None = None
         self._interrupted = 0  # the plan id the router last asked to cut short
         self._held_since: float | None = None  # when the last plan ended with requests resident

@@ -11,7 +11,9 @@ A decision is executable when:
   over an SP group steps only in that group, on every member, with its ranks;
 - every export names a resident request once, and the request's other holders release it; a
   request held by several workers (each holds all of it) may be released by all but one;
-- no worker ends the round holding more than its batch size.
+- no worker ends the round holding more than its batch size;
+- every discarded request is waiting (its state is on no worker, so failing it takes nothing
+  from a plan in flight) and appears in no plan of the decision.
 """
 
 from __future__ import annotations
@@ -146,3 +148,12 @@ class PlanChecker:
             # Every holder of a split request holds all of it: all but one may let it go.
             if rid not in exported and not set(core._requests[rid].workers) - wids:
                 raise fail(f"{rid!r} is released on {sorted(wids)} by every holder, without an export")
+        planned_ids = set(admitted) | set(stepped) | set(exported) | set(released)
+        for failure in decision.discard:
+            rid = failure.request_id
+            record = core._requests.get(rid)
+            if record is None or record.status not in (RequestStatus.QUEUED, RequestStatus.PAUSED):
+                status = "unknown" if record is None else record.status.value
+                raise fail(f"discards {rid!r}, which is not waiting ({status})")
+            if rid in planned_ids:
+                raise fail(f"discards {rid!r} and plans it in the same decision")

@@ -25,6 +25,7 @@ class WorkerPoolSpec:
     num_gpus: float = 0
     device: str = "auto"
     torch_threads: int | None = None
+    pack_resolutions: bool = True  # `workers.pack_resolutions`: a plan's plain groups of a model in one forward
     decode_images: bool = False  # a finished image leaves its worker as a PNG (`vae_decoder.on_workers`)
     encode_text: bool = False  # a worker encodes the prompts of what it admits (`text_encoder.on_workers`)
     text_cache_size: int = 4096  # embeddings each worker keeps when it encodes prompts
@@ -78,5 +79,5 @@ def start_workers(spec: WorkerPoolSpec, models: Sequence[ModelSource], name_pref
         ).remote(worker_id, list(models), spec.device, spec.torch_threads, spec.decode_images,
                  spec.text_cache_size if spec.encode_text else None, spec.addons, lora_stores or {},
                  spec.lora_join_by, spec.max_resident_loras, controlnet_service, spec.controlnet_stale,
-                 activation_stores or {}, spec.edit_cache_kind, spec.edit_cache_worker_bytes)
+                 activation_stores or {}, spec.edit_cache_kind, spec.edit_cache_worker_bytes, spec.pack_resolutions)
     return workers, names

@@ -35,8 +35,10 @@ from stepserve.engine.text_encoding import text_item
 from stepserve.policies import make_policy, needs_costs
 from stepserve.policies.admission import LoadReport, is_quiet
 from stepserve.policies.addon_costs import ControlNetPlacement
-from stepserve.policies.cost_model import load_profile
-from stepserve.policies.types import RequestKind, RequestSpec, RequestStatus, WorkerPlan
+from stepserve.policies.cost_model import CostModel, ProfiledCostModel, load_profile
+from stepserve.policies.instgenie.edit_profile import profiled_costs
+from stepserve.policies.patchedserve.mixed_costs import packed
+from stepserve.policies.types import RequestFailure, RequestKind, RequestSpec, RequestStatus, WorkerPlan
 
 logger = logging.getLogger("stepserve.router")
 
@@ -52,6 +54,18 @@ class RequestCancelledError(RuntimeError):
     pass
 
 
+class RequestDiscardedError(RuntimeError):
+    """The scheduler gave the request up (`Decision.discard`): it cannot meet its deadline under
+    the present load. `message` is the policy's reason, which names no internals: the client may
+    see it. `code`: the error code its client gets (HTTP and video jobs alike)."""
+
+    code = "deadline_unattainable"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
 @dataclass(frozen=True)
 class RouterSpec:
     """What `build_app` hands the router (plain values from `RouterConfig`)."""
@@ -61,6 +75,35 @@ class RouterSpec:
     profiles: tuple[str, ...]
     core: CoreConfig
     controlnets: ControlNetPlacement = ControlNetPlacement.INLINE  # how the profile prices ControlNets
+
+
+def router_costs(spec: RouterSpec, models: Sequence[ModelSource], pool: WorkerPoolSpec) -> CostModel | None:
+    """The profiles' cost model (None without profiles). Where workers pack resolutions
+    (`workers.pack_resolutions`), a round's plain image groups of a model whose family packs are
+    priced as one forward (`policies.patchedserve.PackedForwardCosts`)."""
+    if not spec.profiles:
+        return None
+    costs = _edit_costs(load_profile(*spec.profiles, controlnets=spec.controlnets), models, pool)
+    packing = [m.name for m in models if family_class(m.family).mixed_resolutions]
+    return packed(costs, packing) if pool.pack_resolutions and packing else costs
+
+
+def _edit_costs(profile: ProfiledCostModel, models: Sequence[ModelSource], pool: WorkerPoolSpec) -> CostModel:
+    """Where edits reuse cached activations (`edit_cache`), the forwards that do are priced from
+    the profiles' masked rows for the models whose family has cached edits
+    (`policies.instgenie.profiled_costs`); off, every edit computes in full and is priced so,
+    whatever its template and mask."""
+    if pool.edit_cache is None:
+        return profile
+    dims = {}
+    for model in models:
+        family = family_class(model.family)
+        if family.cached_edits:
+            dims[model.name] = family.dit_dims(model, pool.edit_cache_kind)
+            if dims[model.name] is None:
+                logger.warning("model %s: its configs cannot be read here; its cached edits are priced in full",
+                               model.name)
+    return profiled_costs(profile, {name: d for name, d in dims.items() if d is not None})
 
 
 class Router:
@@ -79,7 +122,7 @@ class Router:
         self.edit_cache_kind = pool.edit_cache_kind
         self.workers, self._actor_names = start_workers(pool, models, name, self.lora_stores, controlnet_service,
                                                         self.activation_stores)
-        costs = load_profile(*spec.profiles, controlnets=spec.controlnets) if spec.profiles else None
+        costs = router_costs(spec, models, pool)
         policy = make_policy(spec.policy, spec.policy_options, costs if needs_costs(spec.policy) else None)
         slots = [WorkerSlot(wid, pool.max_batch_size, rank) for rank, wid in enumerate(self.workers)]
         self.core = RouterCore(policy, slots, spec.core, costs)
@@ -293,7 +336,9 @@ class Router:
             decision = self.core.schedule(now, self._send, self._interrupt)
             self.metrics.plan_latency.observe(time.perf_counter() - started)
             timeout = None if decision.wake_at is None else max(0.0, decision.wake_at - time.monotonic())
-            if decision.plans:
+            for failure in decision.discard:
+                self._discarded(failure)
+            if decision.plans or decision.discard:
                 self._published()
 
     def _send(self, plan: WorkerPlan, admissions: tuple[Admission, ...]) -> list[ray.ObjectRef]:
@@ -438,13 +483,23 @@ class Router:
             self._ended(rid, kind, RequestFailedError(message), "failed")
             self._kick.set()
 
+    def _discarded(self, failure: RequestFailure) -> None:
+        """A request the policy gave up, already FAILED in the core: its callers get the reason."""
+        rid = failure.request_id
+        self.metrics.requests.labels("failed").inc()
+        logger.info("request %s was given up by the scheduler: %s", rid, failure.message)
+        self._ended(rid, self.core.spec(rid).kind, RequestDiscardedError(failure.message), "failed")
+
     def _ended(self, rid: str, kind: RequestKind, exc: Exception, status: str) -> asyncio.Task | None:
         """Tell whoever waits for a request that ended early. For a video, returns the running
         task that records its outcome in the job store (await it to know it is recorded)."""
         self.core.forget(rid)
         if kind is RequestKind.T2V:
-            failed = {"code": "generation_failed", "message": "video generation failed"}
-            error = None if status == "cancelled" else failed
+            if isinstance(exc, RequestDiscardedError):
+                error = {"code": exc.code, "message": exc.message}
+            else:
+                failed = {"code": "generation_failed", "message": "video generation failed"}
+                error = None if status == "cancelled" else failed
             return self._spawn(self._set_job_status(rid, status, error))
         waiter = self._waiters.pop(rid, None)
         if waiter is not None and not waiter.done():

@@ -9,7 +9,8 @@ A round (`schedule`) is schedule / execute / update in vLLM's sense, for the who
 1. a `ClusterSnapshot` of the requests and the live workers, as the plans already sent will
    leave them (plans are pipelined: a worker holds up to `pipeline_depth` of them, so it never
    idles through the round trip);
-2. the policy's `Decision`, checked as a whole (`plan_check.py`) before anything changes;
+2. the policy's `Decision`, checked as a whole (`plan_check.py`) before anything changes; the
+   waiting requests it gives up (`Decision.discard`) end FAILED with its reasons first;
 3. each plan completed with the router's own parts (drops, checkpoints, finishes), committed
    to the state, and handed to `send`, which returns handles to the data the plan will return
    (exported and checkpointed states, final latents or frames). Handles are opaque here: Ray
@@ -47,6 +48,7 @@ from stepserve.policies.types import (
     ClusterSnapshot,
     Decision,
     LoraBatching,
+    RequestFailure,
     RequestKind,
     RequestSpec,
     RequestStatus,
@@ -361,7 +363,8 @@ class RouterCore:
 
     def schedule(self, now: float, send: Send, interrupt: Interrupt, max_passes: int = 4) -> Decision:
         """Decide and dispatch a round, then cut short the running plans it changed (`interrupt`).
-        Returns what was sent (and the policy's `wake_at`).
+        Returns what was sent, the policy's `wake_at`, and the requests it gave up, which are
+        FAILED now (`discard`, each with the policy's reason: the caller tells their clients).
 
         A pass that exports state (a pause, or the first half of a move) changes what the next
         placement can do, and a worker that got a plan may still be open (its pipeline has room
@@ -369,12 +372,16 @@ class RouterCore:
         up to `max_passes` times.
         """
         sent: list[WorkerPlan] = []
+        discarded: list[RequestFailure] = []
         wake_at: float | None = None
         self._now = now
         for _ in range(max_passes):
             decision = self.policy.schedule(self.snapshot(now))
             self.decisions += 1
             self._check.decision(decision)
+            for failure in decision.discard:  # before the plans: they count what still waits
+                self.fail(failure.request_id, failure.message, now)
+                discarded.append(failure)
             plans = {p.worker_id: p for p in decision.plans}
             for wid in self._with_drops:  # cancelled residents still to forget
                 if wid not in plans and self._open(self._workers[wid]):
@@ -399,7 +406,7 @@ class RouterCore:
         opens = self._next_opening()
         if opens is not None:
             wake_at = opens if wake_at is None else min(wake_at, opens)
-        return Decision(tuple(sent), wake_at)
+        return Decision(tuple(sent), wake_at, tuple(discarded))
 
     def _complete(self, plans: list[WorkerPlan], now: float) -> list[WorkerPlan]:
         """Add the router's parts: drops, checkpoints, finishes (and the releases they imply)."""

@@ -195,6 +195,15 @@ class WorkersConfig(_Strict):
     num_gpus: float = Field(default=0, ge=0, description="Ray GPUs per worker (1 on a GPU cluster).")
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="'auto' uses CUDA when present.")
     torch_threads: int | None = Field(default=None, ge=1, description="torch intra-op threads per worker.")
+    pack_resolutions: bool = Field(
+        default=True,
+        description="Each step a worker runs its plan's plain image groups of one model as one forward, whatever "
+                    "their resolutions (PatchedServe): SD3 packs the images' tokens, SD1.5/SDXL run a patched UNet "
+                    "with per-image GroupNorm statistics. Exact (each image equals its forward alone to float "
+                    "rounding). Groups with LoRAs, ControlNets, cached-activation edits or split over workers, and "
+                    "families that cannot pack (Flux, video) run one forward per group. Off: one forward per "
+                    "resolution.",
+    )
 
     def to_spec(self) -> WorkerPoolSpec:
         return WorkerPoolSpec(**self.model_dump())

@@ -16,7 +16,7 @@ from typing import Any
 
 import ray
 
-from stepserve.actors.router import RequestCancelledError, RequestFailedError
+from stepserve.actors.router import RequestCancelledError, RequestDiscardedError, RequestFailedError
 from stepserve.actors.router_core import DuplicateRequestError, QueueFullError
 from stepserve.deployments.errors import APIError, server_error
 from stepserve.deployments.jobs import IdempotencyConflict, JobTableFull
@@ -27,6 +27,9 @@ logger = logging.getLogger("stepserve.edge")
 
 POLL_GAP_S = 0.05  # at most this often under load: the report changes with every admission and finish
 ROUTER_RETRY_S = 5.0
+# Nothing predicts when the load that made the scheduler give a request up eases: the least
+# whole second, as the admission rule says when it has no prediction either.
+DISCARD_RETRY_S = 1.0
 
 
 class AdmissionGate:
@@ -88,6 +91,11 @@ def as_api_error(exc: BaseException, request_id: str) -> BaseException:
                         type="rate_limit_error", request_id=request_id, retry_after_s=ROUTER_RETRY_S)
     if isinstance(exc, RequestCancelledError):
         return APIError(409, f"request {request_id} was cancelled", code="cancelled", request_id=request_id)
+    if isinstance(exc, RequestDiscardedError):
+        # Load shed by the scheduler, as the gate sheds it by queue bounds: a 429 too.
+        return APIError(429, f"request {request_id} cannot meet its deadline under the current load; retry later "
+                        f"({exc.message})", code=exc.code, type="rate_limit_error", request_id=request_id,
+                        retry_after_s=DISCARD_RETRY_S)
     if isinstance(exc, RequestFailedError):
         logger.error("request %s failed: %s", request_id, exc)
         return server_error(request_id, "generation_failed", "generation failed")

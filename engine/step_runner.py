@@ -54,14 +54,15 @@ class Admission:
 class StepRunner:
     def __init__(self, worker_id: str, families: Mapping[str, DiffusionFamily], incarnation: str = "",
                  decode_images: bool = False, loras: LoraLoader | None = None, lora_join_by: float = 0.0,
-                 templates: TemplateCache | None = None):
+                 templates: TemplateCache | None = None, pack_resolutions: bool = False):
         """`decode_images`: a finished image leaves as its PNG, decoded by this worker's VAE, not as
         its latents (`vae_decoder.on_workers`). A video always leaves decoded (`decode_on_worker`).
         `loras`: brings LoRAs that are not in the families yet (None: every LoRA a request names
         must be loaded already); `lora_join_by`: the fraction of a request's steps that may run
         before its LoRAs have arrived (0: none, exact). `templates`: where edits of templates find
         and keep cached activations, and what they hold (`engine.template_edits`; None: every
-        edit is exact)."""
+        edit is exact). `pack_resolutions`: a plan's plain groups of one model whose family
+        packs resolutions run as one forward (`_packed`)."""
         if not 0.0 <= lora_join_by < 1.0:
             raise ValueError(f"lora_join_by must be in [0, 1), got {lora_join_by}")
         self.worker_id = worker_id
@@ -71,6 +72,7 @@ class StepRunner:
         self.loras = loras
         self.lora_join_by = lora_join_by
         self.templates = templates
+        self.pack_resolutions = pack_resolutions
         self.samplers: dict[str, Sampler] = {}
         self._cuda_devices = {f.device for f in self.families.values() if f.device.type == "cuda"}
 
@@ -103,11 +105,12 @@ class StepRunner:
             self.samplers.pop(rid, None)
         for rid in plan.admit:
             run.admit(rid, admissions.get(rid))
+        groups = self._packed(plan.groups) if self.pack_resolutions else plan.groups
         steps_run = 0
         for _ in range(plan.steps):
             if steps_run and stop is not None and stop():
                 break
-            for group in plan.groups:
+            for group in groups:
                 run.step(group, sp_group)
             steps_run += 1
         cut = steps_run < plan.steps
@@ -135,6 +138,44 @@ class StepRunner:
             lora_wait_s=run.lora_wait_s,
         )
         return report, payloads
+
+
+    def _packed(self, groups: tuple[StepGroup, ...]) -> list[StepGroup]:
+        """`groups` with the plain ones of each model whose family packs resolutions joined into
+        one, at the first one's place (PatchedServe §4: one forward however many resolutions the
+        policy's groups hold). Plain: on this worker alone, every member resident, no add-ons, no
+        template edit reusing cached activations. A group whose sizes the family cannot pack with
+        the ones joined so far stays on its own."""
+        out: list[StepGroup] = []
+        packs: dict[str, int] = {}  # model -> the index in `out` of its packed group
+        for group in groups:
+            model = self._plain_model(group)
+            at = packs.get(model) if model is not None else None
+            if at is None:
+                if model is not None:
+                    packs[model] = len(out)
+                out.append(group)
+                continue
+            joined = StepGroup(out[at].request_ids + group.request_ids)
+            if self.families[model].packs([tuple(self.samplers[rid].latents.shape[1:]) for rid in joined.request_ids]):
+                out[at] = joined
+            else:
+                out.append(group)
+        return out
+
+    def _plain_model(self, group: StepGroup) -> str | None:
+        """The model of a group `_packed` may join with others, else None."""
+        samplers = [self.samplers.get(rid) for rid in group.request_ids]
+        if group.ranks or not samplers or any(s is None for s in samplers):
+            return None
+        models = {s.spec.model for s in samplers}
+        model = next(iter(models))
+        family = self.families.get(model)
+        if len(models) > 1 or family is None or not family.mixed_resolutions:
+            return None
+        if any(s.spec.loras or s.spec.controlnets or s.template is not None for s in samplers):
+            return None
+        return model
 
 
 class _PlanRun:
@@ -255,31 +296,20 @@ class _PlanRun:
                 self.fail(rid, f"denoising step refused: {type(exc).__name__}: {exc}", lost=False)
             return
         inputs = [model_input for _, _, model_input in members]
-        if len(inputs) == 1:
-            sample, timesteps, cond = inputs[0]
-        else:
-            sample, timesteps = (torch.cat([x[i] for x in inputs]) for i in (0, 1))
-            cond = {name: torch.cat([x[2][name] for x in inputs]) for name in inputs[0][2]}
         try:
-            process_group = sp_group(group.ranks) if group.ranks and sp_group is not None else None
-            addons = _group_addons(samplers)
-            if group.ranks and group.split is GroupSplit.CFG:
-                noise_pred = cfg_split_denoise(family, sample, timesteps, cond, process_group, addons)
-            elif not group.ranks and not addons and all(s.template is not None for s in samplers):
-                noise_pred = template_forward(family, samplers, sample, timesteps, cond)
-            else:
+            if _mixes_sizes(samplers):  # (`_group_family` allowed it: one worker, no add-ons)
                 for sampler in samplers:  # (a record missing this step would be no record)
                     sampler.template = None
-                # Only families that take add-ons take the keyword (admission refused the others' requests).
-                extra = {"addons": addons} if addons else {}
-                noise_pred = family.denoise(sample, timesteps, cond, sp_group=process_group, **extra)
+                outputs = family.denoise_mixed(inputs)
+            else:
+                outputs = self._forward(group, family, samplers, inputs, sp_group).split([s.rows for s in samplers])
         except Exception as exc:
             # Over ranks, a forward fails mostly because a partner died or never came: the
             # request's state is then only as good as its last checkpoint.
             for rid, _, _ in members:
                 self.fail(rid, f"denoising step failed: {type(exc).__name__}: {exc}", lost=bool(group.ranks))
             return
-        for (rid, sampler, _), rows in zip(members, noise_pred.split([s.rows for _, s, _ in members])):
+        for (rid, sampler, _), rows in zip(members, outputs):
             try:
                 sampler.advance(rows)
             except Exception as exc:
@@ -290,15 +320,39 @@ class _PlanRun:
             if record is not None:
                 self.runner.templates.source.put(sampler.template.key, record)
 
+    def _forward(self, group: StepGroup, family: DiffusionFamily, samplers: list[Sampler], inputs: list[tuple],
+                 sp_group: Callable[[tuple[int, ...]], Any] | None) -> torch.Tensor:
+        """The group's noise prediction, its members' rows concatenated (they share one latent size)."""
+        if len(inputs) == 1:
+            sample, timesteps, cond = inputs[0]
+        else:
+            sample, timesteps = (torch.cat([x[i] for x in inputs]) for i in (0, 1))
+            cond = {name: torch.cat([x[2][name] for x in inputs]) for name in inputs[0][2]}
+        process_group = sp_group(group.ranks) if group.ranks and sp_group is not None else None
+        addons = _group_addons(samplers)
+        if group.ranks and group.split is GroupSplit.CFG:
+            return cfg_split_denoise(family, sample, timesteps, cond, process_group, addons)
+        if not group.ranks and not addons and all(s.template is not None for s in samplers):
+            return template_forward(family, samplers, sample, timesteps, cond)
+        for sampler in samplers:  # (a record missing this step would be no record)
+            sampler.template = None
+        # Only families that take add-ons take the keyword (admission refused the others' requests).
+        extra = {"addons": addons} if addons else {}
+        return family.denoise(sample, timesteps, cond, sp_group=process_group, **extra)
+
     def _group_family(self, group: StepGroup, samplers: list[Sampler],
                       sp_group: Callable[[tuple[int, ...]], Any] | None) -> DiffusionFamily:
         """The family that runs the group's forward, once the group is known to be runnable."""
         models = sorted({sampler.spec.model for sampler in samplers})
         if len(models) > 1:
             raise ValueError(f"one forward cannot mix models {models}")
-        if len({sampler.latents.shape for sampler in samplers}) > 1:
-            raise ValueError("one forward cannot mix latent shapes")
         family = self.family(samplers[0].spec)
+        if _mixes_sizes(samplers):
+            if not family.packs([tuple(s.latents.shape[1:]) for s in samplers]):
+                raise ValueError(f"one forward of model {models[0]!r} cannot mix latent shapes "
+                                 f"{sorted({tuple(s.latents.shape[1:]) for s in samplers})}")
+            if group.ranks or any(s.spec.controlnets or s.spec.loras for s in samplers):
+                raise ValueError("a forward mixing latent shapes runs on one worker, without add-ons")
         if len(group.ranks) > 1:
             if len(group.request_ids) != 1:
                 raise ValueError(f"a group split over ranks holds one request, not {len(group.request_ids)}")
@@ -350,6 +404,11 @@ class _PlanRun:
             return None
         self.samplers.pop(rid, None)
         return output
+
+
+def _mixes_sizes(samplers: list[Sampler]) -> bool:
+    """Its members' latents differ in shape (images of different resolutions)."""
+    return len({sampler.latents.shape for sampler in samplers}) > 1
 
 
 def _group_addons(samplers: list[Sampler]) -> StepAddons:

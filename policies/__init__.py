@@ -26,6 +26,7 @@ from stepserve.policies.types import (
 from stepserve.policies import continuous, dynamic_batching, latent_parallel, static_fcfs  # noqa: E402,F401  isort: skip
 from stepserve.policies.genserve import policy as genserve_policy  # noqa: E402,F401  isort: skip
 from stepserve.policies.instgenie import placement as instgenie_placement  # noqa: E402,F401  isort: skip
+from stepserve.policies.patchedserve import scheduler as patchedserve_scheduler  # noqa: E402,F401  isort: skip
 
 __all__ = [
     "ClusterSnapshot",

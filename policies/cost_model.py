@@ -15,7 +15,7 @@ policy can rely on "more work never costs less".
 
 CSV schema (one for every device), one row per measured point:
 
-    model,device,component,height,width,rows,frames,latency_ms,samples,source,sp_degree
+    model,device,component,height,width,rows,frames,latency_ms,samples,source,sp_degree,mask_ratio
 
 - `component`: denoise | round_overhead | text_encode | vae_decode | request_overhead | host_probe |
   host_idle | router_cpu | controlnet | controlnet_transfer | denoise_encoder | lora | cfg_exchange |
@@ -52,6 +52,10 @@ CSV schema (one for every device), one row per measured point:
   all-to-all); 1 otherwise. Each degree is fitted on its own, so communication's share (large
   for short sequences, GenServe Fig. 6) is in the numbers rather than modelled. A profile may
   omit the column (older files): every row is then degree 1.
+- `mask_ratio`: for denoise, the share of image tokens the forward computed (InstGenIE): below 1,
+  the served forward of edits with cached activations (the rest of the tokens taken from a
+  template's record, loads included). `ProfiledCostModel` fits only full forwards (1) and keeps
+  the others for `policies/instgenie/edit_profile.py`. Optional (older files): 1.
 - `latency_ms`: the median of `samples` repeats; `source`: "measured <date> <device>" or a
   citation (derived tables say so).
 """
@@ -95,8 +99,9 @@ HOST_COMPONENTS = (HOST_PROBE, HOST_IDLE, ROUTER_CPU)  # what the host does besi
 SHAPED = (DENOISE, VAE_DECODE, HOST_PROBE, *EXTRA_COMPONENTS)  # rows that need a height and width
 
 CSV_COLUMNS = ("model", "device", "component", "height", "width", "rows", "frames", "latency_ms", "samples", "source",
-               "sp_degree")
-OPTIONAL_COLUMNS = {"sp_degree": "1"}  # absent in profiles written before video support
+               "sp_degree", "mask_ratio")
+# Absent in profiles written before video support (sp_degree) and before masked forwards (mask_ratio).
+OPTIONAL_COLUMNS = {"sp_degree": "1", "mask_ratio": "1"}
 
 # Methods are tried in this order; a later one must beat an earlier one's held-out error by
 # more than this factor to be chosen.
@@ -128,8 +133,8 @@ class BatchShape:
     (`computed_share` of each member); below 1 the rest reuses cached activations, which are
     loaded. One number suffices because both the work and the bytes to load are linear in each
     row's ratio (InstGenIE Table 1). `ProfiledCostModel` prices the full forward whatever it is
-    (its profile has no masked points); `policies/instgenie/edit_costs.MaskAwareCosts` prices
-    what the cache saves.
+    (it fits full forwards only); `policies/instgenie/edit_costs.MaskAwareCosts` prices what the
+    cache saves.
     """
 
     model: str
@@ -246,6 +251,7 @@ class ProfileRow:
     samples: int
     source: str
     sp_degree: int = 1
+    mask_ratio: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -256,6 +262,10 @@ class ProfileRow:
             raise ProfileError(f"bad sizes in {self}")
         if self.sp_degree < 1 or (self.sp_degree > 1 and self.component != DENOISE):
             raise ProfileError(f"sp_degree must be 1, or > 1 on denoise rows only: {self}")
+        if not 0.0 < self.mask_ratio <= 1.0 or (self.mask_ratio < 1.0 and (
+                self.component != DENOISE or self.sp_degree != 1 or self.frames != 1)):
+            raise ProfileError(f"mask_ratio must be in (0, 1], and < 1 on image denoise rows at sp_degree 1 only: "
+                               f"{self}")
         if not (math.isfinite(self.latency_ms) and self.latency_ms >= 0):
             raise ProfileError(f"latency_ms must be finite and >= 0, got {self.latency_ms!r}")
         shaped = self.height > 0 and self.width > 0
@@ -277,7 +287,7 @@ class ProfileRow:
             "model": self.model, "device": self.device, "component": self.component,
             "height": str(self.height), "width": str(self.width), "rows": str(self.rows),
             "frames": str(self.frames), "latency_ms": f"{self.latency_ms:.4f}", "samples": str(self.samples),
-            "source": self.source, "sp_degree": str(self.sp_degree),
+            "source": self.source, "sp_degree": str(self.sp_degree), "mask_ratio": f"{self.mask_ratio:.6g}",
         }
 
 
@@ -288,6 +298,7 @@ def _parse_row(raw: dict[str, str], where: str) -> ProfileRow:
             height=int(raw["height"]), width=int(raw["width"]), rows=int(raw["rows"]), frames=int(raw["frames"]),
             latency_ms=float(raw["latency_ms"]), samples=int(raw["samples"]), source=(raw["source"] or "").strip(),
             sp_degree=int(raw.get("sp_degree") or OPTIONAL_COLUMNS["sp_degree"]),
+            mask_ratio=float(raw.get("mask_ratio") or OPTIONAL_COLUMNS["mask_ratio"]),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ProfileError(f"{where}: {exc}") from None
@@ -304,8 +315,8 @@ def read_profile(path: str | os.PathLike) -> list[ProfileRow]:
 
 def write_profile(path: str | os.PathLike, rows: Iterable[ProfileRow]) -> None:
     """Write rows sorted by model, component, shape: diffs between two profiles stay readable."""
-    ordered = sorted(rows, key=lambda r: (r.model, COMPONENTS.index(r.component), r.sp_degree, r.pixels, r.height,
-                                          r.rows))
+    ordered = sorted(rows, key=lambda r: (r.model, COMPONENTS.index(r.component), r.sp_degree, -r.mask_ratio,
+                                          r.pixels, r.height, r.rows))
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, lineterminator="\n")
         writer.writeheader()
@@ -555,8 +566,9 @@ class _ModelCosts:
         self.device = devices[0]
         self.sources = sorted({r.source for r in rows})
         by_component: dict[str, list[ProfileRow]] = {c: [] for c in COMPONENTS}
+        self.masked: list[ProfileRow] = []  # forwards with cached activations: not fitted here
         for r in rows:
-            by_component[r.component].append(r)
+            (self.masked if r.mask_ratio < 1.0 else by_component[r.component]).append(r)
         self.fits: dict[str, FitResult] = {}
         degrees = sorted({r.sp_degree for r in by_component[DENOISE]})
         # One fit per SP degree; degree 1 reports as plain "denoise", others as "denoise@spD".
@@ -685,6 +697,12 @@ class ProfiledCostModel:
     @property
     def models(self) -> tuple[str, ...]:
         return tuple(sorted(self._models))
+
+    @property
+    def masked_rows(self) -> tuple[ProfileRow, ...]:
+        """The denoise rows of forwards with cached activations (mask_ratio < 1), which this model
+        does not fit: `policies/instgenie/edit_profile.py` prices edits from them."""
+        return tuple(r for costs in self._models.values() for r in costs.masked)
 
     def _costs(self, model: str) -> _ModelCosts:
         try:

@@ -427,14 +427,31 @@ class WorkerPlan:
 class Decision:
     """A scheduler's answer: at most one plan per open worker. `wake_at`: a policy that holds
     work back on purpose (a batching window) asks to be called again then, even if nothing else
-    happens."""
+    happens. `discard`: waiting requests the policy gives up this round because they cannot meet
+    their deadlines under the present load (PatchedServe's Algorithm 1: not even if run now), each
+    with the reason, which their callers are told; the router fails them before it sends any plan
+    (a late image is worth nothing to its client, and the work it would take delays the others).
+    A discarded request is in no plan of the same decision."""
 
     plans: tuple[WorkerPlan, ...] = ()
     wake_at: float | None = None
+    discard: tuple[RequestFailure, ...] = ()
 
     def __post_init__(self) -> None:
         if self.wake_at is not None and not math.isfinite(self.wake_at):
             raise ValueError(f"wake_at must be finite or None, got {self.wake_at!r}")
+        if not isinstance(self.discard, tuple):
+            raise ValueError(f"discard must be a tuple of RequestFailures, got {type(self.discard).__name__}")
+        seen: set[str] = set()
+        for failure in self.discard:
+            if not isinstance(failure, RequestFailure) or not isinstance(failure.request_id, str):
+                raise ValueError(f"discard holds RequestFailures with string request ids, got {failure!r}")
+            if failure.lost:
+                raise ValueError(f"discarded {failure.request_id!r} is marked lost: a policy gives requests up, "
+                                 "it does not lose their state")
+            if failure.request_id in seen:
+                raise ValueError(f"{failure.request_id!r} is discarded twice")
+            seen.add(failure.request_id)
 
 
 @dataclass(frozen=True)

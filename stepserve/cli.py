@@ -141,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
                       help="on CPU, measure how busy cores slow each other (default: on, off with --quick)")
     prof.add_argument("--batches", type=int, nargs="+", help="requests per forward (overrides the grid)")
     prof.add_argument("--repeats", type=int, help="timed repeats per point (overrides the grid)")
+    prof.add_argument("--mask-ratios", type=float, nargs="*",
+                      help="where the model edits with cached activations, the mask ratios (in (0, 1)) its masked "
+                           "forwards are measured at (default: 0.1 0.2 0.5; none given: not measured)")
     prof.add_argument("--num-cpus", type=int, default=None, help="CPUs the local Ray may use (default: all)")
     prof.set_defaults(func=_profile)
 

@@ -5,6 +5,9 @@ What is measured, each the median of interleaved repeats after a warm-up:
 - denoise: one `family.denoise` forward per (resolution, batch rows); CFG on and off are covered
   by the rows they produce (a CFG request is 2 rows, so both settings meet at even rows, which
   are measured once).
+- denoise with mask_ratio < 1 (where the family edits with cached activations): the forward the
+  workers serve for a batch of edits of templates they hold a record of, at the grid's mask
+  ratios, per resolution and number of edits (`masked_batches`); see profile_edits.py.
 - round_overhead, per group: `StepRunner.execute(plan)` wall time minus the time spent inside
   `family.denoise` during that very call (the family is wrapped to time its forwards), i.e.
   the sampler bookkeeping a round adds around the forward.
@@ -81,6 +84,14 @@ class ProfileGrid:
     rpc_repeats: int = 200
     live_steps: tuple[int, int] = (1, 11)
     live_repeats: int = 5
+    # Masked forwards (profile_edits.py): edits per forward (CFG's 2 rows each where the model
+    # guides by CFG), at every size, and the mask ratios they compute (none: not measured).
+    masked_batches: tuple[int, ...] = (1, 4, 8)
+    mask_ratios: tuple[float, ...] = (0.1, 0.2, 0.5)
+
+    def __post_init__(self) -> None:
+        if not all(0.0 < m < 1.0 for m in self.mask_ratios):
+            raise ValueError(f"mask ratios must be in (0, 1), got {list(self.mask_ratios)}")
 
     @property
     def rows(self) -> tuple[int, ...]:
@@ -97,7 +108,7 @@ GRIDS = {
                         overhead_batches=(1, 8, 16), warmup=2, repeats=10, live_repeats=15),
 }
 QUICK = ProfileGrid(sizes=(64,), batches=(1, 2), texts=(1, 2), overhead_batches=(1, 2), warmup=1, repeats=3,
-                    rpc_repeats=50, live_repeats=3)
+                    rpc_repeats=50, live_repeats=3, masked_batches=(1, 2))
 
 
 def log(message: str) -> None:
@@ -176,9 +187,9 @@ class Context:
     source: str  # "measured <date>"
 
     def row(self, component: str, latency_s: float, samples: int, height: int = 0, width: int = 0, rows: int = 1,
-            note: str = "", frames: int = 1, sp_degree: int = 1) -> ProfileRow:
+            note: str = "", frames: int = 1, sp_degree: int = 1, mask_ratio: float = 1.0) -> ProfileRow:
         return ProfileRow(self.model, self.device, component, height, width, rows, frames, latency_s * 1e3, samples,
-                          f"{self.source}; {note}" if note else self.source, sp_degree)
+                          f"{self.source}; {note}" if note else self.source, sp_degree, mask_ratio)
 
 
 # -- the model's own work --------------------------------------------------------------------
@@ -651,6 +662,8 @@ def choose_grid(args: argparse.Namespace, device: str) -> ProfileGrid:
         changes["batches"] = tuple(args.batches)
     if args.repeats:
         changes["repeats"] = args.repeats
+    if args.mask_ratios is not None:
+        changes["mask_ratios"] = tuple(args.mask_ratios)
     return grid if not changes else ProfileGrid(**{**grid.__dict__, **changes})
 
 
@@ -661,6 +674,7 @@ def run_profile(args: argparse.Namespace) -> int:
     from stepserve.deployments.config import AppConfig
     from stepserve.engine.families import ALL_PARTS, load_family
     from stepserve.profile_addons import measure_addons
+    from stepserve.profile_edits import masked_fit_report, measure_masked
     from stepserve.runtime import start_local_ray
 
     started = time.perf_counter()
@@ -677,7 +691,11 @@ def run_profile(args: argparse.Namespace) -> int:
         return run_video_profile(args, serve_config, app, model_config)
     device = resolve_device(args.device)
     out = Path(args.out) if args.out else CONFIGS / "profiles" / f"{model_config.name}-{device.split(':')[0]}.csv"
-    grid = choose_grid(args, device)
+    try:
+        grid = choose_grid(args, device)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     live = (not args.quick) if args.live is None else args.live
 
     torch.manual_seed(0)
@@ -691,6 +709,7 @@ def run_profile(args: argparse.Namespace) -> int:
 
     rows = measure_denoise(ctx, worker_threads)
     rows += measure_addons(ctx, app, worker_threads)
+    rows += measure_masked(ctx, app.edit_cache.cache, worker_threads)
     rows += measure_round_bookkeeping(ctx, worker_threads)
     # Where prompts encode and images decode: on the workers (`text_encoder.on_workers`,
     # `vae_decoder.on_workers`), with their threads.
@@ -734,6 +753,8 @@ def run_profile(args: argparse.Namespace) -> int:
     model = ProfiledCostModel.from_csv(out)
     log(f"wrote {len(rows)} rows to {out} in {time.perf_counter() - started:.0f} s")
     print(format_fit_report(model.fit_report()))
+    if model.masked_rows:
+        print(masked_fit_report(ctx, app.edit_cache.cache, model.masked_rows))
     if live_result is not None:
         size, hi = live_result.size, live_result.steps[1]
         batch = BatchShape(model_config.name, size, size, request_rows)

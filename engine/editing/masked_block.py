@@ -46,7 +46,7 @@ def masked_block_forward(
 
     def every_token(_: int, attn: Attention, norm_image: torch.Tensor, text_k: torch.Tensor | None,
                     text_v: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        return (_join(_per_head(attn, attn.to_k(norm_image), attn.norm_k), text_k),
+        return (_join(per_head(attn, attn.to_k(norm_image), attn.norm_k), text_k),
                 _join(attn.to_v(norm_image), text_v))
 
     context, masked = _block(block, hidden_states, index, encoder_hidden_states, temb, every_token)
@@ -71,7 +71,7 @@ def keys_values_block_forward(
 
     def fresh_among_cached(pair: int, attn: Attention, norm_masked: torch.Tensor, text_k: torch.Tensor | None,
                            text_v: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        keys = _per_head(attn, attn.to_k(norm_masked), attn.norm_k)
+        keys = per_head(attn, attn.to_k(norm_masked), attn.norm_k)
         return (_with_cached(cached[:, 2 * pair], index, keys, text_k),
                 _with_cached(cached[:, 2 * pair + 1], index, attn.to_v(norm_masked), text_v))
 
@@ -108,7 +108,7 @@ def _block(
         )
 
     attn = block.attn
-    text_k = _per_head(attn, attn.add_k_proj(norm_context), attn.norm_added_k)
+    text_k = per_head(attn, attn.add_k_proj(norm_context), attn.norm_added_k)
     keys, values = keys_values(0, attn, norm_image, text_k, attn.add_v_proj(norm_context))
     attn_output, context_attn_output = _attention(attn, _queried(norm_image, index), keys, values, norm_context)
     computed = computed + gate_msa.unsqueeze(1) * attn_output
@@ -134,9 +134,9 @@ def _attention(
     `values` [B, N, heads * d] (image tokens, then text tokens, as the processor joins them):
     (those image tokens' output [B, M, H], the text tokens' output or None: `attn2` has no text,
     and a block whose text stream ends here drops its text queries)."""
-    queries = [_per_head(attn, attn.to_q(norm_image), attn.norm_q)]
+    queries = [per_head(attn, attn.to_q(norm_image), attn.norm_q)]
     if norm_context is not None and not attn.context_pre_only:
-        queries.append(_per_head(attn, attn.add_q_proj(norm_context), attn.norm_added_q))
+        queries.append(per_head(attn, attn.add_q_proj(norm_context), attn.norm_added_q))
     out = masked_query_attention(_heads(attn, torch.cat(queries, dim=1) if len(queries) > 1 else queries[0]),
                                  _heads(attn, keys), _heads(attn, values))
     out = out.transpose(1, 2).flatten(2).to(queries[0].dtype)
@@ -164,7 +164,7 @@ def _with_cached(cached: torch.Tensor, index: torch.Tensor, fresh: torch.Tensor,
     return write_tokens(torch.cat([cached, text], dim=1), index, fresh)
 
 
-def _per_head(attn: Attention, x: torch.Tensor, norm: torch.nn.Module | None) -> torch.Tensor:
+def per_head(attn: Attention, x: torch.Tensor, norm: torch.nn.Module | None) -> torch.Tensor:
     """x [B, N, heads * d] with the layer's per-head q/k norm if it has one, in the same layout:
     the norm acts on each head's d features alone, as the processor applies it to [B, heads, N, d]."""
     return x if norm is None else norm(x.unflatten(-1, (attn.heads, -1))).flatten(-2)

@@ -228,10 +228,10 @@ def _forward(transformer: SD3Transformer2DModel, inputs: SD3Inputs, run_block: B
     tokens = transformer.proj_out(transformer.norm_out(hidden, temb))
     if out_tokens is not None:
         tokens = out_tokens(tokens)
-    return _unpatchify(tokens, height, width, transformer.config.patch_size, transformer.out_channels)
+    return unpatchify(tokens, height, width, transformer.config.patch_size, transformer.out_channels)
 
 
-def _unpatchify(tokens: torch.Tensor, height: int, width: int, patch: int, channels: int) -> torch.Tensor:
+def unpatchify(tokens: torch.Tensor, height: int, width: int, patch: int, channels: int) -> torch.Tensor:
     """[B, (h/p)(w/p), p*p*C] -> [B, C, h, w], as the end of `SD3Transformer2DModel.forward`."""
     grid = tokens.reshape(tokens.shape[0], height // patch, width // patch, patch, patch, channels)
     return torch.einsum("nhwpqc->nchpwq", grid).reshape(tokens.shape[0], channels, height, width)

@@ -117,8 +117,12 @@ class DiffusionFamily(ABC):
     # its workers load its VAE to encode the images.
     edits: ClassVar[bool] = False
     # Edits of a template may reuse its cached activations (`engine.template_edits`): it has
-    # `patch_size`, `cache_slots`, `denoise_recording` and `denoise_masked`.
+    # `patch_size`, `cache_slots`, `denoise_recording`, `denoise_masked` and `dit_dims`.
     cached_edits: ClassVar[bool] = False
+    # Requests of different resolutions may share a forward (PatchedServe §4): it has
+    # `denoise_mixed`, which runs each member's (sample, timesteps, cond) of the latent sizes
+    # `packs` accepts in one forward, each member's output as `denoise` gives it alone.
+    mixed_resolutions: ClassVar[bool] = False
 
     source: ModelSource
     device: torch.device
@@ -158,6 +162,11 @@ class DiffusionFamily(ABC):
     ) -> torch.Tensor:
         """One forward over a batch with a per-sample timestep vector; with `sp_group` (a
         torch.distributed group; only where `sequence_parallel`) split over that group's ranks."""
+
+    def packs(self, sizes: Sequence[tuple[int, ...]]) -> bool:
+        """Whether latents of these sizes ([C, h, w] of each member) can share one `denoise_mixed`
+        forward: never, unless the family has `mixed_resolutions`."""
+        return self.mixed_resolutions
 
     @abstractmethod
     def decode(self, latents: torch.Tensor) -> np.ndarray:

@@ -34,6 +34,8 @@ from stepserve.engine.families.base import (
 from stepserve.engine.families.presets import (
     autoencoder_kl, clip_text_config, preset_config, seeded_parts, vae_geometry,
 )
+from stepserve.engine.patched.layout import patch_side
+from stepserve.engine.patched.unet import patch_multiple, patched_unet_forward
 from stepserve.engine.tokenizer import byte_level_clip_tokenizer, byte_level_vocab
 from stepserve.policies.types import RequestKind, RequestSpec
 
@@ -125,6 +127,7 @@ class SD15Family(DiffusionFamily):
     xformers_attention: ClassVar[bool] = True
     takes_addons = True
     edits = True  # as StableDiffusionInpaintPipeline with this (4-channel) UNet
+    mixed_resolutions = True  # a patched UNet forward (`engine.patched`), exact
 
     def __init__(self, source: ModelSource, components: dict[str, Any], device: torch.device):
         self.source = source
@@ -252,6 +255,32 @@ class SD15Family(DiffusionFamily):
                 inputs = {**inputs, "down_block_additional_residuals": residuals[0],
                           "mid_block_additional_residual": residuals[1]}
             return self.denoiser(sample, timesteps, **inputs, return_dict=False)[0]
+
+    def packs(self, sizes: Sequence[tuple[int, ...]]) -> bool:
+        """Their latents tile into square patches the UNet downsamples whole (`engine.patched`)."""
+        if not self.mixed_resolutions:
+            return False
+        try:
+            patch_side([size[-2:] for size in sizes], patch_multiple(self.denoiser))
+        except ValueError:
+            return False
+        return True
+
+    @torch.inference_mode()
+    def denoise_mixed(
+        self, inputs: Sequence[tuple[torch.Tensor, torch.Tensor, RowConditioning]]
+    ) -> list[torch.Tensor]:
+        """`denoise` of each (sample, timesteps, cond) of `inputs`, samples of any sizes `packs`
+        accepts, as one UNet forward over their patches with exact stitching and per-image
+        GroupNorm statistics (`engine.patched.unet`): no add-ons (the step runner packs plain
+        groups only)."""
+        conds = [self.denoiser_inputs(cond) for _, _, cond in inputs]
+        added = [c["added_cond_kwargs"] for c in conds if "added_cond_kwargs" in c]
+        return patched_unet_forward(
+            self.denoiser, [sample for sample, _, _ in inputs], torch.cat([t for _, t, _ in inputs]),
+            torch.cat([c["encoder_hidden_states"] for c in conds]),
+            {name: torch.cat([a[name] for a in added]) for name in added[0]} if added else None,
+        )
 
     def _service_residuals(self, sample: torch.Tensor, timesteps: torch.Tensor, inputs: dict[str, Any],
                            addons: StepAddons) -> Callable[[], Residuals]:

@@ -31,12 +31,17 @@ from stepserve.engine.families.presets import (
     autoencoder_kl, clip_text_config, preset_config, seeded_parts, t5_encoder, vae_geometry,
 )
 from stepserve.engine.families.sdxl import TEXT_2
+from stepserve.engine.packing.packed_sd3 import packed_forward
+from stepserve.engine.patch_cache.cache import PatchCache
+from stepserve.engine.patch_cache.cached_sd3 import PatchReuse, patch_cached_forward
 from stepserve.engine.tokenizer import byte_level_clip_tokenizer, byte_level_vocab, character_t5_tokenizer, \
     t5_character_vocab
+from stepserve.policies.instgenie.edit_costs import DiTDims
 from stepserve.policies.types import RequestSpec
 
 TEXT_3 = "text_3"  # the T5 encoder, loaded with TEXT
 MAX_SEQUENCE_LENGTH = 256  # StableDiffusion3Pipeline.__call__'s default T5 length
+CLIP_TOKENS = 77  # the pipeline pads CLIP prompts to its tokenizers' length, before T5's tokens
 
 # SD3-medium's and SD3.5's published scheduler: flow matching, timesteps shifted by 3.
 SD3_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0)
@@ -136,6 +141,7 @@ class SD3Family(FlowMatchingImageFamily):
     modules = FlowMatchingImageFamily.modules + (TEXT_2, TEXT_3)
     edits = True  # as StableDiffusion3InpaintPipeline with this (16-channel) transformer
     cached_edits = True
+    mixed_resolutions = True
 
     def make_pipeline(self, components: dict[str, Any], scheduler: Any) -> Any:
         return StableDiffusion3Pipeline(
@@ -149,20 +155,46 @@ class SD3Family(FlowMatchingImageFamily):
     folder_components = staticmethod(load_folder_components)
 
     @classmethod
-    def max_side(cls, source: ModelSource) -> int | None:
-        # The transformer's positional table covers `pos_embed_max_size` patches a side; beyond
-        # that its forward raises.
+    def _configs(cls, source: ModelSource) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """The transformer's and the VAE's configs, read without loading weights; None where they
+        cannot be read here."""
         if source.preset is not None:
             if source.preset not in PRESETS:
                 return None  # loading says which presets exist
-            transformer, vae = PRESETS[source.preset]["transformer"], PRESETS[source.preset]["vae"]
-        elif os.path.isdir(source.path):
-            transformer = SD3Transformer2DModel.load_config(source.path, subfolder="transformer")
-            vae = AutoencoderKL.load_config(source.path, subfolder="vae")
-        else:
-            return None  # a folder only the workers' nodes hold
+            return PRESETS[source.preset]["transformer"], PRESETS[source.preset]["vae"]
+        if os.path.isdir(source.path):
+            return (SD3Transformer2DModel.load_config(source.path, subfolder="transformer"),
+                    AutoencoderKL.load_config(source.path, subfolder="vae"))
+        return None  # a folder only the workers' nodes hold
+
+    @classmethod
+    def max_side(cls, source: ModelSource) -> int | None:
+        # The transformer's positional table covers `pos_embed_max_size` patches a side; beyond
+        # that its forward raises.
+        configs = cls._configs(source)
+        if configs is None:
+            return None
+        transformer, vae = configs
         patches = transformer.get("pos_embed_max_size", 96) * transformer.get("patch_size", 2)
         return patches * vae_geometry(vae)["vae_scale_factor"]
+
+    @classmethod
+    def dit_dims(cls, source: ModelSource, kind: CacheKind) -> tuple[DiTDims, ...] | None:
+        """The transformer as the edit cost model counts its FLOPs (`policies.instgenie.DiTDims`),
+        with a cache of `kind`, read from configs without loading weights (the router prices edits
+        with it); None where they cannot be read here. SD3.5's second, image-only attention in its
+        first blocks is not counted: it scales with the masked tokens as the rest of its block
+        does, so the latency line fitted to profiled forwards takes it into its slope."""
+        configs = cls._configs(source)
+        if configs is None:
+            return None
+        transformer, vae = configs
+        return (DiTDims(blocks=transformer["num_layers"],
+                        hidden=transformer["num_attention_heads"] * transformer["attention_head_dim"],
+                        patch=transformer["patch_size"], text_tokens=CLIP_TOKENS + MAX_SEQUENCE_LENGTH,
+                        latent_factor=vae_geometry(vae)["vae_scale_factor"],
+                        bytes_per_value=source.torch_dtype.itemsize,
+                        keys_values=CacheKind(kind) is CacheKind.KEYS_VALUES),)
 
     @torch.inference_mode()
     def encode_text(self, texts: Sequence[str]) -> TextEmbeddings:
@@ -197,6 +229,31 @@ class SD3Family(FlowMatchingImageFamily):
         return self.denoiser(hidden_states=sample, timestep=timesteps, encoder_hidden_states=cond["context"],
                              pooled_projections=cond["pooled"], return_dict=False)[0]
 
+    def packs(self, sizes: Sequence[tuple[int, ...]]) -> bool:
+        return True  # tokens of any sizes concatenate (each latent side is a multiple of the patch)
+
+    @torch.inference_mode()
+    def denoise_mixed(
+        self, inputs: Sequence[tuple[torch.Tensor, torch.Tensor, RowConditioning]]
+    ) -> list[torch.Tensor]:
+        """`denoise` of each (sample, timesteps, cond) of `inputs`, samples of any latent sizes, as
+        one forward with their image tokens packed (`engine.packing.packed_sd3`). Inputs of one size
+        go in as one piece, so their rows' attention runs as one batch."""
+        by_size: dict[tuple[int, ...], list[int]] = {}
+        for i, (sample, _, _) in enumerate(inputs):
+            by_size.setdefault(tuple(sample.shape[1:]), []).append(i)
+        pieces = []
+        for members in by_size.values():
+            parts = [inputs[i] for i in members]
+            pieces.append(SD3Inputs(torch.cat([sample for sample, _, _ in parts]),
+                                    torch.cat([cond["context"] for _, _, cond in parts]),
+                                    torch.cat([cond["pooled"] for _, _, cond in parts]),
+                                    torch.cat([timesteps for _, timesteps, _ in parts])))
+        outputs: dict[int, torch.Tensor] = {}
+        for members, out in zip(by_size.values(), packed_forward(self.denoiser, pieces)):
+            outputs.update(zip(members, out.split([inputs[i][0].shape[0] for i in members])))
+        return [outputs[i] for i in range(len(inputs))]
+
     # ---- template edits with cached activations (`engine.template_edits`) ------------------
 
     @property
@@ -218,3 +275,11 @@ class SD3Family(FlowMatchingImageFamily):
                        plan: MaskedPlan) -> torch.Tensor:
         """`denoise` computing only `plan`'s masked tokens in the blocks it says, the rest cached."""
         return masked_forward(self.denoiser, self._inputs(sample, timesteps, cond), plan)
+
+    # ---- reuse of a request's patches across steps (`engine.patch_cache`) ---------------------
+
+    def denoise_patch_cached(self, sample: torch.Tensor, timesteps: torch.Tensor, cond: RowConditioning,
+                             caches: Sequence[PatchCache], reuse: PatchReuse) -> torch.Tensor:
+        """`denoise` reusing each request's patches from its previous step where `reuse`'s
+        predictor allows (`engine.patch_cache`); `caches`: the requests' own, rows in order."""
+        return patch_cached_forward(self.denoiser, self._inputs(sample, timesteps, cond), caches, reuse)

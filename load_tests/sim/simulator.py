@@ -11,7 +11,8 @@ What it models, in the live system's order (actors/router.py, deployments/):
    `text_encoder.on_workers`) it is ready at once, and the plan that admits it encodes them.
 3. Rounds: whenever something changes (ready requests, a report, a finished decode), one
    `RouterCore.schedule` at that instant, which sends plans to workers as the live router does
-   (up to `pipeline_depth` queued per worker).
+   (up to `pipeline_depth` queued per worker). A request the policy's decision gives up (its
+   `discard`: PatchedServe's requests that cannot meet their deadlines) fails then, in the core.
 4. A worker runs its plans in order (`SimWorker`, the StepRunner's twin); each takes the cost
    model's `round_seconds` of the groups that ran (plus the VAE decode of a video it finishes,
    and of an image when `decoders` is 0; and first, with no text encoder, the prompts of the
@@ -418,6 +419,9 @@ class Simulation:
         started = time.perf_counter()
         decision = self.core.schedule(self.events.now, self._send, self._interrupt)
         self.decision_wall.append(time.perf_counter() - started)
+        for failure in decision.discard:  # failed by the core, as the live router's are
+            entry = self.pending[failure.request_id]
+            entry.status, entry.finish_s, entry.state = "failed", self.events.now, self.core.state(failure.request_id)
         wake = decision.wake_at
         if wake is not None and wake not in self._wakes:
             # Asking to be woken now with nothing to do would spin the live router too; here

@@ -6,10 +6,13 @@
                                  always-load, exact and ideal ways to compare) pipeline_dp.py
     §4.3                         step-level continuous batching                policies/continuous.py
     §4.4 Algorithm 2             mask-aware placement, policy "mask_aware"    placement.py
+    §4.4 Fig. 11                 the FLOPs line fitted to a profile's masked
+                                 forwards (`stepserve profile`)               edit_profile.py
 
 `MaskAwareCosts(base, {model: EditCostModel})` is the `CostModel` the simulator and the policy
 share: forwards that reuse cached activations (`BatchShape.mask_ratio` < 1) cost what the edit
-model says, everything else what `base` (a profile) says.
+model says, everything else what `base` (a profile) says; `profiled_costs` builds it from a
+profile with masked rows.
 """
 
 from stepserve.policies.instgenie.edit_costs import (
@@ -21,6 +24,7 @@ from stepserve.policies.instgenie.edit_costs import (
     fit_line,
     forward_flops,
 )
+from stepserve.policies.instgenie.edit_profile import fitted_edit_models, profiled_costs
 from stepserve.policies.instgenie.pipeline_dp import Loading, Pipeline, algorithm1, optimal, pipeline_latency, plan
 from stepserve.policies.instgenie.placement import Horizon, MaskAwareConfig, MaskAwarePlacement
 
@@ -37,8 +41,10 @@ __all__ = [
     "Pipeline",
     "algorithm1",
     "fit_line",
+    "fitted_edit_models",
     "forward_flops",
     "optimal",
     "pipeline_latency",
     "plan",
+    "profiled_costs",
 ]

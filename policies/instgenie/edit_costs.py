@@ -12,6 +12,10 @@ two per multiply-add; Table 1 and Fig. 5-bottom):
     text tokens                    computed in full, and attended to (the same terms at m = 1)
     cached activations to load     (1 - m) L H values (the block's output Y of unmasked tokens)
 
+Where the cache holds each block's keys and values instead of its outputs (Fig. 7's alternative,
+`DiTDims.keys_values`), an unmasked token computes nothing, K and V included (4 m L H^2), and
+loads its keys and values: 2 (1 - m) L H values.
+
 A row without a cache (any request but an edit of a template) is the same at m = 1 with nothing
 to load, so a batch is described by its rows and its row-weighted mean ratio
 (`BatchShape.mask_ratio`). The paper maps a batch's FLOPs to latency with a line fitted by least
@@ -40,7 +44,8 @@ from stepserve.policies.instgenie.pipeline_dp import Loading, Pipeline, plan
 class DiTDims:
     """One stage of `blocks` equal transformer blocks. A token covers `patch` x `patch` latent
     pixels, a latent pixel `latent_factor` x `latent_factor` image pixels (the VAE's factor).
-    Flux at 1024 px: 57 blocks, hidden 3072, patch 2, 512 text tokens (4096 image tokens)."""
+    Flux at 1024 px: 57 blocks, hidden 3072, patch 2, 512 text tokens (4096 image tokens).
+    `keys_values`: the cache holds each block's keys and values, not its outputs (Fig. 7)."""
 
     blocks: int
     hidden: int
@@ -49,6 +54,7 @@ class DiTDims:
     latent_factor: int = 8
     mlp_ratio: float = 4.0
     bytes_per_value: int = 2  # of the cached activations (fp16/bf16)
+    keys_values: bool = False
 
     def __post_init__(self) -> None:
         for name in ("blocks", "hidden", "patch", "latent_factor", "bytes_per_value"):
@@ -68,13 +74,15 @@ class DiTDims:
     def block_flops(self, tokens: int, rows: int, mask_ratio: float) -> float:
         """One block's FLOPs over `rows` rows whose mean share of computed tokens is `mask_ratio`."""
         h, keys = self.hidden, tokens + self.text_tokens
-        masked = (4 + 4 * self.mlp_ratio) * h * h + 4 * keys * h  # a token computed: Q, O, FFN, attention
-        every = 4 * h * h  # any token: K and V
-        return rows * (tokens * (mask_ratio * masked + every) + self.text_tokens * (masked + every))
+        computed = (4 + 4 * self.mlp_ratio) * h * h + 4 * keys * h  # a token computed: Q, O, FFN, attention
+        kv = 4 * h * h  # K and V: of every token, unless the cache holds them
+        image = mask_ratio * (computed + kv) if self.keys_values else mask_ratio * computed + kv
+        return rows * (tokens * image + self.text_tokens * (computed + kv))
 
     def block_bytes(self, tokens: int, rows: int, mask_ratio: float) -> float:
         """Bytes of one block's cached activations the batch loads."""
-        return rows * (1.0 - mask_ratio) * tokens * self.hidden * self.bytes_per_value
+        values = 2 if self.keys_values else 1  # keys and values, or outputs
+        return rows * (1.0 - mask_ratio) * tokens * values * self.hidden * self.bytes_per_value
 
 
 def forward_flops(dims: Sequence[DiTDims], height: int, width: int, rows: int, mask_ratio: float = 1.0) -> float:
@@ -191,7 +199,8 @@ class EditCostModel:
 class MaskAwareCosts:
     """A `CostModel` whose forwards with cached activations cost what the model's
     `EditCostModel` says; everything else, add-ons included, is its `base` model's. A model with
-    no `EditCostModel` has no mask-aware engine: its edits compute in full.
+    no `EditCostModel` has no mask-aware engine: its edits compute in full, as does a batch split
+    over workers (sequence or CFG parallel: the worker runs the plain forward there) or a video.
 
     Answers are remembered per batch shape (the simulator and the placement ask the same ones
     many times); owned by its caller, like every cost memo.
@@ -206,12 +215,10 @@ class MaskAwareCosts:
         """How much shorter the forward is than the base model's full forward of the same batch
         (0 when nothing is cached)."""
         edit = self.edits.get(batch.model)
-        if edit is None or not batch.uses_cache:
+        if edit is None or not batch.uses_cache or batch.sp_degree != 1 or batch.cfg_split or batch.frames != 1:
             return 0.0
         saved = self._saved.get(batch)
         if saved is None:
-            if batch.sp_degree != 1 or batch.frames != 1 or batch.cfg_split:
-                raise ValueError(f"cached activations are for image forwards on one worker, got {batch}")
             full = self.base.denoise_seconds(replace(batch, controlnet_rows=(), lora_rows=0, mask_ratio=1.0))
             saved = full - edit.seconds(batch.height, batch.width, batch.rows, batch.mask_ratio)
             if len(self._saved) >= 1 << 16:  # bounded: the ratios are floats, a long run meets many

@@ -6,7 +6,7 @@ import asyncio
 import pytest
 import ray.exceptions
 
-from stepserve.actors.router import RequestCancelledError, RequestFailedError
+from stepserve.actors.router import RequestCancelledError, RequestDiscardedError, RequestFailedError
 from stepserve.actors.router_core import DuplicateRequestError, QueueFullError
 from stepserve.deployments.edge import AdmissionGate, as_api_error, mapped
 from stepserve.deployments.errors import APIError
@@ -197,6 +197,7 @@ def ray_wrapped(exc: Exception) -> Exception:
                                        actor_id=ACTOR_ID).as_instanceof_cause()
 
 
+DISCARD_REASON = "cannot meet its deadline: even started now alone it would end denoising 2.50 s after it"
 MAPPINGS = [
     # (raised, status, code, type, param, retry_after_s)
     (QueueFullError("the t2i queue is full", 429, 2.2), 429, "overloaded", "rate_limit_error", None, 2.2),
@@ -208,6 +209,7 @@ MAPPINGS = [
     (JobTableFull("all 10 job slots are live"), 429, "overloaded", "rate_limit_error", None, 5.0),
     (RequestCancelledError("request req-1 was cancelled"), 409, "cancelled", "invalid_request_error", None, None),
     (RequestFailedError(LEAKY_TEXT), 500, "generation_failed", "server_error", None, None),
+    (RequestDiscardedError(DISCARD_REASON), 429, "deadline_unattainable", "rate_limit_error", None, 1.0),
     (RuntimeError(LEAKY_TEXT), 500, "internal_error", "server_error", None, None),
     (KeyError(LEAKY_TEXT), 500, "internal_error", "server_error", None, None),
 ]
@@ -228,6 +230,15 @@ def test_each_failure_maps_to_its_api_error(wrap, raised, status, code, kind, pa
     text = str(error.body()) + str(error.headers()) + str(error)
     for secret in LEAKS:
         assert secret not in text, (secret, text)
+
+
+@pytest.mark.parametrize("wrap", [False, True], ids=["raw", "through-ray"])
+def test_a_discarded_request_is_told_the_policys_reason(wrap):
+    raised = RequestDiscardedError(DISCARD_REASON)
+    error = as_api_error(ray_wrapped(raised) if wrap else raised, "req-3")
+    assert error.message == ("request req-3 cannot meet its deadline under the current load; retry later "
+                             f"({DISCARD_REASON})")
+    assert error.headers() == {"x-request-id": "req-3", "retry-after": "1"}
 
 
 @pytest.mark.parametrize("raised", [

@@ -183,3 +183,7 @@ def assert_executable(snapshot: ClusterSnapshot, decision: Decision) -> None:
         assert released.get(rid, set()) == others, f"{rid} exported from {wid}; its other holders must release it"
     for rid in released:
         assert rid in exported, f"{rid} released without an export"
+    planned_ids = set(admitted) | set(stepped) | set(exported) | set(released)
+    for failure in decision.discard:
+        assert failure.request_id in waiting, f"discards {failure.request_id}, which is not waiting"
+        assert failure.request_id not in planned_ids, f"discards {failure.request_id} and plans it"

@@ -1,0 +1,133 @@
+"""What one forward of several resolutions costs, priced from a profile of one-resolution forwards.
+
+PatchedServe (§4) runs requests of different resolutions in one denoiser forward: images are
+cut into patches, the pixel-wise operators (linear layers, feed-forward, cross-attention,
+norms) run once over all patches, and self-attention runs per resolution group. A stepserve
+worker that packs resolutions (`workers.pack_resolutions`) runs its plan's plain groups of a
+model so (`engine.step_runner.StepRunner._packed`: SD3's tokens packed, SD1.5/SDXL's UNet
+patched). Profiles hold one-resolution forwards only, so such a forward is priced by this model,
+built on the profile's one-resolution rows:
+
+- a forward costs a fixed part plus a part proportional to the work it does;
+- a resolution group's work is counted in seconds at the device's full pace: its rows times
+  the profile's marginal cost of one more row at that resolution (the slope between
+  `probe_rows / 2` and `probe_rows` rows, where the device is full);
+- one forward of several groups costs what the profile says a forward at the resolution of
+  the group with the most work costs when it does all the groups' work: that group's rows plus
+  the others' work in rows of its size (linear between whole rows);
+- never less than the dearest group alone (more work never costs less), never more than the
+  groups one after another (what the worker does today).
+
+For a profile linear in rows with the same intercept at every resolution (SD3.5 on the RTX 6000
+here) this is exactly one fixed overhead plus each group's variable part. For one with a floor
+(SDXL on the H800: a forward costs about 35 ms however small) small groups fill the idle
+device almost for free, and once it is full every row costs its share: the roofline that
+profile was derived from.
+
+Only forwards are packed. The round's overheads (its fixed cost, each group's sampler
+bookkeeping) are the base model's, and so is every batch that is not a plain image forward
+(videos, SP or CFG splits, add-ons, edits reusing cached activations).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import replace
+
+from stepserve.policies.cost_model import BatchShape, CostModel
+
+
+def packable(batch: BatchShape) -> bool:
+    """A plain image forward on one worker: the kind PatchedServe packs."""
+    return (batch.frames == 1 and batch.sp_degree == 1 and not batch.cfg_split and not batch.controlnet_rows
+            and batch.lora_rows == 0 and not batch.uses_cache)
+
+
+class PackedForwardCosts:
+    """A `CostModel` whose worker round runs the plain image batches of each model of `packing`
+    (None: every model) as one packed forward; everything else as `base` says. Row paces are
+    remembered per resolution (owned by the caller, like every cost memo)."""
+
+    def __init__(self, base: CostModel, probe_rows: int = 16, packing: Collection[str] | None = None) -> None:
+        if isinstance(probe_rows, bool) or not isinstance(probe_rows, int) or probe_rows < 2 or probe_rows % 2:
+            raise ValueError(f"probe_rows must be an even int >= 2, got {probe_rows!r}")
+        self.base = base
+        self.probe_rows = probe_rows
+        self.packing = None if packing is None else frozenset(packing)
+        self._row_s: dict[tuple[str, int, int], float] = {}
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        """The base model's profiled models (empty when it does not say)."""
+        return tuple(getattr(self.base, "models", ()))
+
+    def row_seconds(self, model: str, height: int, width: int) -> float:
+        """One more row's seconds in a full forward at this resolution (the work unit)."""
+        key = (model, height, width)
+        seconds = self._row_s.get(key)
+        if seconds is None:
+            half = self.probe_rows // 2
+            full = self.base.denoise_seconds(BatchShape(model, height, width, self.probe_rows))
+            slope = (full - self.base.denoise_seconds(BatchShape(model, height, width, half))) / half
+            # A profile flat in rows has no marginal cost to read: its mean row cost stands in.
+            seconds = self._row_s[key] = slope if slope > 0 else full / self.probe_rows
+        return seconds
+
+    def packed_forward_seconds(self, batches: Sequence[BatchShape]) -> float:
+        """One forward of all `batches` (plain image batches of one model)."""
+        if not batches:
+            return 0.0
+        if len({b.model for b in batches}) != 1 or not all(packable(b) for b in batches):
+            raise ValueError(f"a packed forward holds plain image batches of one model, got {list(batches)}")
+        alone = [self.base.denoise_seconds(b) for b in batches]
+        if len(batches) == 1:
+            return alone[0]
+        work = [b.rows * self.row_seconds(b.model, b.height, b.width) for b in batches]
+        ref = batches[max(range(len(batches)), key=work.__getitem__)]
+        rows = max(float(ref.rows), sum(work) / self.row_seconds(ref.model, ref.height, ref.width))
+        whole = int(rows)
+        seconds = self.base.denoise_seconds(replace(ref, rows=whole))
+        if rows > whole:
+            above = self.base.denoise_seconds(replace(ref, rows=whole + 1))
+            seconds += (rows - whole) * (above - seconds)
+        return min(sum(alone), max(max(alone), seconds))
+
+    # -- CostModel ---------------------------------------------------------------------------
+
+    def denoise_seconds(self, batch: BatchShape) -> float:
+        return self.base.denoise_seconds(batch)
+
+    def round_seconds(self, batches: Sequence[BatchShape]) -> float:
+        """One packed forward per model for its plain image batches, the rest one by one, plus the
+        base model's round overheads."""
+        packs: dict[str, list[BatchShape]] = {}
+        forwards = 0.0
+        for b in batches:
+            if packable(b) and (self.packing is None or b.model in self.packing):
+                packs.setdefault(b.model, []).append(b)
+            else:
+                forwards += self.base.denoise_seconds(b)
+        forwards += sum(self.packed_forward_seconds(p) for p in packs.values())
+        overhead = self.base.round_seconds(batches) - sum(self.base.denoise_seconds(b) for b in batches)
+        return forwards + overhead
+
+    def step_seconds(self, batch: BatchShape) -> float:
+        return self.base.step_seconds(batch)
+
+    def text_encode_seconds(self, model: str, texts: int) -> float:
+        return self.base.text_encode_seconds(model, texts)
+
+    def decode_seconds(self, model: str, height: int, width: int, frames: int = 1) -> float:
+        return self.base.decode_seconds(model, height, width, frames)
+
+    def request_overhead_seconds(self, model: str) -> float:
+        return self.base.request_overhead_seconds(model)
+
+    def solo_seconds(self, model: str, height: int, width: int, steps: int, cfg: bool, frames: int = 1) -> float:
+        return self.base.solo_seconds(model, height, width, steps, cfg, frames)
+
+
+def packed(costs: CostModel, packing: Collection[str] | None = None) -> PackedForwardCosts:
+    """`costs` pricing packed forwards (of the models of `packing`; None: every model): itself if
+    it already does (packing twice would price the round overheads from already packed forwards)."""
+    return costs if isinstance(costs, PackedForwardCosts) else PackedForwardCosts(costs, packing=packing)
