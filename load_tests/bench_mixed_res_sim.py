@@ -16,7 +16,7 @@ Rows, each on the same requests at every rate:
 - `continuous, packed`: the same policy on workers that run a step's resolutions as one forward
   (PatchedServe's "Mixed-Cache" baseline: FCFS with patched batching);
 - `patchedserve`: Algorithm 1 on today's workers;
-- `patchedserve, packed`: Algorithm 1 with `mix_resolutions`, on packing workers.
+- `patchedserve, packed`: Algorithm 1 on packing workers (it prices with the packed cost model).
 
 Packing workers are simulated by pricing their rounds with `PackedForwardCosts`
 (policies/patchedserve/mixed_costs.py): the engine cannot run such a forward yet, so those rows
@@ -63,7 +63,7 @@ ROWS = (  # label, policy, options, workers pack resolutions into one forward
     ("continuous", "continuous", {}, False),
     ("continuous, packed", "continuous", {}, True),
     ("patchedserve", "patchedserve", {}, False),
-    ("patchedserve, packed", "patchedserve", {"mix_resolutions": True}, True),
+    ("patchedserve, packed", "patchedserve", {}, True),
 )
 
 

@@ -34,10 +34,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
 
 from stepserve.policies.cost_model import BatchShape, CostModel
 from stepserve.policies.instgenie.pipeline_dp import Loading, Pipeline, plan
+from stepserve.policies.wrapped_costs import WrappedCosts
 
 
 @dataclass(frozen=True)
@@ -196,7 +196,7 @@ class EditCostModel:
         return cls(tuple(dims), fit_line(points), load, loading)
 
 
-class MaskAwareCosts:
+class MaskAwareCosts(WrappedCosts):
     """A `CostModel` whose forwards with cached activations cost what the model's
     `EditCostModel` says; everything else, add-ons included, is its `base` model's. A model with
     no `EditCostModel` has no mask-aware engine: its edits compute in full, as does a batch split
@@ -207,7 +207,7 @@ class MaskAwareCosts:
     """
 
     def __init__(self, base: CostModel, edits: Mapping[str, EditCostModel]) -> None:
-        self.base = base
+        super().__init__(base)
         self.edits = dict(edits)
         self._saved: dict[BatchShape, float] = {}
 
@@ -237,22 +237,3 @@ class MaskAwareCosts:
     def step_seconds(self, batch: BatchShape) -> float:
         seconds = self.base.step_seconds(batch)
         return seconds if math.isinf(seconds) else seconds - self.saving_seconds(batch)
-
-    def text_encode_seconds(self, model: str, texts: int) -> float:
-        return self.base.text_encode_seconds(model, texts)
-
-    def decode_seconds(self, model: str, height: int, width: int, frames: int = 1) -> float:
-        return self.base.decode_seconds(model, height, width, frames)
-
-    def request_overhead_seconds(self, model: str) -> float:
-        return self.base.request_overhead_seconds(model)
-
-    def solo_seconds(self, model: str, height: int, width: int, steps: int, cfg: bool, frames: int = 1) -> float:
-        return self.base.solo_seconds(model, height, width, steps, cfg, frames)
-
-    def __getattr__(self, name: str) -> Any:
-        # The optional parts of a profiled model (host slowdown, LoRA loads, the ControlNet
-        # service's time, ...) are the base's: the simulator asks for them by name.
-        if name in ("base", "edits", "_saved"):  # not set yet (unpickling): no recursion
-            raise AttributeError(name)
-        return getattr(self.base, name)

@@ -35,6 +35,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import replace
 
 from stepserve.policies.cost_model import BatchShape, CostModel
+from stepserve.policies.wrapped_costs import WrappedCosts
 
 
 def packable(batch: BatchShape) -> bool:
@@ -43,7 +44,7 @@ def packable(batch: BatchShape) -> bool:
             and batch.lora_rows == 0 and not batch.uses_cache)
 
 
-class PackedForwardCosts:
+class PackedForwardCosts(WrappedCosts):
     """A `CostModel` whose worker round runs the plain image batches of each model of `packing`
     (None: every model) as one packed forward; everything else as `base` says. Row paces are
     remembered per resolution (owned by the caller, like every cost memo)."""
@@ -51,7 +52,7 @@ class PackedForwardCosts:
     def __init__(self, base: CostModel, probe_rows: int = 16, packing: Collection[str] | None = None) -> None:
         if isinstance(probe_rows, bool) or not isinstance(probe_rows, int) or probe_rows < 2 or probe_rows % 2:
             raise ValueError(f"probe_rows must be an even int >= 2, got {probe_rows!r}")
-        self.base = base
+        super().__init__(base)
         self.probe_rows = probe_rows
         self.packing = None if packing is None else frozenset(packing)
         self._row_s: dict[tuple[str, int, int], float] = {}
@@ -94,9 +95,6 @@ class PackedForwardCosts:
 
     # -- CostModel ---------------------------------------------------------------------------
 
-    def denoise_seconds(self, batch: BatchShape) -> float:
-        return self.base.denoise_seconds(batch)
-
     def round_seconds(self, batches: Sequence[BatchShape]) -> float:
         """One packed forward per model for its plain image batches, the rest one by one, plus the
         base model's round overheads."""
@@ -110,21 +108,6 @@ class PackedForwardCosts:
         forwards += sum(self.packed_forward_seconds(p) for p in packs.values())
         overhead = self.base.round_seconds(batches) - sum(self.base.denoise_seconds(b) for b in batches)
         return forwards + overhead
-
-    def step_seconds(self, batch: BatchShape) -> float:
-        return self.base.step_seconds(batch)
-
-    def text_encode_seconds(self, model: str, texts: int) -> float:
-        return self.base.text_encode_seconds(model, texts)
-
-    def decode_seconds(self, model: str, height: int, width: int, frames: int = 1) -> float:
-        return self.base.decode_seconds(model, height, width, frames)
-
-    def request_overhead_seconds(self, model: str) -> float:
-        return self.base.request_overhead_seconds(model)
-
-    def solo_seconds(self, model: str, height: int, width: int, steps: int, cfg: bool, frames: int = 1) -> float:
-        return self.base.solo_seconds(model, height, width, steps, cfg, frames)
 
 
 def packed(costs: CostModel, packing: Collection[str] | None = None) -> PackedForwardCosts:

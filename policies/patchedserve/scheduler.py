@@ -27,8 +27,9 @@ One round, over the whole pool (`decide_round`):
    - Throughput mode: the request whose admission buys the most: its standalone step over the
      step time it adds where it goes (above 1 it batches for less than it costs alone), the
      least slack first among equals, of those that meet their deadlines there; none: stop.
-3. Every open worker steps all its residents, one `StepGroup` per shape (the workers run
-   them as one packed forward where `mix_resolutions` says they do).
+3. Every open worker steps all its residents, one `StepGroup` per shape (workers that pack
+   resolutions run them as one forward: `workers.pack_resolutions`; the router then prices
+   rounds with `PackedForwardCosts`, and so does this policy, which prices with what it is given).
 
 A request placed on a worker that is not open (its pipeline is full; it opens within a step)
 waits for it: it counts in that worker's batch for the rest of the round, and the round in
@@ -46,7 +47,6 @@ from dataclasses import dataclass
 from stepserve.policies.base import batch_limit, group_by_shape, residents_of
 from stepserve.policies.cost_model import CostModel
 from stepserve.policies.patchedserve.latency import BatchLatency
-from stepserve.policies.patchedserve.mixed_costs import packed
 from stepserve.policies.patchedserve.predictor import HoldoutReport, ThroughputAnalyzer, holdout_error
 from stepserve.policies.patchedserve.samples import training_samples
 from stepserve.policies.patchedserve.schedulability import finish_times, harmed
@@ -181,7 +181,7 @@ class PatchedServePolicy:
         """Trains a Throughput Analyzer for every model `costs` lists (`ProfiledCostModel.models`)
         on 80% of its dataset; `holdout` keeps each one's error on the other 20%."""
         self.config = config
-        self.pricing = packed(costs) if config.mix_resolutions else costs
+        self.pricing = costs
         self.holdout: dict[str, HoldoutReport] = {}
         analyzers: dict[str, ThroughputAnalyzer] = {}
         if config.predictor is Predictor.MLP:

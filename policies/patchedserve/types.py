@@ -20,11 +20,6 @@ class Predictor(str, Enum):
 class PatchedServeConfig:
     # None: as many as the worker allows (the paper's systems batch at most 12).
     max_batch_size: int | None = None
-    # The workers run a step's image groups of one model as one packed forward (PatchedServe §4;
-    # the simulator: hand it a `PackedForwardCosts`), so batches are priced that way
-    # (mixed_costs.py). False: as the cost model given prices them (today's engine: one forward
-    # per resolution group).
-    mix_resolutions: bool = False
     # Throughput mode (§6.2): while the most urgent waiting request's slack (in units of its
     # standalone latency) is above this, a round admits what raises throughput most instead of
     # the most urgent request. inf: always the most urgent first.
@@ -40,8 +35,6 @@ class PatchedServeConfig:
 
     def __post_init__(self) -> None:
         check_batch_cap("max_batch_size", self.max_batch_size)
-        if not isinstance(self.mix_resolutions, bool):
-            raise ValueError(f"mix_resolutions must be a bool, got {self.mix_resolutions!r}")
         if isinstance(self.throughput_slack, bool) or not isinstance(self.throughput_slack, (int, float)) or math.isnan(
                 self.throughput_slack):
             raise ValueError(f"throughput_slack must be a number (inf: never), got {self.throughput_slack!r}")

@@ -22,6 +22,7 @@ from dataclasses import replace
 import pytest
 
 from stepserve.policies.patchedserve import PatchedServeConfig, PatchedServePolicy
+from stepserve.policies.patchedserve.mixed_costs import PackedForwardCosts
 from stepserve.policies.patchedserve.schedulability import finish_times
 
 from tests.cpu.policies.patchedserve.fakes import LinearCosts, stepped_finishes
@@ -49,8 +50,8 @@ def random_round(rng: random.Random, all_open: bool = False, workers: int | None
 
 
 def check_round(snapshot, throughput_slack: float, mix: bool):
-    policy = PatchedServePolicy(PatchedServeConfig(predictor="cost_model", throughput_slack=throughput_slack,
-                                                   mix_resolutions=mix), LinearCosts())
+    policy = PatchedServePolicy(PatchedServeConfig(predictor="cost_model", throughput_slack=throughput_slack),
+                                PackedForwardCosts(LinearCosts()) if mix else LinearCosts())
     decision = policy.schedule(snapshot)
     assert_executable(snapshot, decision)
     step = policy.latency.step_seconds

@@ -27,12 +27,9 @@ def test_registered_as_a_whole_pool_scheduler_that_needs_costs():
         make_policy("patchedserve")
 
 
-def test_mixing_resolutions_prices_packed_forwards():
-    costs = LinearCosts()
-    policy = make_policy("patchedserve", {"mix_resolutions": True, "predictor": "cost_model"}, costs)
-    assert isinstance(policy.pricing, PackedForwardCosts) and policy.pricing.base is costs
-    already = PackedForwardCosts(costs)
-    assert make_policy("patchedserve", {"mix_resolutions": True}, already).pricing is already
+def test_it_prices_packed_forwards_where_it_is_given_packed_costs():
+    packed = PackedForwardCosts(LinearCosts())
+    assert make_policy("patchedserve", {"predictor": "cost_model"}, packed).pricing is packed
 
 
 def test_yaml_lists_become_tuples_and_bad_options_say_what_to_fix():
@@ -42,7 +39,7 @@ def test_yaml_lists_become_tuples_and_bad_options_say_what_to_fix():
                            ({"sizes": [[512]]}, "sizes"), ({"throughput_slack": math.nan}, "throughput_slack"),
                            ({"throughput_slack": True}, "throughput_slack"), ({"predictor": "oracle"}, "oracle"),
                            ({"max_batch_size": 0}, "max_batch_size"), ({"training_samples": 5}, "training_samples"),
-                           ({"mix_resolutions": "yes"}, "mix_resolutions"), ({"seed": 1.5}, "seed"),
+                           ({"mix_resolutions": True}, "unknown option"), ({"seed": 1.5}, "seed"),
                            ({"window_s": 1}, "unknown option")]:
         with pytest.raises(ValueError, match=words):
             validate_policy("patchedserve", options)
@@ -50,7 +47,7 @@ def test_yaml_lists_become_tuples_and_bad_options_say_what_to_fix():
 
 
 def test_built_on_a_profile_it_trains_an_analyzer_per_model_and_keeps_its_held_out_error():
-    policy = make_policy("patchedserve", {"mix_resolutions": True}, load_profile("sdxl-h800"))
+    policy = make_policy("patchedserve", {}, PackedForwardCosts(load_profile("sdxl-h800")))
     report = policy.holdout["stable-diffusion-xl-base-1.0"]
     assert report.train == 160 and report.mean_rel_err < 0.037
     assert set(policy.latency.analyzers) == {"stable-diffusion-xl-base-1.0"}

@@ -8,14 +8,16 @@ from __future__ import annotations
 import math
 
 from stepserve.policies.patchedserve import PatchedServeConfig, PatchedServePolicy
+from stepserve.policies.patchedserve.mixed_costs import PackedForwardCosts
 from stepserve.policies.types import Decision
 
 from tests.cpu.policies.patchedserve.fakes import LinearCosts
 from tests.cpu.policies.snapshots import LARGE, assert_executable, plan_on, req, slot, snap, steps
 
 
-def decide(snapshot, **options) -> Decision:
-    policy = PatchedServePolicy(PatchedServeConfig(predictor="cost_model", **options), LinearCosts())
+def decide(snapshot, packed: bool = False, **options) -> Decision:
+    costs = PackedForwardCosts(LinearCosts()) if packed else LinearCosts()
+    policy = PatchedServePolicy(PatchedServeConfig(predictor="cost_model", **options), costs)
     decision = policy.schedule(snapshot)
     assert_executable(snapshot, decision)
     return decision
@@ -127,7 +129,7 @@ def test_packed_resolutions_let_a_request_join_where_a_forward_of_its_own_would_
     # as a forward of its own (0.7 s), 40 ms packed into the resident's forward (0.6 s).
     round_ = snap({"w0": (4, [req("resident", deadline=0.65)])}, [req("large", key=LARGE, deadline=10.0)])
     assert plan_on(decide(round_), "w0").admit == ()
-    plan = plan_on(decide(round_, mix_resolutions=True), "w0")
+    plan = plan_on(decide(round_, packed=True), "w0")
     assert plan.admit == ("large",)
     assert plan.groups == steps(["resident"], ["large"])  # one group per shape: the workers pack them
 

@@ -31,7 +31,7 @@ def config(**options) -> SimConfig:
 def test_a_short_run_serves_every_request_or_discards_it(sdxl, mix):
     requests = generate(bench.workload(SDXL, 5.0, 60, seed=1), sdxl)
     costs = PackedForwardCosts(sdxl) if mix else sdxl
-    result = simulate(requests, costs, config(mix_resolutions=mix, predictor="cost_model"))
+    result = simulate(requests, costs, config(predictor="cost_model"))
     assert len(result.traces) == 60
     assert {t.status for t in result.traces} <= {"finished", "failed"}
     for t in result.traces:
