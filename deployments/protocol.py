@@ -48,6 +48,8 @@ class ImageGenerationRequest(BaseModel):
     num_inference_steps: int | None = Field(default=None, description="Denoising steps.")
     guidance_scale: float | None = Field(default=None, description="Classifier-free guidance; <= 1 turns CFG off.")
     seed: int | None = Field(default=None, description="Noise seed; random when omitted (returned per image).")
+    slo_s: float | None = Field(default=None, description="Latency objective in seconds from arrival, for SLO-aware "
+                                                          "policies; overrides the model's `slo_s`.")
     user: str | None = Field(default=None, description="Accepted for OpenAI compatibility; unused.")
     controlnets: list[ControlNetInput] | None = Field(
         default=None, description="ControlNets conditioning the image; their residuals are summed in this order.")
@@ -86,6 +88,8 @@ class ImageEditRequest(BaseModel):
     num_inference_steps: int | None = Field(default=None, description="Denoising steps before `strength` cuts them.")
     guidance_scale: float | None = Field(default=None, description="Classifier-free guidance; <= 1 turns CFG off.")
     seed: int | None = Field(default=None, description="Noise seed; random when omitted (returned per image).")
+    slo_s: float | None = Field(default=None, description="Latency objective in seconds from arrival, for SLO-aware "
+                                                          "policies; overrides the model's `slo_s`.")
     strength: float = Field(default=1.0, description="How far into the noise the image goes, in (0, 1] (the "
                                                      "diffusers inpaint pipelines' strength): below 1 only the last "
                                                      "steps run and more of the image survives under the mask.")

@@ -20,6 +20,7 @@ from stepserve.engine.families import family_class
 from stepserve.policies.types import ControlNetUse, LoraUse, RequestSpec
 
 MAX_SEED = 2**63 - 1
+MAX_SLO_S = 24 * 3600.0  # a day: beyond it an objective schedules nothing differently from none
 # C0 controls but tab, LF and CR: invisible, never part of a real prompt, and NUL cuts text short
 # wherever it reaches C strings (native libraries, log pipelines).
 CONTROL_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f]")
@@ -91,6 +92,16 @@ def sampling_settings(req: Any, model: ModelConfig, limits: LimitsConfig) -> tup
     return steps, guidance
 
 
+def request_slo(req: Any, model: ModelConfig) -> float | None:
+    """The request's latency objective (seconds from arrival) or, without one, the model's: a
+    workload whose requests differ in size holds each to its own (PatchedServe: 5x its solo latency)."""
+    if req.slo_s is None:
+        return model.slo_s
+    if not 0 < req.slo_s <= MAX_SLO_S:  # also rejects NaN and infinities
+        raise invalid("slo_s", f"slo_s must be a number of seconds in (0, {MAX_SLO_S:g}]")
+    return req.slo_s
+
+
 def served_model(config: AppConfig, name: str | None, default: Callable[[ModelConfig], bool],
                  nothing: str) -> ModelConfig:
     """The model a request names, or without a name the first that `default` accepts; 404 when
@@ -133,11 +144,12 @@ def to_specs(payload: object, config: AppConfig, request_id: str, default_seed: 
     family = family_class(model.family)
     width, height = parse_size(req.size, model, family.size_multiple)
     controlnets, loras = addon_uses(req.controlnets or [], req.loras or [], model, config)
+    slo = request_slo(req, model)
     return [
         RequestSpec(
             request_id=request_id if req.n == 1 else f"{request_id}-{i}", model=model.name, prompt=req.prompt,
             negative_prompt=req.negative_prompt or "", width=width, height=height, num_inference_steps=steps,
-            guidance_scale=guidance, seed=seed + i, slo_s=model.slo_s, cfg=family.classifier_free_guidance,
+            guidance_scale=guidance, seed=seed + i, slo_s=slo, cfg=family.classifier_free_guidance,
             controlnets=controlnets, loras=loras,
         )
         for i in range(req.n)

@@ -14,7 +14,8 @@ where a learned predictor allows, against the exact generation (same request, sa
 3. Each tolerance's generation with the patch cache: PSNR and SSIM of the decoded image and the
    relative L2 error of the latents against the exact ones; the share of patch decisions that
    reused (PatchedServe Fig. 19's computation savings), overall and per step.
-4. Speed: whole generations timed round-robin (`stepserve.profile.interleaved_times`): the exact
+4. Speed: whole generations, stepped in lockstep with each step's forwards timed round-robin
+   (`stepserve.profile.interleaved_times`), `--repeats` times: the exact
    forward (`family.denoise`), the patch cache with a predictor that never reuses (the cost of
    the cache's bookkeeping alone), and each tolerance.
 
@@ -87,31 +88,46 @@ def _spec(rid: str, prompt: str, seed: int, size: int, steps: int) -> RequestSpe
 
 class Generation:
     """One request generated from scratch, exact (`reuse` None: `family.denoise`) or with the
-    patch cache; keeps the result and, per step, the share of patch decisions that reused."""
+    patch cache, a step at a time; keeps, per step, the share of patch decisions that reused."""
 
     def __init__(self, family: Any, spec: RequestSpec, reuse: PatchReuse | None):
         self.family, self.spec, self.reuse = family, spec, reuse
         self.text = encode_conditioning(family, spec)
-        self.latents: torch.Tensor | None = None
+        self.blocks = len(family.denoiser.transformer_blocks)
+
+    def start(self) -> None:
+        self.sampler = Sampler(self.spec, self.family, self.text)
+        self.cache = PatchCache(self.sampler.rows)
         self.step_shares: list[float] = []
-        self.share = 0.0
 
     @torch.inference_mode()
-    def __call__(self) -> None:
-        sampler = Sampler(self.spec, self.family, self.text)
-        cache = PatchCache(sampler.rows)
-        blocks = len(self.family.denoiser.transformer_blocks)
-        shares, reused = [], 0
-        while not sampler.done:
-            sample, timesteps, cond = sampler.model_input()
-            if self.reuse is None:
-                sampler.advance(self.family.denoise(sample, timesteps, cond))
-                continue
-            sampler.advance(self.family.denoise_patch_cached(sample, timesteps, cond, [cache], self.reuse))
-            now = int(cache.reused.sum())
-            shares.append((now - reused) / (cache.decided / cache.steps * blocks))
-            reused = now
-        self.latents, self.step_shares, self.share = sampler.latents, shares, cache.reuse_share()
+    def step(self) -> None:
+        sample, timesteps, cond = self.sampler.model_input()
+        if self.reuse is None:
+            self.sampler.advance(self.family.denoise(sample, timesteps, cond))
+            return
+        before = int(self.cache.reused.sum()) if self.cache.reused is not None else 0
+        self.sampler.advance(self.family.denoise_patch_cached(sample, timesteps, cond, [self.cache], self.reuse))
+        decisions = self.cache.decided / self.cache.steps * self.blocks
+        self.step_shares.append((int(self.cache.reused.sum()) - before) / decisions)
+
+
+def timed_generations(cases: dict[Any, Generation], steps: int, watch: Stopwatch,
+                      repeats: int) -> dict[Any, list[float]]:
+    """Each case's generation time, `repeats` times: the cases step in lockstep, their forwards
+    of each step timed round-robin (`interleaved_times`), so drift on a shared machine hits every
+    case alike within seconds rather than whichever generation ran while it lasted."""
+    totals: dict[Any, list[float]] = {key: [] for key in cases}
+    for _ in range(repeats):
+        for generation in cases.values():
+            generation.start()
+        spent = dict.fromkeys(cases, 0.0)
+        for _ in range(steps):
+            for key, times in interleaved_times({key: g.step for key, g in cases.items()}, watch, 0, 1).items():
+                spent[key] += times[0]
+        for key, seconds in spent.items():
+            totals[key].append(seconds)
+    return totals
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -136,25 +152,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     never = ReusePredictor(0.0, 0.0, (-math.inf,) * blocks, min(args.tolerances))
     cases = {"exact": Generation(family, spec, None), "never": Generation(family, spec, PatchReuse(never, args.side))}
     cases.update({tol: Generation(family, spec, PatchReuse(p, args.side)) for tol, p in predictors.items()})
-    times = interleaved_times(cases, Stopwatch(args.device), warmup=0, repeats=args.repeats)
+    times = timed_generations(cases, args.steps, Stopwatch(args.device), args.repeats)
     exact_s = statistics.median(times["exact"])
 
     reference = family.decode(evaluated.latents)[0]
     results = []
     for tol, predictor in predictors.items():
         generation = cases[tol]
-        image = family.decode(generation.latents)[0]
+        image = family.decode(generation.sampler.latents)[0]
         seconds = statistics.median(times[tol])
         results.append({
             "tolerance": tol, "predictor": asdict(predictor),
             "train_score": asdict(score(predictor, train)), "held_out_score": asdict(score(predictor, held_out)),
-            "reuse_share": generation.share, "reuse_share_per_step": generation.step_shares,
+            "reuse_share": generation.cache.reuse_share(), "reuse_share_per_step": generation.step_shares,
             "psnr_db": _db(psnr(image, reference)), "ssim": ssim(image, reference),
-            "latents_rel_l2": _rel_l2(generation.latents, evaluated.latents),
+            "latents_rel_l2": _rel_l2(generation.sampler.latents, evaluated.latents),
             "generation_s": seconds, "generation_samples_s": times[tol], "speedup": exact_s / seconds,
         })
         log(f"tolerance {tol:g}: held-out accuracy {results[-1]['held_out_score']['accuracy']:.3f} (majority "
-            f"{results[-1]['held_out_score']['majority']:.3f}), reused {generation.share:.1%}, "
+            f"{results[-1]['held_out_score']['majority']:.3f}), reused {results[-1]['reuse_share']:.1%}, "
             f"PSNR {psnr(image, reference):.1f} dB, SSIM {results[-1]['ssim']:.4f}, {exact_s / seconds:.2f}x")
     return {
         "benchmark": "patch_cache",
@@ -168,8 +184,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "exact_generation_s": exact_s, "exact_samples_s": times["exact"],
         "never_reuse_generation_s": statistics.median(times["never"]), "never_reuse_samples_s": times["never"],
         # The exact generation through `family.denoise` equals the recorded one (the reference).
-        "exact_matches_reference": bool(torch.equal(cases["exact"].latents, evaluated.latents)),
-        "never_reuse_matches_reference": bool(torch.equal(cases["never"].latents, evaluated.latents)),
+        "exact_matches_reference": bool(torch.equal(cases["exact"].sampler.latents, evaluated.latents)),
+        "never_reuse_matches_reference": bool(torch.equal(cases["never"].sampler.latents, evaluated.latents)),
         "results": results,
         "wall_s": time.perf_counter() - started,
     }

@@ -117,7 +117,7 @@ def token_index(latent_mask: torch.Tensor, patch_size: int) -> torch.Tensor:
 
 def plain_forward(transformer: SD3Transformer2DModel, inputs: SD3Inputs) -> torch.Tensor:
     """The noise prediction [B, C, h, w], as `transformer(...)` gives it."""
-    return _forward(transformer, inputs, _full_block)
+    return unrolled_forward(transformer, inputs, _full_block)
 
 
 def recording_forward(transformer: SD3Transformer2DModel, inputs: SD3Inputs,
@@ -132,13 +132,13 @@ def recording_forward(transformer: SD3Transformer2DModel, inputs: SD3Inputs,
             context, hidden = _full_block(b, block, hidden, context, temb)
             recorded.append(hidden)
             return context, hidden
-        return _forward(transformer, inputs, step), recorded
+        return unrolled_forward(transformer, inputs, step), recorded
 
     def recorded_final(tokens: torch.Tensor) -> torch.Tensor:
         recorded.append(tokens)
         return tokens
 
-    return _forward(transformer, inputs, _keys_values_recorder(recorded), out_tokens=recorded_final), recorded
+    return unrolled_forward(transformer, inputs, _keys_values_recorder(recorded), out_tokens=recorded_final), recorded
 
 
 def masked_forward(transformer: SD3Transformer2DModel, inputs: SD3Inputs, plan: MaskedPlan) -> torch.Tensor:
@@ -163,7 +163,7 @@ def masked_forward(transformer: SD3Transformer2DModel, inputs: SD3Inputs, plan: 
             cached = plan.cached_slot(len(blocks)).to(device=masked.device, dtype=masked.dtype)
             return scatter_tokens(cached, plan.index, masked)
 
-        return _forward(transformer, inputs, kv_step, image_tokens=lambda h: gather_tokens(h, plan.index),
+        return unrolled_forward(transformer, inputs, kv_step, image_tokens=lambda h: gather_tokens(h, plan.index),
                         out_tokens=final)
 
     def step(b: int, block: JointTransformerBlock, hidden: torch.Tensor, context: torch.Tensor,
@@ -172,7 +172,7 @@ def masked_forward(transformer: SD3Transformer2DModel, inputs: SD3Inputs, plan: 
             return _full_block(b, block, hidden, context, temb)
         return masked_block_forward(block, hidden, context, temb, plan.index, plan.cached_slot(b))
 
-    return _forward(transformer, inputs, step)
+    return unrolled_forward(transformer, inputs, step)
 
 
 def _full_block(b: int, block: JointTransformerBlock, hidden: torch.Tensor, context: torch.Tensor,
@@ -212,7 +212,7 @@ def _keys_values_recorder(recorded: list[torch.Tensor]) -> BlockStep:
 
 
 @torch.inference_mode()
-def _forward(transformer: SD3Transformer2DModel, inputs: SD3Inputs, run_block: BlockStep,
+def unrolled_forward(transformer: SD3Transformer2DModel, inputs: SD3Inputs, run_block: BlockStep,
              image_tokens: TokenStep | None = None, out_tokens: TokenStep | None = None) -> torch.Tensor:
     """`SD3Transformer2DModel.forward` with each block run by `run_block`; `image_tokens` maps the
     patch embedding's tokens to those the blocks compute, `out_tokens` the output layer's tokens

@@ -65,14 +65,15 @@ def http(app, monkeypatch):
 
 def test_a_form_body_reaches_the_router_as_an_edit_with_its_pixels(http, app):
     form = multipart({"prompt": "a cat", "model": "tiny-sd3", "n": "2", "strength": "0.6", "seed": "7",
-                      "num_inference_steps": "10", "template_id": "sofa-v1", "response_format": "b64_json"},
+                      "num_inference_steps": "10", "template_id": "sofa-v1", "response_format": "b64_json",
+                      "slo_s": "2.5"},
                      {"image": picture(), "mask": mask_png()})
     response = http.post("/v1/images/edits", **form)
     assert response.status_code == 200, response.text
     assert [d["seed"] for d in response.json()["data"]] == [7, 8]
     (first, (inputs,)), (second, _) = app.router.submit.calls
     assert (first.kind, first.model, first.strength, first.template_id) == (RequestKind.EDIT, "tiny-sd3", 0.6, "sofa-v1")
-    assert (first.width, first.height) == (64, 64) and second.seed == 8
+    assert (first.width, first.height) == (64, 64) and second.seed == 8 and first.slo_s == second.slo_s == 2.5
     # SD3's inpaint pipeline keeps the fraction of a step: 10 x 0.6 runs 6 steps, skipping 4.
     assert (first.skip_steps, first.steps_to_run) == (SD3Family.skipped_steps(10, 0.6), 6) == (4, 6)
     # The box is 24 x 16 pixels of 64 x 64: 3 x 2 of the 8 x 8 latents.
