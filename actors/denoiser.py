@@ -30,6 +30,7 @@ from stepserve.actors.node_stores import stores_by_node
 from stepserve.engine.addons.source import AddonKind, AddonSource, load_addon
 from stepserve.engine.editing.masked_sd3 import CacheKind
 from stepserve.engine.families import DENOISER, TEXT, VAE, ModelSource, family_class, load_family
+from stepserve.engine.patch_cache.calibration import PatchCacheSpec, calibrate
 from stepserve.engine.sampler import Conditioning
 from stepserve.engine.step_runner import Admission, StepRunner
 from stepserve.engine.template_edits import TemplateCache
@@ -71,16 +72,18 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def worker_parts(source: ModelSource, decode_images: bool = False, encode_text: bool = False) -> set[str]:
+def worker_parts(source: ModelSource, decode_images: bool = False, encode_text: bool = False,
+                 patch_cache: bool = False) -> set[str]:
     """A model whose requests decode where they were denoised loads its VAE here too: a video
     family's always, an image model's when the worker decodes images; and a model that edits
     images, whose worker encodes an edit's image when it admits it (as it may its prompts); its
-    text encoders when the worker encodes prompts."""
+    text encoders when the worker encodes prompts, or calibrates the patch cache of a family that
+    has one (its calibration generations encode their prompts)."""
     parts = {DENOISER}
     family = family_class(source.family)
     if decode_images or family.decode_on_worker or family.edits:
         parts.add(VAE)
-    if encode_text:
+    if encode_text or (patch_cache and family.patch_cached):
         parts.add(TEXT)
     return parts
 
@@ -92,7 +95,7 @@ class DenoiserWorker:
                  lora_join_by: float = 0.0, max_resident_loras: int = 32, controlnet_service: Any | None = None,
                  controlnet_stale: bool = False, activation_stores: Mapping[str, Any] | None = None,
                  edit_cache_kind: CacheKind = CacheKind.KEYS_VALUES, edit_cache_worker_bytes: int = 4 << 30,
-                 pack_resolutions: bool = True):
+                 pack_resolutions: bool = False, patch_cache: PatchCacheSpec | None = None):
         """`text_cache_size`: None, the text encoder deployment encodes prompts; else this worker
         does, keeping that many embeddings. `addons`: the ControlNets it holds and the LoRAs it
         serves; LoRAs come from `lora_stores` (by node id; this node's, or any) as requests need
@@ -103,12 +106,15 @@ class DenoiserWorker:
         activations (of `edit_cache_kind`) this node's store holds, and record them there when
         it has none; it keeps those it used last in `edit_cache_worker_bytes` of its own.
         `pack_resolutions`: a plan's plain groups of one model run as one forward where its family
-        can (`StepRunner`)."""
+        can (`StepRunner`). `patch_cache`: the models whose family has a patch cache reuse their
+        requests' patches across steps, with a predictor calibrated here, now."""
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.device = resolve_device(device)
         encodes = text_cache_size is not None
-        families = {m.name: load_family(m, worker_parts(m, decode_images, encodes), self.device) for m in models}
+        calibrates = patch_cache is not None
+        families = {m.name: load_family(m, worker_parts(m, decode_images, encodes, calibrates), self.device)
+                    for m in models}
         loras = None
         if lora_stores:
             store = stores_by_node(lora_stores, ray.get_runtime_context().get_node_id())
@@ -129,8 +135,10 @@ class DenoiserWorker:
         if activation_stores:
             local = ActivationCache(edit_cache_worker_bytes) if edit_cache_worker_bytes else None
             templates = TemplateCache(StoreActivations(node_store(activation_stores), local), edit_cache_kind)
+        patch_reuse = {name: calibrate(family, name, patch_cache) for name, family in families.items()
+                       if patch_cache is not None and family.patch_cached}
         self.runner = StepRunner(worker_id, families, self.incarnation, decode_images, loras, lora_join_by,
-                                 templates, pack_resolutions)
+                                 templates, pack_resolutions, patch_reuse)
         self.sp_world: SPWorld | None = None
         self._interrupted = 0  # the plan id the router last asked to cut short
         self._held_since: float | None = None  # when the last plan ended with requests resident

@@ -15,6 +15,7 @@ from stepserve.actors.node_stores import start_per_node
 from stepserve.engine.addons.source import AddonKind, AddonSource
 from stepserve.engine.editing.masked_sd3 import CacheKind
 from stepserve.engine.families import ModelSource
+from stepserve.engine.patch_cache.calibration import PatchCacheSpec
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,7 @@ class WorkerPoolSpec:
     num_gpus: float = 0
     device: str = "auto"
     torch_threads: int | None = None
-    pack_resolutions: bool = True  # `workers.pack_resolutions`: a plan's plain groups of a model in one forward
+    pack_resolutions: bool = False  # `workers.pack_resolutions`: a plan's plain groups of a model in one forward
     decode_images: bool = False  # a finished image leaves its worker as a PNG (`vae_decoder.on_workers`)
     encode_text: bool = False  # a worker encodes the prompts of what it admits (`text_encoder.on_workers`)
     text_cache_size: int = 4096  # embeddings each worker keeps when it encodes prompts
@@ -38,6 +39,7 @@ class WorkerPoolSpec:
     edit_cache: ActivationStoreSpec | None = None  # `edit_cache` when enabled: each node's activation store
     edit_cache_kind: CacheKind = CacheKind.KEYS_VALUES  # `edit_cache.cache`: what a template's record holds
     edit_cache_worker_bytes: int = 4 << 30  # `edit_cache.worker_bytes`: each worker's LRU of records it used
+    patch_cache: PatchCacheSpec | None = None  # `patch_cache` when enabled: each worker calibrates and serves it
 
     @property
     def loras(self) -> tuple[AddonSource, ...]:
@@ -79,5 +81,6 @@ def start_workers(spec: WorkerPoolSpec, models: Sequence[ModelSource], name_pref
         ).remote(worker_id, list(models), spec.device, spec.torch_threads, spec.decode_images,
                  spec.text_cache_size if spec.encode_text else None, spec.addons, lora_stores or {},
                  spec.lora_join_by, spec.max_resident_loras, controlnet_service, spec.controlnet_stale,
-                 activation_stores or {}, spec.edit_cache_kind, spec.edit_cache_worker_bytes, spec.pack_resolutions)
+                 activation_stores or {}, spec.edit_cache_kind, spec.edit_cache_worker_bytes, spec.pack_resolutions,
+                 spec.patch_cache)
     return workers, names

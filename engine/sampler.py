@@ -29,6 +29,7 @@ from stepserve.engine.addons import ControlRows, LoraRows, StepAddons
 from stepserve.engine.addons.controlnet import StaleResiduals, control_tensor
 from stepserve.engine.families.base import DiffusionFamily, RowConditioning, TextEmbeddings
 from stepserve.engine.inpaint import EditLatents, image_tensor, mask_tensor, start_edit
+from stepserve.engine.patch_cache.cache import PatchCache
 from stepserve.engine.template_edits import TemplateEdit
 from stepserve.policies.types import RequestSpec
 
@@ -92,6 +93,9 @@ class Sampler:
         # Its use of its template's cached activations, if the runner gave it one (not state:
         # a resumed edit finds its template again where it resumes).
         self.template: TemplateEdit | None = None
+        # Its patches' block outputs from its last step, if the runner serves the patch cache
+        # (not state either: a resumed request computes its next step in full and starts anew).
+        self.patch_cache: PatchCache | None = None
         if spec.is_edit:
             if conditioning.edit is None:
                 raise ValueError(f"request {spec.request_id}: an edit needs its image and mask")

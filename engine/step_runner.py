@@ -27,6 +27,8 @@ from stepserve.engine.addons import StepAddons
 from stepserve.engine.addons.lora import LoraLoader
 from stepserve.engine.families.base import DiffusionFamily
 from stepserve.engine.parallel.latent import cfg_split_denoise
+from stepserve.engine.patch_cache.cache import PatchCache
+from stepserve.engine.patch_cache.cached_sd3 import PatchReuse
 from stepserve.engine.png import encode_png
 from stepserve.engine.sampler import Conditioning, Sampler
 from stepserve.engine.template_edits import TemplateCache, attach, finished_record, template_forward
@@ -54,7 +56,8 @@ class Admission:
 class StepRunner:
     def __init__(self, worker_id: str, families: Mapping[str, DiffusionFamily], incarnation: str = "",
                  decode_images: bool = False, loras: LoraLoader | None = None, lora_join_by: float = 0.0,
-                 templates: TemplateCache | None = None, pack_resolutions: bool = False):
+                 templates: TemplateCache | None = None, pack_resolutions: bool = False,
+                 patch_reuse: Mapping[str, PatchReuse] | None = None):
         """`decode_images`: a finished image leaves as its PNG, decoded by this worker's VAE, not as
         its latents (`vae_decoder.on_workers`). A video always leaves decoded (`decode_on_worker`).
         `loras`: brings LoRAs that are not in the families yet (None: every LoRA a request names
@@ -62,7 +65,8 @@ class StepRunner:
         before its LoRAs have arrived (0: none, exact). `templates`: where edits of templates find
         and keep cached activations, and what they hold (`engine.template_edits`; None: every
         edit is exact). `pack_resolutions`: a plan's plain groups of one model whose family
-        packs resolutions run as one forward (`_packed`)."""
+        packs resolutions run as one forward (`_packed`). `patch_reuse`: by model, how its requests
+        reuse their patches across steps (`engine.patch_cache`; a model not named: never)."""
         if not 0.0 <= lora_join_by < 1.0:
             raise ValueError(f"lora_join_by must be in [0, 1), got {lora_join_by}")
         self.worker_id = worker_id
@@ -73,6 +77,7 @@ class StepRunner:
         self.lora_join_by = lora_join_by
         self.templates = templates
         self.pack_resolutions = pack_resolutions
+        self.patch_reuse = dict(patch_reuse or {})
         self.samplers: dict[str, Sampler] = {}
         self._cuda_devices = {f.device for f in self.families.values() if f.device.type == "cuda"}
 
@@ -144,8 +149,8 @@ class StepRunner:
         """`groups` with the plain ones of each model whose family packs resolutions joined into
         one, at the first one's place (PatchedServe §4: one forward however many resolutions the
         policy's groups hold). Plain: on this worker alone, every member resident, no add-ons, no
-        template edit reusing cached activations. A group whose sizes the family cannot pack with
-        the ones joined so far stays on its own."""
+        template edit reusing cached activations, no patch cache. A group whose sizes the family
+        cannot pack with the ones joined so far stays on its own."""
         out: list[StepGroup] = []
         packs: dict[str, int] = {}  # model -> the index in `out` of its packed group
         for group in groups:
@@ -173,7 +178,8 @@ class StepRunner:
         family = self.families.get(model)
         if len(models) > 1 or family is None or not family.mixed_resolutions:
             return None
-        if any(s.spec.loras or s.spec.controlnets or s.template is not None for s in samplers):
+        if any(s.spec.loras or s.spec.controlnets or s.template is not None or s.patch_cache is not None
+               for s in samplers):  # (a patch cache's forward holds one token grid)
             return None
         return model
 
@@ -231,6 +237,8 @@ class _PlanRun:
             self._bring_loras(sampler, family)
             if self.runner.templates is not None and spec.template_id is not None and family.cached_edits:
                 attach(sampler, family, self.runner.templates)
+            if spec.model in self.runner.patch_reuse and sampler.template is None:
+                sampler.patch_cache = PatchCache(sampler.rows)
         except Exception as exc:  # one bad admission must not take the worker (or the plan) down
             self.fail(rid, f"admission failed: {type(exc).__name__}: {exc}", lost=False)
             return
@@ -334,6 +342,9 @@ class _PlanRun:
             return cfg_split_denoise(family, sample, timesteps, cond, process_group, addons)
         if not group.ranks and not addons and all(s.template is not None for s in samplers):
             return template_forward(family, samplers, sample, timesteps, cond)
+        if not group.ranks and not addons and all(s.patch_cache is not None for s in samplers):
+            return family.denoise_patch_cached(sample, timesteps, cond, [s.patch_cache for s in samplers],
+                                               self.runner.patch_reuse[samplers[0].spec.model])
         for sampler in samplers:  # (a record missing this step would be no record)
             sampler.template = None
         # Only families that take add-ons take the keyword (admission refused the others' requests).

@@ -67,6 +67,7 @@ VARIANTS = (
     Variant("static_fcfs", "static_fcfs", False),
     Variant("continuous", "continuous", False),
     Variant("continuous_packed", "continuous", True),
+    Variant("patchedserve", "patchedserve", False),
     Variant("patchedserve_packed", "patchedserve", True),
 )
 ANALYZED = ("patchedserve",)  # policies whose options take the sizes their throughput analyzer trains on

@@ -9,14 +9,14 @@ benchmark uses the same function.
 Each block is timed alone on its own input from a plain forward (captured with forward
 pre-hooks, so the model's own forward runs): in full, masked with its cached slot already on the
 device, and the copy of that slot from host memory (or, given `load_slot`, whatever loading a
-slot is: on a CPU node, reading it from the activation store's disk, `record_file.RecordFile`). A `KEYS_VALUES` record has one more slot, the
-final image tokens, needed by the output layer after the last block: its costs are the output
-layer's (masked: the masked tokens, then the scatter into the slot), as one more entry, so the DP
-sees the forward as the loader runs it (that slot's copy queued after the last block's). On CUDA
-every sample is timed with events around the work on the current stream after a synchronize; on
-CPU with the wall clock. Loads are timed alone, not under concurrent compute: sharing memory
-bandwidth with the kernels may slow them a little, which the benchmark's measured-against-
-predicted shows.
+slot is: on a CPU node, reading it from the activation store's disk, `record_file.RecordFile`).
+A `KEYS_VALUES` record has one more slot, the final image tokens, needed by the output layer
+after the last block: its costs are the output layer's (masked: the masked tokens, then the
+scatter into the slot), as one more entry, so the DP sees the forward as the loader runs it
+(that slot's copy queued after the last block's). On CUDA every sample is timed with events
+around the work on the current stream after a synchronize; on CPU with the wall clock. Loads are
+timed alone, not under concurrent compute: sharing memory bandwidth with the kernels may slow
+them a little, which the benchmark's measured-against-predicted shows.
 """
 
 from __future__ import annotations

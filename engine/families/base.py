@@ -123,6 +123,9 @@ class DiffusionFamily(ABC):
     # `denoise_mixed`, which runs each member's (sample, timesteps, cond) of the latent sizes
     # `packs` accepts in one forward, each member's output as `denoise` gives it alone.
     mixed_resolutions: ClassVar[bool] = False
+    # Reuses a request's patches across steps (PatchedServe §5, `engine.patch_cache`): it has
+    # `denoise_patch_cached`.
+    patch_cached: ClassVar[bool] = False
 
     source: ModelSource
     device: torch.device

@@ -142,6 +142,7 @@ class SD3Family(FlowMatchingImageFamily):
     edits = True  # as StableDiffusion3InpaintPipeline with this (16-channel) transformer
     cached_edits = True
     mixed_resolutions = True
+    patch_cached = True
 
     def make_pipeline(self, components: dict[str, Any], scheduler: Any) -> Any:
         return StableDiffusion3Pipeline(

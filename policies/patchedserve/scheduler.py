@@ -70,7 +70,12 @@ class _Option:
 def decide_round(snapshot: ClusterSnapshot, config: PatchedServeConfig, latency: BatchLatency) -> Decision:
     """One round of Algorithm 1 over the pool (see the module docstring)."""
     now = snapshot.now
-    extra = snapshot.overhead_s(RequestKind.T2I)
+    # The router's measured step overhead is learned from the plans it runs. On an idle pool it
+    # is what the last load left, and nothing runs to correct it: counted then, an overhead
+    # learned under overload would discard every request and never come down (seen live: every
+    # request of a 10 req/s run discarded after an overloaded 8 req/s one). So an idle pool
+    # predicts from the profile alone, and the first plans it runs measure the overhead again.
+    extra = snapshot.overhead_s(RequestKind.T2I) if snapshot.running else 0.0
 
     def step(views: Sequence[RequestView]) -> float:
         return latency.step_seconds(views) + extra if views else 0.0

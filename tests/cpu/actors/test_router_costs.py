@@ -20,8 +20,9 @@ from stepserve.policies.types import RequestKind, RequestStatus, RequestView, Sh
 
 SD3 = ModelSource("tiny-sd3", "sd3", preset="tiny")
 SD15 = ModelSource("tiny-sd", "sd15", preset="tiny")
-CACHED = WorkerPoolSpec(edit_cache=ActivationStoreSpec(1 << 30), pack_resolutions=False)
-PLAIN = WorkerPoolSpec(pack_resolutions=False)
+CACHED = WorkerPoolSpec(edit_cache=ActivationStoreSpec(1 << 30))
+PLAIN = WorkerPoolSpec()
+PACKING = WorkerPoolSpec(pack_resolutions=True)
 
 
 def profile(path, masked: bool):
@@ -55,8 +56,7 @@ def test_costs_are_wrapped_only_where_edits_use_the_cache_and_the_profile_measur
     dims = costs.edits["tiny-sd3"].dims
     assert dims == (DiTDims(2, 32, patch=2, text_tokens=333, latent_factor=8, bytes_per_value=4, keys_values=True),)
     outputs = router_costs(spec(masked), [SD3], WorkerPoolSpec(edit_cache=CACHED.edit_cache,
-                                                               edit_cache_kind=CacheKind.OUTPUTS,
-                                                               pack_resolutions=False))
+                                                               edit_cache_kind=CacheKind.OUTPUTS))
     assert not outputs.edits["tiny-sd3"].dims[0].keys_values  # the FLOPs of the configured cache kind
     for model, size, rows in (("tiny-sd3", 64, 2), ("tiny-sd3", 128, 8), ("tiny-sd", 128, 8)):
         full_s = costs.denoise_seconds(BatchShape(model, size, size, rows))
@@ -85,12 +85,12 @@ def test_mask_aware_placement_sees_the_masked_cost(tmp_path):
 def test_packing_workers_price_a_rounds_plain_groups_of_a_packing_model_as_one_forward(tmp_path):
     flux = ModelSource("tiny-flux", "flux", preset="tiny")  # cannot pack: its groups stay apart
     full = profile(tmp_path / "full.csv", False)
-    costs = router_costs(spec(full), [SD3, SD15, flux], WorkerPoolSpec())  # packing is on by default
+    costs = router_costs(spec(full), [SD3, SD15, flux], PACKING)
     assert isinstance(costs, PackedForwardCosts) and costs.packing == {"tiny-sd3", "tiny-sd"}
     assert type(router_costs(spec(full), [SD3], PLAIN)) is ProfiledCostModel
-    assert type(router_costs(spec(full), [flux], WorkerPoolSpec())) is ProfiledCostModel  # nothing packs
+    assert type(router_costs(spec(full), [flux], PACKING)) is ProfiledCostModel  # nothing packs
     sizes = [BatchShape("tiny-sd3", 64, 64, 2), BatchShape("tiny-sd3", 128, 128, 2)]
     assert costs.round_seconds(sizes) < costs.base.round_seconds(sizes)
     masked_cost = router_costs(spec(profile(tmp_path / "masked.csv", True)), [SD3],
-                               WorkerPoolSpec(edit_cache=CACHED.edit_cache))
+                               WorkerPoolSpec(edit_cache=CACHED.edit_cache, pack_resolutions=True))
     assert isinstance(masked_cost, PackedForwardCosts) and isinstance(masked_cost.base, MaskAwareCosts)

@@ -107,9 +107,9 @@ def test_a_family_without_mixed_resolutions_refuses_a_mixed_group(tiny_flux):
 
 
 class _Resident:
-    """A resident request as `_packed` reads it: its spec, latents and template."""
+    """A resident request as `_packed` reads it: its spec, latents, template and patch cache."""
 
     def __init__(self, spec):
         self.spec = spec
         self.latents = torch.zeros(1, 4, spec.height // 8, spec.width // 8)
-        self.template = None
+        self.template = self.patch_cache = None

@@ -42,7 +42,8 @@ def test_variants_differ_only_in_policy_and_packing():
     args = {label: c["applications"][0]["args"] for label, c in configs.items()}
     assert {label: (a["router"]["policy"], a["workers"]["pack_resolutions"]) for label, a in args.items()} == {
         "static_fcfs": ("static_fcfs", False), "continuous": ("continuous", False),
-        "continuous_packed": ("continuous", True), "patchedserve_packed": ("patchedserve", True)}
+        "continuous_packed": ("continuous", True), "patchedserve": ("patchedserve", False),
+        "patchedserve_packed": ("patchedserve", True)}
     assert args["patchedserve_packed"]["router"]["policy_options"] == {"sizes": [[64, 64], [96, 96], [128, 128]]}
     assert args["continuous"]["router"]["policy_options"] == {}
     assert all(a["router"]["profiles"] == ["tiny-sd-cpu"] for a in args.values())

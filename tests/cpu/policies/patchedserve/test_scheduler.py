@@ -9,7 +9,7 @@ import math
 
 from stepserve.policies.patchedserve import PatchedServeConfig, PatchedServePolicy
 from stepserve.policies.patchedserve.mixed_costs import PackedForwardCosts
-from stepserve.policies.types import Decision
+from stepserve.policies.types import Decision, RequestKind
 
 from tests.cpu.policies.patchedserve.fakes import LinearCosts
 from tests.cpu.policies.snapshots import LARGE, assert_executable, plan_on, req, slot, snap, steps
@@ -140,3 +140,14 @@ def test_the_round_respects_the_batch_cap_and_plans_only_open_workers():
     assert len(plan_on(decision, "w0").admit) == 2
     assert [p.worker_id for p in decision.plans] == ["w0"]
     assert not decide(snap({"w0": (2, [])}, [])).plans
+
+
+def test_an_idle_pool_predicts_without_the_overhead_a_past_load_left():
+    """The measured overhead is learned from running plans: on an idle pool it may be stale (an
+    overload's), and nothing would run to correct it. An idle pool admits by the profile alone;
+    with something running, the overhead counts."""
+    stale = ((RequestKind.T2I, 0.5),)  # 0.5 s a step: 10 steps would take 5.2 s
+    idle = decide(snap({"w0": (4, [])}, [req("a", deadline=1.0)], step_overhead_s=stale))
+    assert not idle.discard and plan_on(idle, "w0").admit == ("a",)
+    busy = decide(snap({"w0": (4, [req("r", deadline=100.0)])}, [req("a", deadline=1.0)], step_overhead_s=stale))
+    assert set(discarded(busy)) == {"a"}
