@@ -255,6 +255,7 @@ class Sampler:
         self.first_step = state["first_step"]
         self.edit = None if state["edit"] is None else EditLatents(**copy_to(state["edit"], family.device))
         self.template = None
+        self.patch_cache = None
         _check_addons(self.spec, family)
         self.stale = _stale_holders(self.spec, family)  # stale residuals stay behind: one step waits
         self.generator = torch.Generator("cpu")

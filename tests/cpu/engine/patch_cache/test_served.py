@@ -15,7 +15,7 @@ from stepserve.engine.families import TEXT
 from stepserve.engine.patch_cache.cached_sd3 import PatchReuse
 from stepserve.engine.patch_cache.calibration import PatchCacheSpec, calibrate
 from stepserve.engine.patch_cache.predictor import ReusePredictor
-from stepserve.engine.step_runner import StepRunner
+from stepserve.engine.step_runner import Admission, StepRunner
 from stepserve.policies.types import StepGroup, WorkerPlan
 
 from tests.tiny import TINY, TINY_SD3, admission_for, make_spec
@@ -78,3 +78,18 @@ def test_the_config_switch_and_the_worker_parts():
         PatchCacheConfig(enabled=True, tolerance=0)
     assert TEXT in worker_parts(TINY_SD3, patch_cache=True)  # its calibration encodes prompts
     assert TEXT not in worker_parts(TINY_SD3) and TEXT not in worker_parts(TINY, patch_cache=True)
+
+
+def test_a_request_resumed_elsewhere_starts_a_fresh_cache(tiny_sd3):
+    spec = make_spec("m", steps=4, size=64, model="tiny-sd3")
+    reuse = {"tiny-sd3": rule(tiny_sd3, math.inf)}
+    first = StepRunner("w0", {"tiny-sd3": tiny_sd3}, patch_reuse=reuse)
+    admission = admission_for(tiny_sd3, spec)
+    _, (state,) = first.execute(WorkerPlan("w0", admit=("m",), groups=(StepGroup(("m",)),), export=("m",)),
+                                {"m": admission})
+    second = StepRunner("w1", {"tiny-sd3": tiny_sd3}, patch_reuse=reuse)
+    report, _ = second.execute(WorkerPlan("w1", admit=("m",), groups=(StepGroup(("m",)),)),
+                               {"m": Admission(spec, state=state)})
+    assert not report.failed, report.failed
+    cache = second.samplers["m"].patch_cache
+    assert cache is not None and cache.steps == 1  # its step there computed in full, then cached
