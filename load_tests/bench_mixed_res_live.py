@@ -14,6 +14,7 @@ deleted:
 - `continuous`: step-level continuous batching, one forward per resolution a step;
 - `continuous_packed`: the same on workers that run a step's resolutions as one forward
   (`engine/step_runner.py`, PatchedServe's "Mixed-Cache" baseline);
+- `patchedserve`: Algorithm 1 (`policies/patchedserve`), one forward per resolution;
 - `patchedserve_packed`: Algorithm 1 (`policies/patchedserve`) on packing workers (the router
   prices its rounds as packed forwards when the workers pack).
 

@@ -57,11 +57,6 @@ class PackedForwardCosts(WrappedCosts):
         self.packing = None if packing is None else frozenset(packing)
         self._row_s: dict[tuple[str, int, int], float] = {}
 
-    @property
-    def models(self) -> tuple[str, ...]:
-        """The base model's profiled models (empty when it does not say)."""
-        return tuple(getattr(self.base, "models", ()))
-
     def row_seconds(self, model: str, height: int, width: int) -> float:
         """One more row's seconds in a full forward at this resolution (the work unit)."""
         key = (model, height, width)
