@@ -38,6 +38,7 @@ from stepserve.policies.addon_costs import ControlNetPlacement
 from stepserve.policies.cost_model import CostModel, ProfiledCostModel, load_profile
 from stepserve.policies.instgenie.edit_profile import profiled_costs
 from stepserve.policies.patchedserve.mixed_costs import packed
+from stepserve.policies.patchedserve.packed_profile import packing_fits
 from stepserve.policies.types import RequestFailure, RequestKind, RequestSpec, RequestStatus, WorkerPlan
 
 logger = logging.getLogger("stepserve.router")
@@ -80,12 +81,16 @@ class RouterSpec:
 def router_costs(spec: RouterSpec, models: Sequence[ModelSource], pool: WorkerPoolSpec) -> CostModel | None:
     """The profiles' cost model (None without profiles). Where workers pack resolutions
     (`workers.pack_resolutions`), a round's plain image groups of a model whose family packs are
-    priced as one forward (`policies.patchedserve.PackedForwardCosts`)."""
+    priced as one forward (`policies.patchedserve.PackedForwardCosts`): as the profiles' packed
+    forwards measured it where they have them (`packing_fits`), else by the roofline estimate."""
     if not spec.profiles:
         return None
-    costs = _edit_costs(load_profile(*spec.profiles, controlnets=spec.controlnets), models, pool)
+    profile = load_profile(*spec.profiles, controlnets=spec.controlnets)
+    costs = _edit_costs(profile, models, pool)
     packing = [m.name for m in models if family_class(m.family).mixed_resolutions]
-    return packed(costs, packing) if pool.pack_resolutions and packing else costs
+    if not (pool.pack_resolutions and packing):
+        return costs
+    return packed(costs, packing, packing_fits(profile, costs))
 
 
 def _edit_costs(profile: ProfiledCostModel, models: Sequence[ModelSource], pool: WorkerPoolSpec) -> CostModel:

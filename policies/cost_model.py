@@ -15,7 +15,7 @@ policy can rely on "more work never costs less".
 
 CSV schema (one for every device), one row per measured point:
 
-    model,device,component,height,width,rows,frames,latency_ms,samples,source,sp_degree,mask_ratio
+    model,device,component,height,width,rows,frames,latency_ms,samples,source,sp_degree,mask_ratio,groups
 
 - `component`: denoise | round_overhead | text_encode | vae_decode | request_overhead | host_probe |
   host_idle | router_cpu | controlnet | controlnet_transfer | denoise_encoder | lora | cfg_exchange |
@@ -56,6 +56,11 @@ CSV schema (one for every device), one row per measured point:
   the served forward of edits with cached activations (the rest of the tokens taken from a
   template's record, loads included). `ProfiledCostModel` fits only full forwards (1) and keeps
   the others for `policies/instgenie/edit_profile.py`. Optional (older files): 1.
+- `groups`: for denoise, empty for a forward of one resolution; else the resolution groups of one
+  forward that ran them together (PatchedServe §4: a DiT's tokens packed, a UNet patched), as
+  `rows@HEIGHTxWIDTH` joined by `+` (`2@64x64+4@128x128`). Such a row's height and width are its
+  largest group's and its rows are all the groups' rows. `ProfiledCostModel` keeps these rows
+  aside for `policies/patchedserve/packed_profile.py`. Optional (older files): empty.
 - `latency_ms`: the median of `samples` repeats; `source`: "measured <date> <device>" or a
   citation (derived tables say so).
 """
@@ -99,9 +104,10 @@ HOST_COMPONENTS = (HOST_PROBE, HOST_IDLE, ROUTER_CPU)  # what the host does besi
 SHAPED = (DENOISE, VAE_DECODE, HOST_PROBE, *EXTRA_COMPONENTS)  # rows that need a height and width
 
 CSV_COLUMNS = ("model", "device", "component", "height", "width", "rows", "frames", "latency_ms", "samples", "source",
-               "sp_degree", "mask_ratio")
-# Absent in profiles written before video support (sp_degree) and before masked forwards (mask_ratio).
-OPTIONAL_COLUMNS = {"sp_degree": "1", "mask_ratio": "1"}
+               "sp_degree", "mask_ratio", "groups")
+# Absent in profiles written before video support (sp_degree), masked forwards (mask_ratio) and
+# packed forwards (groups).
+OPTIONAL_COLUMNS = {"sp_degree": "1", "mask_ratio": "1", "groups": ""}
 
 # Methods are tried in this order; a later one must beat an earlier one's held-out error by
 # more than this factor to be chosen.
@@ -252,6 +258,7 @@ class ProfileRow:
     source: str
     sp_degree: int = 1
     mask_ratio: float = 1.0
+    groups: tuple[tuple[int, int, int], ...] = ()  # (height, width, rows) of each group of a packed forward
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -273,6 +280,19 @@ class ProfileRow:
             raise ProfileError(f"height and width must both be 0 or both positive: {self}")
         if self.component in SHAPED and not shaped:
             raise ProfileError(f"{self.component} rows need a height and width: {self}")
+        if self.groups:
+            self._check_groups()
+
+    def _check_groups(self) -> None:
+        sizes = [(h, w) for h, w, _ in self.groups]
+        if self.component != DENOISE or self.sp_degree != 1 or self.frames != 1 or self.mask_ratio < 1.0:
+            raise ProfileError(f"groups belong to full image denoise rows at sp_degree 1 only: {self}")
+        if len(self.groups) < 2 or len(set(sizes)) != len(sizes) or min(min(g) for g in self.groups) < 1:
+            raise ProfileError(f"a packed forward has two or more groups of distinct sizes and positive rows: {self}")
+        largest = max(sizes, key=lambda s: s[0] * s[1])
+        if (self.height, self.width) != largest or self.rows != sum(r for _, _, r in self.groups):
+            raise ProfileError(f"a packed row's height and width are its largest group's ({largest[0]}x{largest[1]}) "
+                               f"and its rows all groups' ({sum(r for _, _, r in self.groups)}): {self}")
 
     @property
     def pixels(self) -> int:
@@ -288,7 +308,25 @@ class ProfileRow:
             "height": str(self.height), "width": str(self.width), "rows": str(self.rows),
             "frames": str(self.frames), "latency_ms": f"{self.latency_ms:.4f}", "samples": str(self.samples),
             "source": self.source, "sp_degree": str(self.sp_degree), "mask_ratio": f"{self.mask_ratio:.6g}",
+            "groups": format_groups(self.groups),
         }
+
+
+def format_groups(groups: Sequence[tuple[int, int, int]]) -> str:
+    """(height, width, rows) groups as the CSV writes them: `2@64x64+4@128x128`."""
+    return "+".join(f"{rows}@{height}x{width}" for height, width, rows in groups)
+
+
+def parse_groups(text: str) -> tuple[tuple[int, int, int], ...]:
+    """`format_groups`' inverse; empty text: no groups. Raises ValueError on anything else."""
+    if not text.strip():
+        return ()
+    groups = []
+    for part in text.split("+"):
+        rows, _, size = part.strip().partition("@")
+        height, _, width = size.partition("x")
+        groups.append((int(height), int(width), int(rows)))
+    return tuple(groups)
 
 
 def _parse_row(raw: dict[str, str], where: str) -> ProfileRow:
@@ -299,6 +337,7 @@ def _parse_row(raw: dict[str, str], where: str) -> ProfileRow:
             latency_ms=float(raw["latency_ms"]), samples=int(raw["samples"]), source=(raw["source"] or "").strip(),
             sp_degree=int(raw.get("sp_degree") or OPTIONAL_COLUMNS["sp_degree"]),
             mask_ratio=float(raw.get("mask_ratio") or OPTIONAL_COLUMNS["mask_ratio"]),
+            groups=parse_groups(raw.get("groups") or OPTIONAL_COLUMNS["groups"]),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ProfileError(f"{where}: {exc}") from None
@@ -316,7 +355,7 @@ def read_profile(path: str | os.PathLike) -> list[ProfileRow]:
 def write_profile(path: str | os.PathLike, rows: Iterable[ProfileRow]) -> None:
     """Write rows sorted by model, component, shape: diffs between two profiles stay readable."""
     ordered = sorted(rows, key=lambda r: (r.model, COMPONENTS.index(r.component), r.sp_degree, -r.mask_ratio,
-                                          r.pixels, r.height, r.rows))
+                                          len(r.groups), r.groups, r.pixels, r.height, r.rows))
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, lineterminator="\n")
         writer.writeheader()
@@ -567,8 +606,9 @@ class _ModelCosts:
         self.sources = sorted({r.source for r in rows})
         by_component: dict[str, list[ProfileRow]] = {c: [] for c in COMPONENTS}
         self.masked: list[ProfileRow] = []  # forwards with cached activations: not fitted here
+        self.packed: list[ProfileRow] = []  # forwards of several resolutions: not fitted here
         for r in rows:
-            (self.masked if r.mask_ratio < 1.0 else by_component[r.component]).append(r)
+            (self.masked if r.mask_ratio < 1.0 else self.packed if r.groups else by_component[r.component]).append(r)
         self.fits: dict[str, FitResult] = {}
         degrees = sorted({r.sp_degree for r in by_component[DENOISE]})
         # One fit per SP degree; degree 1 reports as plain "denoise", others as "denoise@spD".
@@ -703,6 +743,13 @@ class ProfiledCostModel:
         """The denoise rows of forwards with cached activations (mask_ratio < 1), which this model
         does not fit: `policies/instgenie/edit_profile.py` prices edits from them."""
         return tuple(r for costs in self._models.values() for r in costs.masked)
+
+    @property
+    def packed_rows(self) -> tuple[ProfileRow, ...]:
+        """The denoise rows of forwards of several resolutions (`groups`), which this model does
+        not fit: `policies/patchedserve/packed_profile.py` checks and calibrates packed pricing
+        against them."""
+        return tuple(r for costs in self._models.values() for r in costs.packed)
 
     def _costs(self, model: str) -> _ModelCosts:
         try:

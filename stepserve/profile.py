@@ -8,6 +8,9 @@ What is measured, each the median of interleaved repeats after a warm-up:
 - denoise with mask_ratio < 1 (where the family edits with cached activations): the forward the
   workers serve for a batch of edits of templates they hold a record of, at the grid's mask
   ratios, per resolution and number of edits (`masked_batches`); see profile_edits.py.
+- denoise of several resolutions (where the family runs them in one forward): that forward for
+  every mix of the grid's sizes, with `packed_batches` requests of each, timed beside the same
+  groups run in turn; see profile_packed.py.
 - round_overhead, per group: `StepRunner.execute(plan)` wall time minus the time spent inside
   `family.denoise` during that very call (the family is wrapped to time its forwards), i.e.
   the sampler bookkeeping a round adds around the forward.
@@ -88,6 +91,8 @@ class ProfileGrid:
     # guides by CFG), at every size, and the mask ratios they compute (none: not measured).
     masked_batches: tuple[int, ...] = (1, 4, 8)
     mask_ratios: tuple[float, ...] = (0.1, 0.2, 0.5)
+    # Packed forwards (profile_packed.py): requests of each size in every mix of the grid's sizes.
+    packed_batches: tuple[int, ...] = (1, 2, 4)
 
     def __post_init__(self) -> None:
         if not all(0.0 < m < 1.0 for m in self.mask_ratios):
@@ -187,9 +192,10 @@ class Context:
     source: str  # "measured <date>"
 
     def row(self, component: str, latency_s: float, samples: int, height: int = 0, width: int = 0, rows: int = 1,
-            note: str = "", frames: int = 1, sp_degree: int = 1, mask_ratio: float = 1.0) -> ProfileRow:
+            note: str = "", frames: int = 1, sp_degree: int = 1, mask_ratio: float = 1.0,
+            groups: tuple[tuple[int, int, int], ...] = ()) -> ProfileRow:
         return ProfileRow(self.model, self.device, component, height, width, rows, frames, latency_s * 1e3, samples,
-                          f"{self.source}; {note}" if note else self.source, sp_degree, mask_ratio)
+                          f"{self.source}; {note}" if note else self.source, sp_degree, mask_ratio, groups)
 
 
 # -- the model's own work --------------------------------------------------------------------
@@ -675,6 +681,7 @@ def run_profile(args: argparse.Namespace) -> int:
     from stepserve.engine.families import ALL_PARTS, load_family
     from stepserve.profile_addons import measure_addons
     from stepserve.profile_edits import masked_fit_report, measure_masked
+    from stepserve.profile_packed import measure_packed, packed_fit_report
     from stepserve.runtime import start_local_ray
 
     started = time.perf_counter()
@@ -710,6 +717,7 @@ def run_profile(args: argparse.Namespace) -> int:
     rows = measure_denoise(ctx, worker_threads)
     rows += measure_addons(ctx, app, worker_threads)
     rows += measure_masked(ctx, app.edit_cache.cache, worker_threads)
+    rows += measure_packed(ctx, worker_threads)
     rows += measure_round_bookkeeping(ctx, worker_threads)
     # Where prompts encode and images decode: on the workers (`text_encoder.on_workers`,
     # `vae_decoder.on_workers`), with their threads.
@@ -755,6 +763,8 @@ def run_profile(args: argparse.Namespace) -> int:
     print(format_fit_report(model.fit_report()))
     if model.masked_rows:
         print(masked_fit_report(ctx, app.edit_cache.cache, model.masked_rows))
+    if model.packed_rows:
+        print(packed_fit_report(model))
     if live_result is not None:
         size, hi = live_result.size, live_result.steps[1]
         batch = BatchShape(model_config.name, size, size, request_rows)

@@ -10,7 +10,11 @@ The pipeline packs latents into 2x2 patch tokens for its whole loop; here a requ
 stay unpacked ([1, C, h, w], as the other image families keep theirs) and only the forward
 packs them. Flow-matching Euler's step is elementwise, so stepping the unpacked latents equals
 stepping the packed ones, and the unpacked shape tells sizes apart that pack to the same token
-count (64x128 and 128x64), which one forward must not mix (their position ids differ).
+count (64x128 and 128x64), whose position ids differ: they never share a batch of one size.
+
+Requests of different sizes do share a forward (PatchedServe §4): `denoise_mixed` concatenates
+their image tokens, each size with its own position ids (`engine.packing.packed_flux`), one
+piece per exact latent shape, so 64x128 and 128x64 go in as two pieces.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from stepserve.engine.families.presets import (
     autoencoder_kl, clip_text_config, preset_config, seeded_parts, t5_encoder, vae_geometry,
 )
 from stepserve.engine.families.sdxl import TEXT_2
+from stepserve.engine.packing.packed_flux import FluxInputs, packed_forward
 from stepserve.engine.tokenizer import (
     byte_level_clip_tokenizer, byte_level_vocab, character_t5_tokenizer, t5_character_vocab,
 )
@@ -128,6 +133,7 @@ class FluxFamily(FlowMatchingImageFamily):
     classifier_free_guidance = False  # guidance-distilled: the scale is a model input
     modules = FlowMatchingImageFamily.modules + (TEXT_2,)
     edits = False  # FluxInpaintPipeline (packed latents) is not replayed yet
+    mixed_resolutions = True
 
     def __init__(self, source: ModelSource, components: dict[str, Any], device: torch.device):
         super().__init__(source, components, device)
@@ -188,6 +194,22 @@ class FluxFamily(FlowMatchingImageFamily):
         return randn_tensor(self.latent_shape(spec.height, spec.width), generator=generator, device=self.device,
                             dtype=self.dtype)
 
+    def _inputs(self, sample: torch.Tensor, timesteps: torch.Tensor, cond: RowConditioning) -> FluxInputs:
+        """The transformer's inputs for unpacked latents [B, C, h, w] of one image size, as the
+        pipeline gives them: 2x2 patch tokens, their position ids, zero text ids, timesteps / 1000."""
+        batch, channels, height, width = sample.shape
+        context = cond["context"]
+        return FluxInputs(
+            hidden_states=FluxPipeline._pack_latents(sample, batch, channels, height, width),
+            img_ids=FluxPipeline._prepare_latent_image_ids(batch, height // 2, width // 2, self.device, context.dtype),
+            encoder_hidden_states=context,
+            txt_ids=torch.zeros(context.shape[1], 3, device=self.device, dtype=context.dtype),
+            pooled_projections=cond["pooled"],
+            timestep=timesteps.to(sample.dtype) / 1000,
+            # Flux-schnell has no guidance embedding; the pipeline then passes none.
+            guidance=cond["guidance"] if self.denoiser.config.guidance_embeds else None,
+        )
+
     @torch.inference_mode()
     def denoise(
         self, sample: torch.Tensor, timesteps: torch.Tensor, cond: RowConditioning, sp_group: Any = None
@@ -195,17 +217,37 @@ class FluxFamily(FlowMatchingImageFamily):
         """One forward over unpacked latents [B, C, h, w] of one image size: packed into 2x2 patch
         tokens for the transformer, its output unpacked again."""
         self.refuse_sequence_parallel(sp_group)
-        batch, channels, height, width = sample.shape
-        context = cond["context"]
-        tokens = FluxPipeline._pack_latents(sample, batch, channels, height, width)
-        img_ids = FluxPipeline._prepare_latent_image_ids(batch, height // 2, width // 2, self.device, context.dtype)
-        txt_ids = torch.zeros(context.shape[1], 3, device=self.device, dtype=context.dtype)
-        # Flux-schnell has no guidance embedding; the pipeline then passes none.
-        guidance = cond["guidance"] if self.denoiser.config.guidance_embeds else None
+        args = self._inputs(sample, timesteps, cond)
         out = self.denoiser(
-            hidden_states=tokens, timestep=timesteps.to(sample.dtype) / 1000, guidance=guidance,
-            pooled_projections=cond["pooled"], encoder_hidden_states=context, txt_ids=txt_ids, img_ids=img_ids,
-            return_dict=False,
+            hidden_states=args.hidden_states, timestep=args.timestep, guidance=args.guidance,
+            pooled_projections=args.pooled_projections, encoder_hidden_states=args.encoder_hidden_states,
+            txt_ids=args.txt_ids, img_ids=args.img_ids, return_dict=False,
         )[0]
         # `_unpack_latents` takes pixel sizes; with a scale factor of 1 it takes these latent ones.
-        return FluxPipeline._unpack_latents(out, height, width, 1)
+        return FluxPipeline._unpack_latents(out, *sample.shape[-2:], 1)
+
+    def packs(self, sizes: Sequence[tuple[int, ...]]) -> bool:
+        return True  # tokens of any sizes concatenate (every latent side is a multiple of the 2x2 packing)
+
+    @torch.inference_mode()
+    def denoise_mixed(
+        self, inputs: Sequence[tuple[torch.Tensor, torch.Tensor, RowConditioning]]
+    ) -> list[torch.Tensor]:
+        """`denoise` of each (sample, timesteps, cond) of `inputs`, samples of any latent sizes, as
+        one forward with their image tokens packed (`engine.packing.packed_flux`). Inputs of one
+        latent shape go in as one piece (their rows share position ids, and their attention runs
+        as one batch); shapes of equal token counts (64x128, 128x64) are two pieces."""
+        by_shape: dict[tuple[int, ...], list[int]] = {}
+        for i, (sample, _, _) in enumerate(inputs):
+            by_shape.setdefault(tuple(sample.shape[1:]), []).append(i)
+        pieces = []
+        for members in by_shape.values():
+            parts = [inputs[i] for i in members]
+            cond = {name: torch.cat([c[name] for _, _, c in parts]) for name in parts[0][2]}
+            pieces.append(self._inputs(torch.cat([sample for sample, _, _ in parts]),
+                                       torch.cat([timesteps for _, timesteps, _ in parts]), cond))
+        outputs: dict[int, torch.Tensor] = {}
+        for ((_, height, width), members), out in zip(by_shape.items(), packed_forward(self.denoiser, pieces)):
+            latents = FluxPipeline._unpack_latents(out, height, width, 1)
+            outputs.update(zip(members, latents.split([inputs[i][0].shape[0] for i in members])))
+        return [outputs[i] for i in range(len(inputs))]

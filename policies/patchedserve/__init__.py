@@ -3,6 +3,7 @@ pure policy code. scheduler.py maps the paper's stages to the files:
 
     slack.py           the slack score and Algorithm 1's time-out
     mixed_costs.py     what one forward of several resolutions costs (`PackedForwardCosts`)
+    packed_profile.py  that price checked and calibrated against a profile's packed forwards
     samples.py         the Throughput Analyzer's dataset: random resolution combinations, priced
     predictor.py       the Throughput Analyzer (an MLP) and its held-out error
     latency.py         a batch's predicted step latency: the analyzer, else the cost model
@@ -12,7 +13,8 @@ pure policy code. scheduler.py maps the paper's stages to the files:
 """
 
 from stepserve.policies.patchedserve.latency import BatchLatency
-from stepserve.policies.patchedserve.mixed_costs import PackedForwardCosts, packed
+from stepserve.policies.patchedserve.mixed_costs import PackedForwardCosts, PackingFit, packed
+from stepserve.policies.patchedserve.packed_profile import PackingReport, packing_fits, packing_report
 from stepserve.policies.patchedserve.predictor import HoldoutReport, ThroughputAnalyzer, holdout_error
 from stepserve.policies.patchedserve.samples import LatencySample, random_compositions, training_samples
 from stepserve.policies.patchedserve.scheduler import PatchedServePolicy, decide_round
@@ -24,6 +26,8 @@ __all__ = [
     "HoldoutReport",
     "LatencySample",
     "PackedForwardCosts",
+    "PackingFit",
+    "PackingReport",
     "PatchedServeConfig",
     "PatchedServePolicy",
     "Predictor",
@@ -31,6 +35,8 @@ __all__ = [
     "decide_round",
     "holdout_error",
     "packed",
+    "packing_fits",
+    "packing_report",
     "random_compositions",
     "request_slack",
     "slack_score",

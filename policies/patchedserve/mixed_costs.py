@@ -4,9 +4,9 @@ PatchedServe (§4) runs requests of different resolutions in one denoiser forwar
 cut into patches, the pixel-wise operators (linear layers, feed-forward, cross-attention,
 norms) run once over all patches, and self-attention runs per resolution group. A stepserve
 worker that packs resolutions (`workers.pack_resolutions`) runs its plan's plain groups of a
-model so (`engine.step_runner.StepRunner._packed`: SD3's tokens packed, SD1.5/SDXL's UNet
-patched). Profiles hold one-resolution forwards only, so such a forward is priced by this model,
-built on the profile's one-resolution rows:
+model so (`engine.step_runner.StepRunner._packed`: SD3's and Flux's tokens packed, SD1.5/SDXL's UNet
+patched). Such a forward is priced by this model, built on the profile's one-resolution rows
+(the roofline estimate):
 
 - a forward costs a fixed part plus a part proportional to the work it does;
 - a resolution group's work is counted in seconds at the device's full pace: its rows times
@@ -24,6 +24,13 @@ here) this is exactly one fixed overhead plus each group's variable part. For on
 device almost for free, and once it is full every row costs its share: the roofline that
 profile was derived from.
 
+Where `stepserve profile` measured this device's packed forwards (denoise rows with `groups`),
+`packed_profile.py` fits how they relate to the estimate (`PackingFit`): a packed forward costs
+a share of the estimate plus a share of the groups one after another, no less than the dearest
+group alone. A GPU's measured forwards sit near the estimate; a CPU, with no idle device to
+fill, near the groups in turn or above them (the patched UNet's stitching copies cost more than
+they save there), and the fit prices that honestly rather than the estimate's promise.
+
 Only forwards are packed. The round's overheads (its fixed cost, each group's sampler
 bookkeeping) are the base model's, and so is every batch that is not a plain image forward
 (videos, SP or CFG splits, add-ons, edits reusing cached activations).
@@ -31,8 +38,8 @@ bookkeeping) are the base model's, and so is every batch that is not a plain ima
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
-from dataclasses import replace
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 from stepserve.policies.cost_model import BatchShape, CostModel
 from stepserve.policies.wrapped_costs import WrappedCosts
@@ -44,17 +51,37 @@ def packable(batch: BatchShape) -> bool:
             and batch.lora_rows == 0 and not batch.uses_cache)
 
 
+@dataclass(frozen=True)
+class PackingFit:
+    """A model's measured packed forwards, in terms of what the profile's one-resolution rows
+    say: `roofline` x the roofline estimate + `sequential` x the groups one after another (both
+    coefficients >= 0; (1, 0) is the estimate itself)."""
+
+    roofline: float
+    sequential: float
+
+    def __post_init__(self) -> None:
+        if not (self.roofline >= 0 and self.sequential >= 0 and self.roofline + self.sequential > 0):
+            raise ValueError(f"a packing fit has non-negative coefficients, not both 0: {self}")
+
+    def seconds(self, estimate_s: float, sequential_s: float) -> float:
+        return self.roofline * estimate_s + self.sequential * sequential_s
+
+
 class PackedForwardCosts(WrappedCosts):
     """A `CostModel` whose worker round runs the plain image batches of each model of `packing`
-    (None: every model) as one packed forward; everything else as `base` says. Row paces are
-    remembered per resolution (owned by the caller, like every cost memo)."""
+    (None: every model) as one packed forward; everything else as `base` says. A model of `fits`
+    has its packed forwards priced as measured (`PackingFit`), the others by the roofline
+    estimate. Row paces are remembered per resolution (owned by the caller, like every cost memo)."""
 
-    def __init__(self, base: CostModel, probe_rows: int = 16, packing: Collection[str] | None = None) -> None:
+    def __init__(self, base: CostModel, probe_rows: int = 16, packing: Collection[str] | None = None,
+                 fits: Mapping[str, PackingFit] | None = None) -> None:
         if isinstance(probe_rows, bool) or not isinstance(probe_rows, int) or probe_rows < 2 or probe_rows % 2:
             raise ValueError(f"probe_rows must be an even int >= 2, got {probe_rows!r}")
         super().__init__(base)
         self.probe_rows = probe_rows
         self.packing = None if packing is None else frozenset(packing)
+        self.fits = dict(fits or {})
         self._row_s: dict[tuple[str, int, int], float] = {}
 
     def row_seconds(self, model: str, height: int, width: int) -> float:
@@ -70,7 +97,16 @@ class PackedForwardCosts(WrappedCosts):
         return seconds
 
     def packed_forward_seconds(self, batches: Sequence[BatchShape]) -> float:
-        """One forward of all `batches` (plain image batches of one model)."""
+        """One forward of all `batches` (plain image batches of one model): as its model's fit
+        says where it has one, else the roofline estimate."""
+        fit = self.fits.get(batches[0].model) if batches else None
+        if fit is None or len(batches) == 1:
+            return self.estimate_seconds(batches)
+        alone = [self.base.denoise_seconds(b) for b in batches]
+        return max(max(alone), fit.seconds(self.estimate_seconds(batches), sum(alone)))
+
+    def estimate_seconds(self, batches: Sequence[BatchShape]) -> float:
+        """The roofline estimate of one forward of all `batches` (plain image batches of one model)."""
         if not batches:
             return 0.0
         if len({b.model for b in batches}) != 1 or not all(packable(b) for b in batches):
@@ -105,7 +141,9 @@ class PackedForwardCosts(WrappedCosts):
         return forwards + overhead
 
 
-def packed(costs: CostModel, packing: Collection[str] | None = None) -> PackedForwardCosts:
-    """`costs` pricing packed forwards (of the models of `packing`; None: every model): itself if
-    it already does (packing twice would price the round overheads from already packed forwards)."""
-    return costs if isinstance(costs, PackedForwardCosts) else PackedForwardCosts(costs, packing=packing)
+def packed(costs: CostModel, packing: Collection[str] | None = None,
+           fits: Mapping[str, PackingFit] | None = None) -> PackedForwardCosts:
+    """`costs` pricing packed forwards (of the models of `packing`; None: every model; measured
+    ones by `fits`): itself if it already does (packing twice would price the round overheads
+    from already packed forwards)."""
+    return costs if isinstance(costs, PackedForwardCosts) else PackedForwardCosts(costs, packing=packing, fits=fits)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from stepserve.actors.activation_store import ActivationStoreSpec
 from stepserve.actors.pool import WorkerPoolSpec
 from stepserve.actors.router import RouterSpec, router_costs
@@ -13,7 +15,9 @@ from stepserve.actors.router_core import CoreConfig
 from stepserve.engine.editing.masked_sd3 import CacheKind
 from stepserve.engine.families import ModelSource, family_class
 from stepserve.policies import make_policy
-from stepserve.policies.cost_model import DENOISE, BatchShape, ProfiledCostModel, ProfileRow, write_profile
+from stepserve.policies.cost_model import (
+    DENOISE, BatchShape, ProfiledCostModel, ProfileRow, read_profile, write_profile,
+)
 from stepserve.policies.instgenie import DiTDims, MaskAwareCosts, forward_flops
 from stepserve.policies.patchedserve.mixed_costs import PackedForwardCosts
 from stepserve.policies.types import RequestKind, RequestStatus, RequestView, ShapeKey
@@ -83,14 +87,35 @@ def test_mask_aware_placement_sees_the_masked_cost(tmp_path):
 
 
 def test_packing_workers_price_a_rounds_plain_groups_of_a_packing_model_as_one_forward(tmp_path):
-    flux = ModelSource("tiny-flux", "flux", preset="tiny")  # cannot pack: its groups stay apart
+    wan = ModelSource("tiny-wan", "wan", preset="tiny")  # a video model cannot pack: its groups stay apart
     full = profile(tmp_path / "full.csv", False)
-    costs = router_costs(spec(full), [SD3, SD15, flux], PACKING)
+    costs = router_costs(spec(full), [SD3, SD15, wan], PACKING)
     assert isinstance(costs, PackedForwardCosts) and costs.packing == {"tiny-sd3", "tiny-sd"}
+    assert costs.fits == {}  # the profile measured no packed forward: the roofline estimate prices them
     assert type(router_costs(spec(full), [SD3], PLAIN)) is ProfiledCostModel
-    assert type(router_costs(spec(full), [flux], PACKING)) is ProfiledCostModel  # nothing packs
+    assert type(router_costs(spec(full), [wan], PACKING)) is ProfiledCostModel  # nothing packs
     sizes = [BatchShape("tiny-sd3", 64, 64, 2), BatchShape("tiny-sd3", 128, 128, 2)]
     assert costs.round_seconds(sizes) < costs.base.round_seconds(sizes)
     masked_cost = router_costs(spec(profile(tmp_path / "masked.csv", True)), [SD3],
                                WorkerPoolSpec(edit_cache=CACHED.edit_cache, pack_resolutions=True))
     assert isinstance(masked_cost, PackedForwardCosts) and isinstance(masked_cost.base, MaskAwareCosts)
+
+
+def test_packed_forwards_a_profile_measured_are_priced_as_measured(tmp_path):
+    """tiny-sd's patched forwards measured 1.3x the groups in turn (a CPU): the router prices them
+    so, not by the roofline estimate's promise."""
+    base = ProfiledCostModel.from_csv(profile(tmp_path / "full.csv", False))
+    rows = list(read_profile(tmp_path / "full.csv"))
+    for n in (1, 2, 4):
+        mix = [BatchShape("tiny-sd", 64, 64, n), BatchShape("tiny-sd", 128, 128, n)]
+        ms = 1.3e3 * sum(base.denoise_seconds(b) for b in mix)
+        rows.append(ProfileRow("tiny-sd", "cpu", DENOISE, 128, 128, 2 * n, 1, ms, 3, "test",
+                               groups=((64, 64, n), (128, 128, n))))
+    write_profile(tmp_path / "packed.csv", rows)
+    costs = router_costs(spec(str(tmp_path / "packed.csv")), [SD3, SD15], PACKING)
+    assert set(costs.fits) == {"tiny-sd"}
+    assert costs.fits["tiny-sd"].roofline == 0 and costs.fits["tiny-sd"].sequential == pytest.approx(1.3)
+    mix = [BatchShape("tiny-sd", 64, 64, 2), BatchShape("tiny-sd", 128, 128, 8)]
+    assert costs.packed_forward_seconds(mix) == pytest.approx(1.3 * sum(base.denoise_seconds(b) for b in mix))
+    sd3 = [BatchShape("tiny-sd3", 64, 64, 2), BatchShape("tiny-sd3", 128, 128, 8)]
+    assert costs.packed_forward_seconds(sd3) == costs.estimate_seconds(sd3)  # unmeasured: the estimate

@@ -1,5 +1,6 @@
 """The Flux family: unpacked latents step exactly as the pipeline's packed ones, guidance is a
-model input of one row per request, and sizes that pack alike never share a forward."""
+model input of one row per request, and sizes whose tokens count alike (tall and wide) share a
+forward as two pieces, each with its own position ids."""
 
 import functools
 from dataclasses import replace
@@ -84,19 +85,17 @@ def test_unpacked_stepping_equals_the_pipelines_packed_stepping(tiny_flux):
     assert torch.equal(_sample(tiny_flux, request), _pipeline_latents(tiny_flux, request))
 
 
-def test_sizes_that_pack_alike_never_share_a_forward(tiny_flux):
+def test_sizes_that_pack_alike_share_a_forward_each_with_its_own_positions(tiny_flux):
     tall = replace(spec("tall", steps=3, seed=4), height=128, width=64)
     wide = replace(tall, request_id="wide", height=64, width=128)
     shapes = [tiny_flux.latent_shape(s.height, s.width) for s in (tall, wide)]
     assert shapes[0] != shapes[1] and shapes[0][2] * shapes[0][3] == shapes[1][2] * shapes[1][3]
     runner = StepRunner("w0", {TINY_FLUX.name: tiny_flux})
     both = {s.request_id: admission_for(tiny_flux, s) for s in (tall, wide)}
-    report, _ = runner.execute(WorkerPlan("w0", admit=tuple(both), groups=(StepGroup(tuple(both)),)), both)
-    assert {f.request_id for f in report.failed} == set(both)
-    assert all("cannot mix latent shapes" in f.message for f in report.failed)
-    # Apart (one forward each, in one plan), each is the pipeline's image.
-    apart = tuple(StepGroup((rid,)) for rid in both)
-    _, latents = runner.execute(WorkerPlan("w0", admit=tuple(both), groups=apart, steps=3, finish=tuple(both)), both)
+    # One group, one forward a step (`denoise_mixed`: a piece per latent shape), each the pipeline's image.
+    plan = WorkerPlan("w0", admit=tuple(both), groups=(StepGroup(tuple(both)),), steps=3, finish=tuple(both))
+    report, latents = runner.execute(plan, both)
+    assert not report.failed
     for s, finished in zip((tall, wide), latents):
         image = tiny_flux.decode(torch.from_numpy(finished))[0]
         assert image.shape == (s.height, s.width, 3)

@@ -95,7 +95,10 @@ def test_sizes_a_unet_cannot_patch_stay_apart(tiny_family):
     assert runner._packed((StepGroup(("a",)), StepGroup(("odd",)))) == [StepGroup(("a",)), StepGroup(("odd",))]
 
 
-def test_a_family_without_mixed_resolutions_refuses_a_mixed_group(tiny_flux):
+def test_a_family_without_mixed_resolutions_refuses_a_mixed_group(tiny_flux, monkeypatch):
+    # Every image family packs now; this Flux instance is made one that cannot (video families cannot).
+    monkeypatch.setattr(tiny_flux, "mixed_resolutions", False)
+    monkeypatch.setattr(tiny_flux, "packs", lambda sizes: False)
     specs = [make_spec("a", steps=2, size=64, model="tiny-flux"), make_spec("b", steps=2, size=32, model="tiny-flux")]
     runner = StepRunner("w0", {"tiny-flux": tiny_flux}, pack_resolutions=True)
     admissions = {s.request_id: admission_for(tiny_flux, s) for s in specs}

@@ -117,5 +117,5 @@ def test_family_runs_members_of_any_sizes_in_their_order(family):
 
 def test_families_declaring_mixed_resolutions_have_denoise_mixed():
     mixing = {name for name, cls in FAMILIES.items() if cls.mixed_resolutions}
-    assert "sd3" in mixing and not mixing & {"flux", "wan", "wan-ti2v"}  # (Flux: not packed yet)
+    assert {"sd3", "flux"} <= mixing and not mixing & {"wan", "wan-ti2v"}
     assert all(callable(getattr(FAMILIES[name], "denoise_mixed", None)) for name in mixing)
