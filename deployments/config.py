@@ -224,13 +224,14 @@ class WorkersConfig(_Strict):
     pack_resolutions: bool = Field(
         default=False,
         description="Each step a worker runs its plan's plain image groups of one model as one forward, whatever "
-                    "their resolutions (PatchedServe): SD3 packs the images' tokens, SD1.5/SDXL run a patched UNet "
-                    "with per-image GroupNorm statistics. Exact (each image equals its forward alone to float "
-                    "rounding), and the router prices such rounds so. Groups with LoRAs, ControlNets, "
-                    "cached-activation edits or patch caches, split over workers, and families that cannot pack "
-                    "(Flux, video) run one forward per group. Off by default: on this CPU, tiny SD3 at 64-128 px "
-                    "packs 1.66x faster, but the patched UNet's stitching makes tiny SD1.5 0.81x (equal at 256-512 "
-                    "px); on a GPU the gain (fewer, larger kernels) is not measured yet.",
+                    "their resolutions (PatchedServe): SD3 and Flux pack the images' tokens, SD1.5/SDXL run a "
+                    "patched UNet with per-image GroupNorm statistics. Exact (each image equals its forward alone to "
+                    "float rounding). The router prices such rounds as the profile's packed rows measured them "
+                    "(`stepserve profile` times every mix of its sizes), else by a roofline estimate from its "
+                    "one-resolution rows. Groups with LoRAs, ControlNets, cached-activation edits or patch caches, "
+                    "split over workers, and video families run one forward per group. Off by default: on this "
+                    "CPU the tiny DiTs pack faster but the patched tiny UNet is slower than its groups in turn "
+                    "(its profile says by how much); on a GPU the gain (fewer, larger kernels) is not measured yet.",
     )
 
     def to_spec(self) -> WorkerPoolSpec:
