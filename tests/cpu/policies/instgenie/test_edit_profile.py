@@ -65,8 +65,8 @@ def test_the_column_round_trips_and_old_files_still_read(tmp_path):
     path = tmp_path / "p.csv"
     write_profile(path, rows)
     lines = path.read_text().splitlines()
-    assert lines[0].endswith(",sp_degree,mask_ratio") and lines[0] == ",".join(cm.CSV_COLUMNS)
-    assert lines[1].endswith(",1,1")  # full forwards first, at ratio 1
+    assert lines[0].endswith(",sp_degree,mask_ratio,groups") and lines[0] == ",".join(cm.CSV_COLUMNS)
+    assert lines[1].endswith(",1,1,")  # full forwards first, at ratio 1 (of one resolution: no groups)
     back = read_profile(path)
     assert sorted(back, key=repr) == sorted(
         [ProfileRow(**{**r.__dict__, "latency_ms": round(r.latency_ms, 4)}) for r in rows], key=repr)
@@ -77,7 +77,8 @@ def test_the_column_round_trips_and_old_files_still_read(tmp_path):
                    "sd3,cuda,denoise,512,512,1,1,20.0,3,x\nsd3,cuda,denoise,512,512,2,1,30.0,3,x\n")
     assert [(r.mask_ratio, r.sp_degree) for r in read_profile(old)] == [(1.0, 1), (1.0, 1)]
     assert ProfiledCostModel.from_csv(old).masked_rows == ()
-    assert load_profile("tiny-sd3-cpu").masked_rows == ()  # a shipped profile of the old form
+    assert load_profile("tiny-flux-cpu").masked_rows == ()  # a shipped profile of the old form
+    assert len(load_profile("tiny-sd3-cpu").masked_rows) == 27  # 3 sizes x 1, 4, 8 edits x 3 ratios
 
 
 @pytest.mark.parametrize("bad", [dict(mask_ratio=0.0), dict(mask_ratio=1.5), dict(mask_ratio=math.nan),
