@@ -36,6 +36,7 @@ from stepserve.engine.families.presets import (
 )
 from stepserve.engine.families.sdxl import TEXT_2
 from stepserve.engine.packing.packed_flux import FluxInputs, packed_forward
+from stepserve.engine.packing.pieces import denoise_by_shape
 from stepserve.engine.tokenizer import (
     byte_level_clip_tokenizer, byte_level_vocab, character_t5_tokenizer, t5_character_vocab,
 )
@@ -234,20 +235,12 @@ class FluxFamily(FlowMatchingImageFamily):
         self, inputs: Sequence[tuple[torch.Tensor, torch.Tensor, RowConditioning]]
     ) -> list[torch.Tensor]:
         """`denoise` of each (sample, timesteps, cond) of `inputs`, samples of any latent sizes, as
-        one forward with their image tokens packed (`engine.packing.packed_flux`). Inputs of one
-        latent shape go in as one piece (their rows share position ids, and their attention runs
-        as one batch); shapes of equal token counts (64x128, 128x64) are two pieces."""
-        by_shape: dict[tuple[int, ...], list[int]] = {}
-        for i, (sample, _, _) in enumerate(inputs):
-            by_shape.setdefault(tuple(sample.shape[1:]), []).append(i)
-        pieces = []
-        for members in by_shape.values():
-            parts = [inputs[i] for i in members]
-            cond = {name: torch.cat([c[name] for _, _, c in parts]) for name in parts[0][2]}
-            pieces.append(self._inputs(torch.cat([sample for sample, _, _ in parts]),
-                                       torch.cat([timesteps for _, timesteps, _ in parts]), cond))
-        outputs: dict[int, torch.Tensor] = {}
-        for ((_, height, width), members), out in zip(by_shape.items(), packed_forward(self.denoiser, pieces)):
-            latents = FluxPipeline._unpack_latents(out, height, width, 1)
-            outputs.update(zip(members, latents.split([inputs[i][0].shape[0] for i in members])))
-        return [outputs[i] for i in range(len(inputs))]
+        one forward with their image tokens packed (`engine.packing.packed_flux`), a piece per
+        latent shape (`engine.packing.pieces`: 64x128 and 128x64, of equal token counts, are two)."""
+
+        def forward(pieces):
+            tokens = packed_forward(self.denoiser, [self._inputs(*piece) for piece in pieces])
+            return [FluxPipeline._unpack_latents(out, *sample.shape[-2:], 1)
+                    for out, (sample, _, _) in zip(tokens, pieces)]
+
+        return denoise_by_shape(inputs, forward)

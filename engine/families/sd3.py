@@ -32,6 +32,7 @@ from stepserve.engine.families.presets import (
 )
 from stepserve.engine.families.sdxl import TEXT_2
 from stepserve.engine.packing.packed_sd3 import packed_forward
+from stepserve.engine.packing.pieces import denoise_by_shape
 from stepserve.engine.patch_cache.cache import PatchCache
 from stepserve.engine.patch_cache.cached_sd3 import PatchReuse, patch_cached_forward
 from stepserve.engine.tokenizer import byte_level_clip_tokenizer, byte_level_vocab, character_t5_tokenizer, \
@@ -238,22 +239,10 @@ class SD3Family(FlowMatchingImageFamily):
         self, inputs: Sequence[tuple[torch.Tensor, torch.Tensor, RowConditioning]]
     ) -> list[torch.Tensor]:
         """`denoise` of each (sample, timesteps, cond) of `inputs`, samples of any latent sizes, as
-        one forward with their image tokens packed (`engine.packing.packed_sd3`). Inputs of one size
-        go in as one piece, so their rows' attention runs as one batch."""
-        by_size: dict[tuple[int, ...], list[int]] = {}
-        for i, (sample, _, _) in enumerate(inputs):
-            by_size.setdefault(tuple(sample.shape[1:]), []).append(i)
-        pieces = []
-        for members in by_size.values():
-            parts = [inputs[i] for i in members]
-            pieces.append(SD3Inputs(torch.cat([sample for sample, _, _ in parts]),
-                                    torch.cat([cond["context"] for _, _, cond in parts]),
-                                    torch.cat([cond["pooled"] for _, _, cond in parts]),
-                                    torch.cat([timesteps for _, timesteps, _ in parts])))
-        outputs: dict[int, torch.Tensor] = {}
-        for members, out in zip(by_size.values(), packed_forward(self.denoiser, pieces)):
-            outputs.update(zip(members, out.split([inputs[i][0].shape[0] for i in members])))
-        return [outputs[i] for i in range(len(inputs))]
+        one forward with their image tokens packed (`engine.packing.packed_sd3`), a piece per
+        latent shape (`engine.packing.pieces`)."""
+        return denoise_by_shape(inputs, lambda pieces: packed_forward(self.denoiser,
+                                                                      [self._inputs(*piece) for piece in pieces]))
 
     # ---- template edits with cached activations (`engine.template_edits`) ------------------
 

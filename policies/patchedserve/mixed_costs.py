@@ -99,19 +99,24 @@ class PackedForwardCosts(WrappedCosts):
     def packed_forward_seconds(self, batches: Sequence[BatchShape]) -> float:
         """One forward of all `batches` (plain image batches of one model): as its model's fit
         says where it has one, else the roofline estimate."""
-        fit = self.fits.get(batches[0].model) if batches else None
-        if fit is None or len(batches) == 1:
-            return self.estimate_seconds(batches)
-        alone = [self.base.denoise_seconds(b) for b in batches]
-        return max(max(alone), fit.seconds(self.estimate_seconds(batches), sum(alone)))
+        if not batches:
+            return 0.0
+        alone = self._alone(batches)
+        fit = self.fits.get(batches[0].model)
+        estimate = self._estimate(batches, alone)
+        return estimate if fit is None or len(batches) == 1 else max(max(alone), fit.seconds(estimate, sum(alone)))
 
     def estimate_seconds(self, batches: Sequence[BatchShape]) -> float:
         """The roofline estimate of one forward of all `batches` (plain image batches of one model)."""
-        if not batches:
-            return 0.0
+        return self._estimate(batches, self._alone(batches)) if batches else 0.0
+
+    def _alone(self, batches: Sequence[BatchShape]) -> list[float]:
+        """Each batch's forward alone, once the batches are known to be one packed forward's."""
         if len({b.model for b in batches}) != 1 or not all(packable(b) for b in batches):
             raise ValueError(f"a packed forward holds plain image batches of one model, got {list(batches)}")
-        alone = [self.base.denoise_seconds(b) for b in batches]
+        return [self.base.denoise_seconds(b) for b in batches]
+
+    def _estimate(self, batches: Sequence[BatchShape], alone: list[float]) -> float:
         if len(batches) == 1:
             return alone[0]
         work = [b.rows * self.row_seconds(b.model, b.height, b.width) for b in batches]
