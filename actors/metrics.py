@@ -42,7 +42,8 @@ class RouterMetrics:
             "stepserve_plan_seconds", "Router decision time per scheduling round (snapshot + policy + checks).",
             buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2), registry=r,
         )
-        self.requests = Counter("stepserve_requests", "Requests by final status.", ["status"], registry=r)
+        self.requests = Counter("stepserve_requests", "Requests by final status ('refused': turned away by the router "
+                                "itself, past the ingress's admission gate).", ["status"], registry=r)
         self.queue_wait = Histogram(
             "stepserve_queue_wait_seconds", "Arrival to first admission on a worker.", buckets=LATENCY_BUCKETS,
             registry=r,

@@ -17,9 +17,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
+import uuid
+from collections import Counter, deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
@@ -28,7 +29,7 @@ from stepserve.actors.activation_store import start_activation_stores
 from stepserve.actors.denoiser import AdmissionRef
 from stepserve.actors.metrics import RouterMetrics
 from stepserve.actors.pool import WorkerPoolSpec, start_lora_stores, start_workers
-from stepserve.actors.router_core import Admission, CoreConfig, Outcome, RouterCore, WorkerSlot
+from stepserve.actors.router_core import Admission, CoreConfig, Outcome, QueueFullError, RouterCore, WorkerSlot
 from stepserve.engine.families import ModelSource, family_class
 from stepserve.engine.template_edits import template_key
 from stepserve.engine.text_encoding import text_item
@@ -120,6 +121,13 @@ class Router:
                        text_encoder: Any | None, decoder: Any | None, store: Any, name: str = "stepserve",
                        controlnet_service: Any | None = None):
         self.text_encoder, self.decoder, self.store = text_encoder, decoder, store
+        # First of all: jobs an earlier router accepted and never finished are gone with its
+        # workers; say so, rather than let them poll as queued forever. Only those: a job the
+        # ingress creates from here on waits for this router's first load report (the edge
+        # refuses it 503 until then), so it is never taken for one of them. Finished jobs are
+        # safe in the store.
+        await self.store.fail_unfinished.remote("the job was interrupted by a router restart; create it again")
+        self.id = uuid.uuid4().hex  # this incarnation: the edge's counts of what it received start here
         self.lora_stores = start_lora_stores(pool, models, name)  # by node id; none without LoRAs
         self.lora_join_by = pool.lora_join_by
         # By node id; none unless `edit_cache` is on.
@@ -140,17 +148,17 @@ class Router:
         self._kick = asyncio.Event()
         self._load_changed = asyncio.Event()
         self._published_version = -1
-        self._edge_report = self.core.load()  # the load the edge's long poll last answered with
-        self._edge_quiet = is_quiet(self._edge_report)
+        self._edge_version = self.core.load_version  # the load version the edge's long poll last heard of
+        self._edge_quiet = is_quiet(self.core.load())
+        # Gate id -> requests of each class received from it (refused ones too): each report
+        # tells its gate, so the gate knows exactly what is still on its way here.
+        self._received: dict[str, Counter[RequestKind]] = {}
         self._tasks: set[asyncio.Task] = set()
         # A world of process groups only when a forward may be split over workers: some model's
         # by sequence parallelism, or any CFG request's under a policy that splits CFG rows.
         self._uses_world = len(self.workers) > 1 and (
             any(family_class(m.family).sequence_parallel for m in models) or policy.splits_cfg)
         await self.ready()
-        # Jobs an earlier router accepted and never finished are gone with its workers: say so,
-        # rather than let them poll as queued forever. Finished ones are safe in the store.
-        await self.store.fail_unfinished.remote("the job was interrupted by a router restart; create it again")
         if self._uses_world:
             await self._join_world()
         self._loops = [asyncio.create_task(self._schedule_loop(), name="schedule")]
@@ -163,11 +171,13 @@ class Router:
         await asyncio.gather(*(w.ready.remote() for w in self.workers.values()))
         return True
 
-    async def submit(self, spec: RequestSpec, inputs: list | None = None) -> bytes:
+    async def submit(self, spec: RequestSpec, inputs: list | None = None, gate: str | None = None) -> bytes:
         """Queue an image and return its PNG once decoded. Submitting an id that is live with the
         same spec joins it (an idempotent retry); with another spec it is a duplicate. `inputs`:
         [object ref of its control pixels] for a request with ControlNets (in a list, so Ray hands
-        over the ref, not its value: a top-level ref argument is resolved)."""
+        over the ref, not its value: a top-level ref argument is resolved). `gate`: the id of the
+        admission gate that let it in (`load` tells that gate it arrived)."""
+        self._arrived(gate, spec)
         rid = spec.request_id
         waiter = self._waiters.get(rid)
         if waiter is None or self.core.spec(rid) != spec:
@@ -187,8 +197,9 @@ class Router:
             if waiter.done() and self._waiters.get(rid) is not waiter:
                 self._callers.pop(rid, None)
 
-    async def submit_video(self, spec: RequestSpec) -> None:
+    async def submit_video(self, spec: RequestSpec, gate: str | None = None) -> None:
         """Queue a video job (its record is already in the job store); returns once queued."""
+        self._arrived(gate, spec)
         self._submit(spec)
 
     async def cancel(self, request_id: str) -> bool:
@@ -221,17 +232,20 @@ class Router:
                 "workers": list(state.workers), "sp_degree": len(state.workers), "pauses": state.pauses,
                 "recoveries": state.recoveries, "degrees": list(state.degrees)}
 
-    async def load(self, version: int = -1, timeout_s: float = LOAD_POLL_TIMEOUT_S) -> LoadReport:
-        """The router's load for admission at the edge; a long poll: returns at once when the
-        edge's copy (`version`) is out of date, else when it goes out of date or after
-        `timeout_s`. A change from one quiet load to another does not (`admission.is_quiet`)."""
-        if self._edge_report.version == version:
+    async def load(self, version: int = -1, gate: str | None = None,
+                   timeout_s: float = LOAD_POLL_TIMEOUT_S) -> LoadReport:
+        """The router's load for admission at the edge `gate`, as it is when answered; a long
+        poll: returns at once when the edge's `version` is out of date, else when it goes out
+        of date or after `timeout_s`. A change from one quiet load to another does not
+        (`admission.is_quiet`)."""
+        if self._edge_version == version:
             self._load_changed.clear()
             try:
                 await asyncio.wait_for(self._load_changed.wait(), timeout_s)
             except asyncio.TimeoutError:
                 pass
-        return self._edge_report
+        return replace(self.core.load(), version=self._edge_version, router_id=self.id,
+                       received=dict(self._received.get(gate, {})))
 
     async def worker_actor_names(self) -> dict[str, str]:
         """Worker id -> its Ray actor name (for operators: `ray list actors`, `ray.get_actor`)."""
@@ -259,9 +273,17 @@ class Router:
 
     # -- requests --------------------------------------------------------------------------
 
+    def _arrived(self, gate: str | None, spec: RequestSpec) -> None:
+        if gate is not None:
+            self._received.setdefault(gate, Counter())[spec.kind.lane] += 1
+
     def _submit(self, spec: RequestSpec, inputs: Any = None) -> None:
         # QueueFull/Duplicate go to the caller.
-        self.core.submit(spec, time.monotonic(), self._tail_s(spec), inputs)
+        try:
+            self.core.submit(spec, time.monotonic(), self._tail_s(spec), inputs)
+        except QueueFullError:
+            self.metrics.requests.labels("refused").inc()  # past the edge: what its gate did not catch
+            raise
         if spec.template_id is not None and self.activation_stores:
             # A template spilled to disk comes back to memory while the edit waits (InstGenIE §4.2).
             for store in self.activation_stores.values():
@@ -562,7 +584,7 @@ class Router:
         report = self.core.load()
         quiet = is_quiet(report)
         if not (quiet and self._edge_quiet):
-            self._edge_report, self._edge_quiet = report, quiet
+            self._edge_version, self._edge_quiet = report.version, quiet
             self._load_changed.set()
         self.metrics.queue_length.labels("image").set(self.core.queue_length(RequestKind.T2I))
         self.metrics.queue_length.labels("video").set(self.core.queue_length(RequestKind.T2V))

@@ -67,8 +67,19 @@ class ModelConfig(_Strict):
     max_size: int = Field(default=1024, ge=8, description="Largest width/height in pixels accepted.")
     max_pixels: int = Field(default=1024 * 1024, ge=64, description="Largest width*height accepted.")
     default_size: str = Field(default="512x512", description="Size used when a request omits it or says 'auto'.")
-    default_steps: int = Field(default=30, ge=1, description="num_inference_steps when a request omits it.")
+    default_steps: int = Field(
+        default=30, ge=1,
+        description="num_inference_steps when a request omits it; also the steps of an image request's quality "
+                    "'medium' (and 'auto', 'standard').")
     max_steps: int = Field(default=150, ge=1, description="Largest num_inference_steps accepted.")
+    low_quality_steps: int | None = Field(
+        default=None, ge=1,
+        description="Steps of an image request with quality 'low' and no num_inference_steps; None: half of "
+                    "default_steps, rounded up. At most default_steps.")
+    high_quality_steps: int | None = Field(
+        default=None, ge=1,
+        description="Steps of an image request with quality 'high' (or 'hd') and no num_inference_steps; None: twice "
+                    "default_steps, at most max_steps. At least default_steps.")
     default_guidance_scale: float = Field(default=7.5, ge=0, description="guidance_scale when omitted.")
     slo_s: float | None = Field(
         default=None, gt=0,
@@ -100,7 +111,21 @@ class ModelConfig(_Strict):
                              "(its transformer's positional table)")
         if self.default_num_frames > self.max_num_frames or self.default_fps > self.max_fps:
             raise ValueError("default_num_frames/default_fps must not exceed max_num_frames/max_fps")
+        low, medium, high = (self.quality_steps(preset) for preset in ("low", "medium", "high"))
+        if not 1 <= low <= medium <= high <= self.max_steps:  # else a request naming a quality would be refused
+            raise ValueError(f"need 1 <= low_quality_steps ({low}) <= default_steps ({medium}) <= high_quality_steps "
+                             f"({high}) <= max_steps ({self.max_steps})")
         return self
+
+    def quality_steps(self, preset: str) -> int:
+        """The denoising steps of an image request's quality preset ('low', 'medium' or 'high')."""
+        if preset == "low":
+            return self.low_quality_steps or (self.default_steps + 1) // 2
+        if preset == "medium":
+            return self.default_steps
+        if preset == "high":
+            return self.high_quality_steps or min(2 * self.default_steps, self.max_steps)
+        raise ValueError(f"unknown quality preset {preset!r}")
 
     @property
     def kind(self) -> RequestKind:
@@ -334,6 +359,13 @@ class ComponentConfig(_Strict):
     torch_threads: int | None = Field(default=None, ge=1, description="torch intra-op threads per replica.")
 
 
+class IngressConfig(ComponentConfig):
+    open_docs: bool = Field(
+        default=False,
+        description="Serve GET /docs and GET /openapi.json without an API key (for development: a browser cannot "
+                    "send one). Off, they need a key like every route but /health. No effect when auth is off.")
+
+
 class TextEncoderConfig(ComponentConfig):
     max_batch_size: int = Field(default=16, ge=1, description="Prompts encoded together (serve.batch).")
     batch_wait_timeout_s: float = Field(default=0.002, ge=0, description="Wait to fill a text batch.")
@@ -410,7 +442,7 @@ class AppConfig(_Strict):
     router: RouterConfig = Field(default_factory=RouterConfig, description="Queues and the scheduling policy.")
     text_encoder: TextEncoderConfig = Field(default_factory=TextEncoderConfig, description="Text encoder.")
     vae_decoder: VAEDecoderConfig = Field(default_factory=VAEDecoderConfig, description="VAE decode + PNG (images).")
-    ingress: ComponentConfig = Field(default_factory=ComponentConfig, description="HTTP/handle ingress.")
+    ingress: IngressConfig = Field(default_factory=IngressConfig, description="HTTP/handle ingress.")
     jobs: JobsConfig = Field(default_factory=JobsConfig, description="Video job store: retention and byte budget.")
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Request validation limits.")
     controlnets: list[AddonConfig] = Field(

@@ -1,17 +1,24 @@
 """What every request meets at the ingress before the router: the admission gate and the one
 mapping from internal failures to the OpenAI error shape.
 
-The gate sheds overload in milliseconds from the router's published load (a long poll: the
-router answers when its load changes in a way the edge must hear, which far from every bound
-it does not (`admission.is_quiet`), so an idle or lightly loaded app exchanges one call every
-few seconds), before any work is spent; the router applies the same rule again on submit, so a
-stale copy here never lets more through than the bound.
+The gate sheds overload in milliseconds from the router's load, before any work is spent. It
+long-polls the router's `LoadReport` (the router answers when its load changes in a way the edge
+must hear, which far from every bound it does not, so an idle or lightly loaded app exchanges
+one call every few seconds) and counts what it let in since (`EdgeLedger`): a burst is cut at
+the queue bound here, without a router round trip, whatever the last report said. The router
+applies the same rule again on submit, so nothing ever gets past the bound.
+
+Until the router has answered once (it is starting, or restarting) nothing is let in: a request
+waits a moment for it and is then refused 503 with `Retry-After`, so a video job is never
+created that the starting router would then fail as interrupted.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+import uuid
 from typing import Any
 
 import ray
@@ -20,13 +27,17 @@ from stepserve.actors.router import RequestCancelledError, RequestDiscardedError
 from stepserve.actors.router_core import DuplicateRequestError, QueueFullError
 from stepserve.deployments.errors import APIError, server_error
 from stepserve.deployments.jobs import IdempotencyConflict, JobTableFull
-from stepserve.policies.admission import LoadReport, admit
+from stepserve.policies.admission import EdgeLedger, Verdict
 from stepserve.policies.types import RequestKind
 
 logger = logging.getLogger("stepserve.edge")
 
 POLL_GAP_S = 0.05  # at most this often under load: the report changes with every admission and finish
 ROUTER_RETRY_S = 5.0
+# A router that is up answers the first poll at once; one that has not answered in this long is
+# starting (loading its workers' models can take a minute): refuse rather than hold the client.
+FIRST_REPORT_WAIT_S = 2.0
+REPORT_CHECK_S = 0.01
 # Nothing predicts when the load that made the scheduler give a request up eases: the least
 # whole second, as the admission rule says when it has no prediction either.
 DISCARD_RETRY_S = 1.0
@@ -35,21 +46,44 @@ DISCARD_RETRY_S = 1.0
 class AdmissionGate:
     def __init__(self, router: Any) -> None:
         self.router = router
-        self.report: LoadReport | None = None
-        self._pending = dict.fromkeys(RequestKind, 0)  # let in since the report was taken
+        self.id = f"edge-{uuid.uuid4().hex[:12]}"  # the router counts what it received from this gate
+        self.ledger = EdgeLedger()
         self._task: asyncio.Task | None = None
+        self._refresh: asyncio.Task | None = None
+        self._refreshed_at = -POLL_GAP_S
 
-    def check(self, kind: RequestKind, request_id: str) -> None:
-        """Raise a 429/503 `APIError` when the router's last published load says no."""
+    @property
+    def report(self):
+        return self.ledger.report
+
+    async def ready(self, request_id: str) -> None:
+        """Return once the router has answered; a 503 `APIError` if it does not answer soon."""
         self._start()
-        if self.report is None:
-            return  # no report yet (just started): the router decides alone
-        verdict = admit(self.report, kind, self._pending[kind])
+        deadline = time.monotonic() + FIRST_REPORT_WAIT_S
+        while self.ledger.report is None:
+            if time.monotonic() >= deadline:
+                raise server_error(request_id, "unavailable", "the server is starting; retry shortly", status=503,
+                                   retry_after_s=ROUTER_RETRY_S)
+            await asyncio.sleep(REPORT_CHECK_S)
+
+    async def admit(self, kind: RequestKind, request_id: str, count: int = 1) -> None:
+        """Let `count` requests of `kind` in, all or none, or raise a 429/503 `APIError`. What is
+        let in must be submitted to the router at once, naming `self.id`."""
+        await self.ready(request_id)
+        verdict = self.ledger.admit(kind, time.monotonic(), count)
         if not verdict.admitted:
-            raise APIError(verdict.status, verdict.message, code="overloaded" if verdict.status == 429 else
-                           "unavailable", type="rate_limit_error" if verdict.status == 429 else "server_error",
-                           request_id=request_id, retry_after_s=verdict.retry_after_s)
-        self._pending[kind] += 1
+            raise refusal(verdict, request_id)
+        if self.ledger.stale:
+            self._ask_again()
+
+    def shed(self, kind: RequestKind, request_id: str) -> None:
+        """Refuse a request of `kind` at once, before its body is read, when the last report
+        already refuses one more: under a burst the body's read and checks cost the ingress
+        more than everything else it does for a refused request."""
+        if self.ledger.report is not None:
+            verdict = self.ledger.verdict(kind)
+            if not verdict.admitted:
+                raise refusal(verdict, request_id)
 
     def _start(self) -> None:
         if self._task is None or self._task.done():
@@ -59,15 +93,38 @@ class AdmissionGate:
         version = -1
         while True:
             try:
-                report = await self.router.load.remote(version)
-            except Exception as exc:  # the router is restarting: keep the last report, try again
+                report = await self.router.load.remote(version, self.id)
+            except Exception as exc:  # the router is restarting: what it said no longer holds
                 logger.warning("router load unavailable (%s); retrying", type(exc).__name__)
+                self.ledger.forget()
+                version = -1
                 await asyncio.sleep(1.0)
                 continue
-            if report.version != version:
-                self._pending = dict.fromkeys(RequestKind, 0)
-            self.report, version = report, report.version
+            self.ledger.observe(report, time.monotonic())
+            version = report.version
             await asyncio.sleep(POLL_GAP_S)
+
+    def _ask_again(self) -> None:
+        """A fresh report now, beside the long poll (which waits for the router to publish, and a
+        quiet router does not): at most one at a time, at most every POLL_GAP_S."""
+        now = time.monotonic()
+        if (self._refresh is not None and not self._refresh.done()) or now - self._refreshed_at < POLL_GAP_S:
+            return
+        self._refreshed_at = now
+        self._refresh = asyncio.get_running_loop().create_task(self._fetch())
+
+    async def _fetch(self) -> None:
+        try:
+            self.ledger.observe(await self.router.load.remote(-1, self.id), time.monotonic())
+        except Exception as exc:  # the watch notices too, and forgets the report
+            logger.warning("router load unavailable (%s)", type(exc).__name__)
+
+
+def refusal(verdict: Verdict, request_id: str) -> APIError:
+    overloaded = verdict.status == 429
+    return APIError(verdict.status, verdict.message, code="overloaded" if overloaded else "unavailable",
+                    type="rate_limit_error" if overloaded else "server_error", request_id=request_id,
+                    retry_after_s=verdict.retry_after_s)
 
 
 def as_api_error(exc: BaseException, request_id: str) -> BaseException:

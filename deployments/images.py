@@ -1,5 +1,5 @@
 """`POST /v1/images/generations` and `/v1/images/edits` behind the ingress: validate, admit,
-submit, answer.
+submit, answer (in the file format the request asks for: `image_output`).
 
 A request may carry a client id (the `Idempotency-Key` header, or `request_id` through a handle):
 its requests are named after it, so a retry while the first attempt runs joins it (the router
@@ -18,11 +18,14 @@ import uuid
 from typing import Any
 
 import ray
+from prometheus_client import Counter
 
 from stepserve.actors.router_core import DuplicateRequestError
 from stepserve.deployments.config import AppConfig
 from stepserve.deployments.edge import AdmissionGate, as_api_error
+from stepserve.deployments.image_hints import record_hints
 from stepserve.deployments.image_inputs import control_inputs
+from stepserve.deployments.image_output import ImageOutput, encode_all, output_for
 from stepserve.deployments.jobs import IdempotencyConflict
 from stepserve.deployments.edit_validation import parse_edit, to_edit_specs
 from stepserve.deployments.protocol import ImageEditRequest, ImageGenerationRequest
@@ -33,48 +36,53 @@ from stepserve.policies.types import RequestSpec
 
 
 class ImageRequests:
-    def __init__(self, config: AppConfig, router: Any, store: Any, gate: AdmissionGate, stages: Any):
+    def __init__(self, config: AppConfig, router: Any, store: Any, gate: AdmissionGate, stages: Any,
+                 hints: Counter):
         self.config = config
         self.router = router
         self.store = store
         self.gate = gate
         self.stages = stages  # a Histogram by stage name: `HTTPMetrics.image_stage`
+        self.hints = hints  # a Counter from `image_hints.hints_counter`
 
     async def generate(self, payload: ImageGenerationRequest | dict, client_id: str | None = None) -> dict:
         """The OpenAI images response body. Raises APIError."""
         started = time.perf_counter()
         req = parse_request(payload)
+        output = output_for(req)
         rid = request_id_for(client_id)
         specs = to_specs(req, self.config, rid, default_seed=key_seed(client_id))
+        record_hints(req, rid, self.hints)
         # Control images are decoded and resized off the event loop; they wait in the object
         # store (not in the router's memory) for the worker that admits the request.
         control = await asyncio.to_thread(control_inputs, req, specs[0].width, specs[0].height, self.config.limits) \
             if req.controlnets else ()
         inputs = RequestInputs(control=control) if control else None
-        return await self._serve(rid, specs, inputs, request_digest(req), client_id, started)
+        return await self._serve(rid, specs, inputs, output, request_digest(req), client_id, started)
 
     async def edit(self, payload: ImageEditRequest | dict, client_id: str | None = None) -> dict:
         """POST /v1/images/edits: the OpenAI images response body. Raises APIError."""
         started = time.perf_counter()
         req = parse_edit(payload)
+        output = output_for(req)  # before the costly decoding below
         rid = request_id_for(client_id)
         # Decoding, checking and resizing the image and mask is CPU work: off the event loop.
         specs, inputs = await asyncio.to_thread(to_edit_specs, req, self.config, rid, key_seed(client_id))
-        return await self._serve(rid, specs, inputs, request_digest(req), client_id, started)
+        record_hints(req, rid, self.hints)
+        return await self._serve(rid, specs, inputs, output, request_digest(req), client_id, started)
 
-    async def _serve(self, rid: str, specs: list[RequestSpec], inputs: RequestInputs | None, digest: str,
-                     client_id: str | None, started: float) -> dict:
-        """Admit, submit and answer the specs of request `rid` (its `n` images)."""
+    async def _serve(self, rid: str, specs: list[RequestSpec], inputs: RequestInputs | None, output: ImageOutput,
+                     digest: str, client_id: str | None, started: float) -> dict:
+        """Admit, submit and answer the specs of request `rid` (its `n` images) in `output`'s format."""
         refs = [ray.put(inputs)] if inputs is not None else None
         try:
             if client_id is not None:
                 stored = await self.store.image_for.remote(client_id, digest)
                 if stored is not None:
                     return stored
-            for spec in specs:
-                self.gate.check(spec.kind.lane, rid)
+            await self.gate.admit(specs[0].kind.lane, rid, len(specs))
             submitted = time.perf_counter()
-            pngs = await asyncio.gather(*(self.router.submit.remote(spec, refs) for spec in specs))
+            pngs = await asyncio.gather(*(self.router.submit.remote(spec, refs, self.gate.id) for spec in specs))
             answered = time.perf_counter()
         except BaseException as exc:
             # Free the siblings of a failed request (a disconnect cancels them all already). A
@@ -83,9 +91,12 @@ class ImageRequests:
                 for spec in specs:
                     self.router.cancel.remote(spec.request_id)
             raise as_api_error(exc, rid) from None
+        # Transcoding is CPU work: off the event loop (png needs none: its bytes go out as decoded).
+        files = pngs if output.format == "png" else await asyncio.to_thread(encode_all, pngs, output)
         body = {
             "created": int(time.time()),
-            "data": [{"b64_json": base64.b64encode(png).decode(), "seed": spec.seed} for spec, png in zip(specs, pngs)],
+            "data": [{"b64_json": base64.b64encode(f).decode(), "seed": spec.seed} for spec, f in zip(specs, files)],
+            **output.fields(specs[0]),
         }
         if client_id is not None:
             await self.store.remember_image.remote(client_id, digest, body)

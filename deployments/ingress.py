@@ -3,9 +3,12 @@ and hands them to the images and video-jobs services.
 
 Routes: POST /v1/images/generations, POST /v1/images/edits; POST /v1/videos, GET /v1/videos (list), GET/DELETE
 /v1/videos/{id}, POST /v1/videos/{id}/cancel, GET /v1/videos/{id}/content; GET /v1/models,
-/health, /ready, /metrics. Handle callers use the methods below with the same request types.
-Every error is the OpenAI error shape with an `x-request-id` header (and `retry-after` on 429
-and 503); a 500 body names the request id and nothing else (the details go to the log).
+/health, /ready, /metrics, /docs, /openapi.json. Handle callers use the methods below with the
+same request types. With API keys set, every route but /health needs one (`ingress.open_docs`
+opens /docs and /openapi.json), and so does any other path: a client without a key learns
+nothing, not even which paths exist. Every error is the OpenAI error shape with an
+`x-request-id` header (and `retry-after` on 429 and 503); a 500 body names the request id and
+nothing else (the details go to the log).
 """
 
 # No `from __future__ import annotations` here: FastAPI must see real annotations on the route
@@ -21,14 +24,18 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from ray import serve
+from starlette.routing import Match
 
 from stepserve.deployments.config import AppConfig, ModelConfig
 from stepserve.deployments.edge import AdmissionGate, as_api_error, mapped
 from stepserve.deployments.errors import APIError, invalid, server_error
 from stepserve.deployments.forms import is_form, read_form
+from stepserve.deployments.image_hints import hints_counter
 from stepserve.deployments.image_inputs import EDIT_FILE_PARTS, control_image_parts, edit_payload, generation_payload
 from stepserve.deployments.images import ImageRequests, request_id_for
 from stepserve.deployments.protocol import ImageEditRequest, ImageGenerationRequest
@@ -36,6 +43,7 @@ from stepserve.deployments.video_encoding import FORMAT_HEADER
 from stepserve.deployments.video_validation import VideoCreateRequest
 from stepserve.deployments.videos import VideoJobs, preferred_wait_s
 from stepserve.engine.families import family_class
+from stepserve.policies.types import RequestKind
 
 logger = logging.getLogger("stepserve.ingress")
 
@@ -43,7 +51,11 @@ READY_TIMEOUT_S = 5.0
 IDEMPOTENCY_HEADER = "idempotency-key"
 MAX_IDEMPOTENCY_KEY = 256
 
-api = FastAPI(title="stepserve", description="Diffusion serving scheduled by the denoising step.")
+# FastAPI's own /docs, /redoc and /openapi.json would answer anyone: the ingress serves the first
+# and last itself, behind its keys.
+api = FastAPI(title="stepserve", description="Diffusion serving scheduled by the denoising step.", docs_url=None,
+              redoc_url=None, openapi_url=None)
+ALL_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
 
 @api.exception_handler(APIError)
@@ -65,6 +77,18 @@ async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
     error = server_error(f"req-{uuid.uuid4().hex}")
     logger.error("unhandled error (request id %s)", error.request_id, exc_info=exc)
     return JSONResponse(error.body(), status_code=500, headers=error.headers())
+
+
+def api_routes(router: Any = api) -> list[APIRoute]:
+    """Every endpoint the app serves (Serve's ingress nests the class's routes in an included router)."""
+    routes: list[APIRoute] = []
+    for route in router.routes:
+        inner = getattr(route, "original_router", None)
+        if inner is not None:
+            routes += api_routes(inner)
+        elif isinstance(route, APIRoute):
+            routes.append(route)
+    return routes
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -111,8 +135,12 @@ class HTTPMetrics:
         self.registry = CollectorRegistry()
         self.requests = Counter("stepserve_http_requests", "HTTP requests by route and status code.",
                                 ["route", "code"], registry=self.registry)
-        self.latency = Histogram("stepserve_http_latency_seconds", "HTTP request latency by route.", ["route"],
-                                 buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100),
+        # By status code too: a 429 is answered in milliseconds and a 200 in seconds, and an
+        # operator must see each (how fast the edge sheds a burst, for one).
+        self.latency = Histogram("stepserve_http_latency_seconds", "HTTP request latency in the ingress (from its "
+                                 "handler's start: the body read included, the proxy before it not) by route and "
+                                 "status code.", ["route", "code"],
+                                 buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100),
                                  registry=self.registry)
         self.image_stage = Histogram(
             "stepserve_ingress_stage_seconds",
@@ -120,6 +148,7 @@ class HTTPMetrics:
             "router call: text encoding to decoded PNG, plus the hops), respond (building the response body).",
             ["stage"], buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25),
             registry=self.registry)
+        self.image_hints = hints_counter(self.registry)
 
 
 @serve.ingress(api)
@@ -133,9 +162,9 @@ class Ingress:
             raise RuntimeError(f"{config.api_keys_env} holds no API keys in this replica: refusing to serve openly")
         self.metrics_keys = tuple(config.metrics_api_keys) or self.api_keys
         self.http = HTTPMetrics()
-        gate = AdmissionGate(router)
-        self.images = ImageRequests(config, router, store, gate, self.http.image_stage)
-        self.videos = VideoJobs(config, router, store, gate)
+        self.gate = AdmissionGate(router)
+        self.images = ImageRequests(config, router, store, self.gate, self.http.image_stage, self.http.image_hints)
+        self.videos = VideoJobs(config, router, store, self.gate)
 
     # -- handle API ----------------------------------------------------------------------
 
@@ -175,7 +204,8 @@ class Ingress:
         return await self.videos.delete(video_id)
 
     async def video_content(self, video_id: str, variant: str = "video") -> bytes:
-        """The finished video as MP4 bytes (a ZIP of PNGs if PyAV is missing, or with variant='frames')."""
+        """The finished video's content: variant 'video' (MP4, or a ZIP of PNGs if PyAV is missing),
+        'thumbnail' (WebP), 'spritesheet' (JPEG) or 'frames' (a ZIP of PNGs)."""
         return (await self.videos.content(video_id, variant)).data
 
     # -- HTTP ----------------------------------------------------------------------------
@@ -185,6 +215,7 @@ class Ingress:
         async def handle() -> Response:
             self._authorize(request)
             key = idempotency_key(request)
+            self._shed(RequestKind.T2I, key)
             body = await read_body(request, self.config.limits.max_body_bytes)
             if is_form(request):  # control images uploaded as files, not base64
                 limits = self.config.limits
@@ -202,6 +233,7 @@ class Ingress:
         async def handle() -> Response:
             self._authorize(request)
             key = idempotency_key(request)
+            self._shed(RequestKind.EDIT.lane, key)
             body = await read_body(request, self.config.limits.max_body_bytes)
             if is_form(request):  # OpenAI's clients: the image and mask as file parts
                 payload = edit_payload(await read_form(request, body, EDIT_FILE_PARTS, max_files=len(EDIT_FILE_PARTS)))
@@ -216,6 +248,7 @@ class Ingress:
         async def handle() -> Response:
             self._authorize(request)
             key = idempotency_key(request)
+            self._shed(RequestKind.T2V, key)
             body = await read_body(request, self.config.limits.max_body_bytes)
             # OpenAI's clients send this route multipart/form-data; curl users send JSON.
             payload = (await read_form(request, body)).fields if is_form(request) else parse_json(body)
@@ -305,6 +338,34 @@ class Ingress:
         router_text = await mapped(self.router.metrics_text.remote(), f"metrics-{uuid.uuid4().hex[:8]}")
         return Response(generate_latest(self.http.registry) + router_text, media_type=CONTENT_TYPE_LATEST)
 
+    @api.get("/openapi.json")
+    async def http_openapi(self, request: Request) -> Response:
+        if not self.config.ingress.open_docs:
+            self._authorize(request)
+        return JSONResponse(api.openapi())
+
+    @api.get("/docs")
+    async def http_docs(self, request: Request) -> HTMLResponse:
+        if not self.config.ingress.open_docs:
+            self._authorize(request)
+        root = request.scope.get("root_path", "")
+        return get_swagger_ui_html(openapi_url=f"{root}/openapi.json", title="stepserve API")
+
+    # Last: only a path no route above matches comes here.
+    @api.api_route("/{path:path}", methods=ALL_METHODS)
+    async def http_unknown(self, request: Request, path: str) -> Response:
+        self._authorize(request)
+        # A known path with another method matches a route above partly: 405, as OpenAI answers.
+        if any(route.matches(request.scope)[0] is Match.PARTIAL for route in api_routes()):
+            raise APIError(405, f"{request.method} is not allowed on /{path}", code="method_not_allowed")
+        raise APIError(404, f"Invalid URL ({request.method} /{path})", code="unknown_url")
+
+    def _shed(self, kind: RequestKind, idempotency_key: str | None) -> None:
+        """Under overload, refuse before the body is read (`AdmissionGate.shed`). Not a retry with
+        an Idempotency-Key: its answer may be stored already, and costs nothing to give."""
+        if idempotency_key is None:
+            self.gate.shed(kind, f"req-{uuid.uuid4().hex}")
+
     def _authorize(self, request: Request, keys: tuple[str, ...] | None = None) -> None:
         keys = self.api_keys if keys is None else keys
         if not keys:
@@ -332,4 +393,4 @@ class Ingress:
             raise error from None
         finally:
             self.http.requests.labels(route, str(code)).inc()
-            self.http.latency.labels(route).observe(time.perf_counter() - start)
+            self.http.latency.labels(route, str(code)).observe(time.perf_counter() - start)

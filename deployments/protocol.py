@@ -10,6 +10,21 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 
+# OpenAI's image parameters, shared by generations and edits.
+QUALITY = ("The step preset when num_inference_steps is omitted (explicit steps win): 'low', 'medium' or 'high' are "
+           "the model's low_quality_steps, default_steps and high_quality_steps; 'auto' (the default) and "
+           "'standard' are 'medium', 'hd' is 'high'. OpenAI's 'xhigh' and 'max' are refused (400).")
+OUTPUT_FORMAT = ("The images' file format: 'png' (the default; lossless, the decoder's own bytes), 'jpeg' or 'webp'. "
+                 "OpenAI's 'gif' and 'svg' are refused (400).")
+OUTPUT_COMPRESSION = ("jpeg and webp only: OpenAI's compression level, 0-100, default 100. As OpenAI's default of 100 "
+                      "implies, higher keeps more of the image (larger files): it is the encoder's quality setting "
+                      "(Pillow's `quality`). With png only 100 (lossless) is accepted.")
+BACKGROUND = ("'auto' (the default) or 'opaque': every image is opaque. 'transparent' is refused (400): no served "
+              "model draws an alpha channel.")
+USER = "An end-user id (at most 256 characters): recorded in the log with the request id; changes nothing."
+SAFETY_IDENTIFIER = "OpenAI's successor of `user`: recorded the same way (at most 256 characters); changes nothing."
+
+
 class ControlNetInput(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -50,20 +65,36 @@ class ImageGenerationRequest(BaseModel):
     seed: int | None = Field(default=None, description="Noise seed; random when omitted (returned per image).")
     slo_s: float | None = Field(default=None, description="Latency objective in seconds from arrival, for SLO-aware "
                                                           "policies; overrides the model's `slo_s`.")
-    user: str | None = Field(default=None, description="Accepted for OpenAI compatibility; unused.")
+    quality: str | None = Field(default=None, description=QUALITY)
+    output_format: str | None = Field(default=None, description=OUTPUT_FORMAT)
+    output_compression: int | None = Field(default=None, description=OUTPUT_COMPRESSION)
+    background: str | None = Field(default=None, description=BACKGROUND)
+    moderation: Literal["auto", "low"] | None = Field(
+        default=None, description="OpenAI's content-moderation level: accepted and recorded (logged, counted); "
+                                  "changes nothing here.")
+    style: Literal["vivid", "natural"] | None = Field(
+        default=None, description="DALL-E 3's style: accepted and recorded (logged, counted); changes nothing here "
+                                  "(describe the style in the prompt).")
+    user: str | None = Field(default=None, description=USER)
+    safety_identifier: str | None = Field(default=None, description=SAFETY_IDENTIFIER)
     controlnets: list[ControlNetInput] | None = Field(
         default=None, description="ControlNets conditioning the image; their residuals are summed in this order.")
     loras: list[LoraInput] | None = Field(default=None, description="LoRAs styling the image.")
 
 
 class ImageData(BaseModel):
-    b64_json: str
-    seed: int
+    b64_json: str = Field(description="The image file (in the response's output_format), base64.")
+    seed: int = Field(description="The noise seed this image was drawn with.")
 
 
 class ImagesResponse(BaseModel):
-    created: int
-    data: list[ImageData]
+    created: int = Field(description="Unix time (seconds) the response was made.")
+    data: list[ImageData] = Field(description="The images, image i drawn with seed + i.")
+    output_format: Literal["png", "jpeg", "webp"] = Field(description="The file format of every image in `data`.")
+    quality: Literal["low", "medium", "high"] | None = Field(
+        description="The quality preset whose steps ran; null when the request's num_inference_steps set them.")
+    size: str = Field(description="'WIDTHxHEIGHT' of the images.")
+    background: Literal["opaque"] = Field(description="Always 'opaque': no served model draws an alpha channel.")
 
 
 class ImageEditRequest(BaseModel):
@@ -97,5 +128,13 @@ class ImageEditRequest(BaseModel):
                                                               "(letters, digits, '.', '_', '-'): edits of one template "
                                                               "may reuse its cached activations where the server "
                                                               "enables them.")
-    user: str | None = Field(default=None, description="Accepted for OpenAI compatibility; unused.")
+    quality: str | None = Field(default=None, description=QUALITY)
+    output_format: str | None = Field(default=None, description=OUTPUT_FORMAT)
+    output_compression: int | None = Field(default=None, description=OUTPUT_COMPRESSION)
+    background: str | None = Field(default=None, description=BACKGROUND)
+    input_fidelity: Literal["high", "low"] | None = Field(
+        default=None, description="How closely OpenAI's models keep the input's features: accepted and recorded "
+                                  "(logged, counted); changes nothing here (the unmasked area is kept as it is).")
+    user: str | None = Field(default=None, description=USER)
+    safety_identifier: str | None = Field(default=None, description=SAFETY_IDENTIFIER)
     loras: list[LoraInput] | None = Field(default=None, description="LoRAs styling the edit.")

@@ -21,6 +21,10 @@ from stepserve.policies.types import ControlNetUse, LoraUse, RequestSpec
 
 MAX_SEED = 2**63 - 1
 MAX_SLO_S = 24 * 3600.0  # a day: beyond it an objective schedules nothing differently from none
+MAX_USER_CHARS = 256  # `user` and `safety_identifier` go into the log: bounded
+# OpenAI's `quality` values this server honours, and the step preset each names.
+QUALITY_PRESETS = {"low": "low", "medium": "medium", "high": "high", "auto": "medium", "standard": "medium",
+                   "hd": "high"}
 # C0 controls but tab, LF and CR: invisible, never part of a real prompt, and NUL cuts text short
 # wherever it reaches C strings (native libraries, log pipelines).
 CONTROL_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f]")
@@ -81,15 +85,41 @@ def check_text(name: str, text: str) -> None:
                             f"{control.start()}; only tab, newline and carriage return are allowed")
 
 
-def sampling_settings(req: Any, model: ModelConfig, limits: LimitsConfig) -> tuple[int, float]:
-    """(num_inference_steps, guidance_scale): the request's or the model's defaults, in range."""
-    steps = model.default_steps if req.num_inference_steps is None else req.num_inference_steps
+def sampling_settings(req: Any, model: ModelConfig, limits: LimitsConfig,
+                      preset_steps: int | None = None) -> tuple[int, float]:
+    """(num_inference_steps, guidance_scale): the request's or the defaults, in range. `preset_steps`:
+    the steps when the request gives none (an image's quality preset); None: the model's default_steps."""
+    default_steps = model.default_steps if preset_steps is None else preset_steps
+    steps = default_steps if req.num_inference_steps is None else req.num_inference_steps
     if not 1 <= steps <= model.max_steps:
         raise invalid("num_inference_steps", f"num_inference_steps must be between 1 and {model.max_steps}")
     guidance = model.default_guidance_scale if req.guidance_scale is None else req.guidance_scale
     if not 0 <= guidance <= limits.max_guidance_scale:  # also rejects NaN
         raise invalid("guidance_scale", f"guidance_scale must be between 0 and {limits.max_guidance_scale}")
     return steps, guidance
+
+
+def quality_preset(req: Any) -> str | None:
+    """The step preset ('low', 'medium', 'high') an image request's `quality` names, or None when its
+    num_inference_steps decides (explicit steps win). A value this server cannot honour is a 400
+    even then: a request must not look as if it ran at a quality it did not."""
+    preset = QUALITY_PRESETS.get("auto" if req.quality is None else req.quality)
+    if preset is None:
+        code = "unsupported_value" if req.quality in ("xhigh", "max") else "invalid_value"
+        raise invalid("quality", f"quality {req.quality!r} is not served; use one of {', '.join(QUALITY_PRESETS)} "
+                                 "('auto' and 'standard' are 'medium', 'hd' is 'high')", code=code)
+    return None if req.num_inference_steps is not None else preset
+
+
+def check_end_user(req: Any) -> None:
+    """`user` and `safety_identifier` are logged: bounded, and text that cannot break a log line's encoding."""
+    for name in ("user", "safety_identifier"):
+        text = getattr(req, name)
+        if text is None:
+            continue
+        if len(text) > MAX_USER_CHARS:
+            raise invalid(name, f"{name} is longer than {MAX_USER_CHARS} characters")
+        check_text(name, text)
 
 
 def request_slo(req: Any, model: ModelConfig) -> float | None:
@@ -116,14 +146,17 @@ def served_model(config: AppConfig, name: str | None, default: Callable[[ModelCo
 def image_settings(req: Any, model: ModelConfig, limits: LimitsConfig,
                    default_seed: int | None) -> tuple[int, float, int]:
     """(steps, guidance, seed) of an image request, generation or edit, after the checks they
-    share: response format, prompts, n, sampling settings and seed (`default_seed` when the body
-    has none: an idempotent retry must draw the same)."""
+    share: response format, prompts, end-user ids, n, sampling settings (the quality preset's
+    steps unless num_inference_steps is given) and seed (`default_seed` when the body has none: an
+    idempotent retry must draw the same)."""
     if req.response_format != "b64_json":
         raise invalid("response_format", "only response_format='b64_json' is supported")
     check_prompts(req, limits)
+    check_end_user(req)
     if not 1 <= req.n <= limits.max_n:
         raise invalid("n", f"n must be between 1 and {limits.max_n}")
-    steps, guidance = sampling_settings(req, model, limits)
+    preset = quality_preset(req)
+    steps, guidance = sampling_settings(req, model, limits, None if preset is None else model.quality_steps(preset))
     if req.seed is not None:
         seed = req.seed
     else:

@@ -3,7 +3,8 @@
 MP4 needs the `av` package (a stepserve dependency; its wheels bundle FFmpeg). Its FFmpeg build
 decides which encoder exists, so the first of ENCODERS it has is used. Without `av` at all (a
 trimmed install), the frames still reach the caller, as numbered PNGs in a ZIP; the response says
-which with its content type and the `X-Stepserve-Video-Format` header (`mp4` or `png-zip`).
+which with its content type and the `X-Stepserve-Video-Format` header (`mp4` or `png-zip`; the
+preview images of `video_previews` say `webp` or `jpeg`).
 
 Runs in the ingress, off the step loop, in a worker thread (callers use `asyncio.to_thread`).
 """
@@ -34,10 +35,12 @@ FORMAT_HEADER = "X-Stepserve-Video-Format"
 
 @dataclass(frozen=True)
 class EncodedVideo:
+    """One downloadable form of a finished video: the clip, its frames, or a preview image."""
+
     data: bytes
-    media_type: str  # "video/mp4" or "application/zip"
-    format: str  # "mp4" or "png-zip": the X-Stepserve-Video-Format header
-    codec: str | None  # the encoder used for mp4; None for png-zip
+    media_type: str  # "video/mp4", "application/zip", "image/webp" or "image/jpeg"
+    format: str  # "mp4", "png-zip", "webp" or "jpeg": the X-Stepserve-Video-Format header
+    codec: str | None  # the encoder used for mp4; None otherwise
 
 
 def mp4_encoder() -> str | None:
@@ -57,14 +60,24 @@ def mp4_encoder() -> str | None:
 
 def encode_video(frames: np.ndarray, fps: int) -> EncodedVideo:
     """`frames` uint8 [F, H, W, 3] (RGB) → an MP4, or a ZIP of PNGs when PyAV has no encoder."""
-    if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3 or frames.shape[0] < 1:
-        raise ValueError(f"frames must be uint8 [F, H, W, 3] with F >= 1, got {frames.dtype} {frames.shape}")
+    check_frames(frames)
     if fps < 1:
         raise ValueError(f"fps must be >= 1, got {fps}")
     codec = mp4_encoder()
     if codec is None:
-        return EncodedVideo(png_zip(frames), "application/zip", "png-zip", None)
+        return frames_zip(frames)
     return EncodedVideo(mp4(frames, fps, codec), "video/mp4", "mp4", codec)
+
+
+def frames_zip(frames: np.ndarray) -> EncodedVideo:
+    """Every frame as a lossless PNG, numbered in order, in one ZIP."""
+    check_frames(frames)
+    return EncodedVideo(png_zip(frames), "application/zip", "png-zip", None)
+
+
+def check_frames(frames: np.ndarray) -> None:
+    if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3 or frames.shape[0] < 1:
+        raise ValueError(f"frames must be uint8 [F, H, W, 3] with F >= 1, got {frames.dtype} {frames.shape}")
 
 
 def mp4(frames: np.ndarray, fps: int, codec: str) -> bytes:

@@ -15,16 +15,21 @@ import time
 from collections import OrderedDict
 from typing import Any
 
+import numpy as np
+
 from stepserve.deployments.config import AppConfig
 from stepserve.deployments.edge import AdmissionGate, as_api_error, mapped
 from stepserve.deployments.errors import APIError, invalid
 from stepserve.deployments.jobs import JobRecord
-from stepserve.deployments.video_encoding import EncodedVideo, encode_video, png_zip
+from stepserve.deployments.video_encoding import EncodedVideo, encode_video, frames_zip
+from stepserve.deployments.video_previews import spritesheet, thumbnail
 from stepserve.deployments.video_validation import VIDEO_ID, VideoCreateRequest, parse_body, to_video_spec
 from stepserve.policies.types import RequestKind, RequestSpec
 
 MAX_PAGE = 100
 MAX_WAIT_S = 60.0  # the longest a status request may block for a job to end (`Prefer: wait=N`)
+# What GET /v1/videos/{id}/content serves: OpenAI's three, then our `frames`.
+VARIANTS = ("video", "thumbnail", "spritesheet", "frames")
 
 
 class VideoJobs:
@@ -45,12 +50,15 @@ class VideoJobs:
         spec = to_video_spec(req, self.config, default_seed=key_seed(idempotency_key))
         rid = spec.request_id
         record = JobRecord(rid, "video", time.time(), spec, idempotency_key=idempotency_key, request_digest=digest)
+        # No job before the router is up: a router that starts fails every unfinished job it
+        # finds (an earlier router's, lost with its workers), so one created first would be too.
+        await self.gate.ready(rid)
         record = await mapped(self.store.create.remote(record), rid)  # a retry gets its job back (or a 409)
         if record.job_id != rid:
             return await self._object(record)
         try:
-            self.gate.check(RequestKind.T2V, rid)
-            await self.router.submit_video.remote(spec)
+            await self.gate.admit(RequestKind.T2V, rid)
+            await self.router.submit_video.remote(spec, self.gate.id)
         except BaseException as exc:
             await self.store.delete.remote(rid)  # never accepted: no trace of it
             raise as_api_error(exc, rid) from None
@@ -96,15 +104,17 @@ class VideoJobs:
         if not record.terminal:
             await self.router.cancel.remote(video_id)
         await self.store.delete.remote(video_id)
-        for variant in ("video", "frames"):
+        for variant in VARIANTS:
             self._files.pop(f"{video_id}/{variant}", None)
         return {"id": video_id, "object": "video.deleted", "deleted": True}
 
     async def content(self, video_id: str, variant: str = "video") -> EncodedVideo:
-        """variant 'video': the MP4 (OpenAI's default); 'frames' (our extension): every frame as
-        a lossless PNG in a ZIP, for callers that post-process or compare frames exactly."""
-        if variant not in ("video", "frames"):
-            raise invalid("variant", f"variant must be 'video' or 'frames', got {variant!r}", code="unsupported_value")
+        """variant 'video': the MP4 (OpenAI's default); 'thumbnail' and 'spritesheet': OpenAI's
+        preview images (see video_previews); 'frames' (our extension): every frame as a lossless
+        PNG in a ZIP, for callers that post-process or compare frames exactly."""
+        if variant not in VARIANTS:
+            raise invalid("variant", f"variant must be one of {', '.join(map(repr, VARIANTS))}; got {variant!r}",
+                          code="unsupported_value")
         record = await self._record(video_id)
         if record.status != "completed":
             raise not_ready(video_id, await self._object(record))
@@ -116,10 +126,7 @@ class VideoJobs:
         frames = await self.store.content.remote(video_id)
         if frames is None:  # evicted between the two calls
             raise not_found(video_id)
-        if variant == "frames":
-            encoded = EncodedVideo(await asyncio.to_thread(png_zip, frames), "application/zip", "png-zip", None)
-        else:
-            encoded = await asyncio.to_thread(encode_video, frames, record.spec.fps)
+        encoded = await asyncio.to_thread(encode_variant, variant, frames, record.spec.fps)
         self._files[key] = encoded
         while len(self._files) > self.max_files:
             self._files.popitem(last=False)
@@ -139,12 +146,23 @@ class VideoJobs:
                 progress = await self.router.progress.remote(record.job_id)
             except Exception:  # the router is restarting: the record's own status stands
                 progress = None
-        return video_object(record, progress)
+        return video_object(record, progress, self.config.jobs.ttl_s)
 
 
-def video_object(record: JobRecord, progress: dict[str, Any] | None) -> dict[str, Any]:
+def encode_variant(variant: str, frames: np.ndarray, fps: int) -> EncodedVideo:
+    """One content variant of a finished video's frames; blocking (callers run it in a thread)."""
+    if variant == "thumbnail":
+        return thumbnail(frames)
+    if variant == "spritesheet":
+        return spritesheet(frames)
+    if variant == "frames":
+        return frames_zip(frames)
+    return encode_video(frames, fps)
+
+
+def video_object(record: JobRecord, progress: dict[str, Any] | None, ttl_s: float) -> dict[str, Any]:
     """OpenAI's video object, plus num_frames, fps, seed, steps_done/steps_total and how the
-    scheduler runs it (sp_degree, pauses)."""
+    scheduler runs it (sp_degree, pauses). `ttl_s` is the job store's (`jobs.ttl_s`)."""
     spec: RequestSpec = record.spec
     status = record.status
     done = spec.steps_to_run if status == "completed" else 0
@@ -161,6 +179,10 @@ def video_object(record: JobRecord, progress: dict[str, Any] | None) -> dict[str
         "object": "video",
         "created_at": int(record.created_at),
         "completed_at": None if record.completed_at is None else int(record.completed_at),
+        # When the store forgets the job and its content (404 from then on), to the second:
+        # ttl_s past its end. The byte budget or the record cap may drop it sooner, so this is
+        # the latest it stays, not a promise. None while it runs: nothing of a live job expires.
+        "expires_at": None if record.completed_at is None else int(record.completed_at + ttl_s),
         "status": status,
         "model": spec.model,
         "progress": percent,

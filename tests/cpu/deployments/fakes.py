@@ -9,7 +9,8 @@ import inspect
 import pickle
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -135,6 +136,7 @@ class FakeRouter:
         self._images: dict[str, asyncio.Future] = {}
         self.report = LoadReport(version=0, live_workers=1)
         self.load_error: Exception | None = None
+        self.received: dict[str, Counter] = {}  # gate id -> requests of each class received from it
         self.readiness_state = {"workers": 2, "live_workers": 2, "queued": 0, "running": 0}
         self.metrics = b"# TYPE stepserve_router_rounds counter\nstepserve_router_rounds 7\n"
         for name in ("submit", "submit_video", "cancel", "progress", "load", "readiness", "metrics_text"):
@@ -142,7 +144,8 @@ class FakeRouter:
 
     # -- the router's methods ----------------------------------------------------------------
 
-    async def _submit(self, spec: RequestSpec, inputs: list | None = None) -> bytes:
+    async def _submit(self, spec: RequestSpec, inputs: list | None = None, gate: str | None = None) -> bytes:
+        self._arrived(gate, spec)
         rid = spec.request_id
         waiter = self._images.get(rid)
         if waiter is None or self.specs[rid] != spec:
@@ -152,7 +155,8 @@ class FakeRouter:
                 self.release(rid)
         return await asyncio.shield(waiter)
 
-    def _submit_video(self, spec: RequestSpec) -> None:
+    def _submit_video(self, spec: RequestSpec, gate: str | None = None) -> None:
+        self._arrived(gate, spec)
         self._accept(spec)
 
     def _cancel(self, rid: str) -> bool:
@@ -169,13 +173,13 @@ class FakeRouter:
     def _progress(self, rid: str) -> dict[str, Any] | None:
         return dict(self.live[rid]) if rid in self.live else None
 
-    async def _load(self, version: int = -1, timeout_s: float = 30.0) -> LoadReport:
+    async def _load(self, version: int = -1, gate: str | None = None, timeout_s: float = 30.0) -> LoadReport:
         deadline = time.monotonic() + timeout_s
         while True:
             if self.load_error is not None:
                 raise self.load_error
             if self.report.version != version or time.monotonic() >= deadline:
-                return self.report
+                return replace(self.report, received=dict(self.received.get(gate, {})))
             await asyncio.sleep(0.005)
 
     def _readiness(self) -> dict[str, int]:
@@ -217,6 +221,10 @@ class FakeRouter:
         fields = {"live_workers": self.report.live_workers, "classes": self.report.classes, **changes}
         self.report = LoadReport(version=self.report.version + 1, **fields)
         return self.report
+
+    def _arrived(self, gate: str | None, spec: RequestSpec) -> None:
+        if gate is not None:
+            self.received.setdefault(gate, Counter())[spec.kind.lane] += 1
 
     def _accept(self, spec: RequestSpec) -> None:
         if self.refuse is not None:

@@ -107,7 +107,7 @@ def test_a_good_request_reaches_the_router_with_its_addons(http, router, monkeyp
                    loras=[{"name": "papercut", "scale": -0.5}])
     response = http.post("/v1/images/generations", json=request)
     assert response.status_code == 200, response.text
-    (first, (inputs,)), (second, (same,)) = router.submit.calls
+    (first, (inputs,), _), (second, (same,), _) = router.submit.calls
     assert first.controlnets == second.controlnets == (ControlNetUse("depth", 0.5, 0.0, 0.8), ControlNetUse("canny"))
     assert first.loras == (LoraUse("papercut", -0.5),)
     pixels, pixels_again = inputs.control, same.control
@@ -133,7 +133,7 @@ def test_control_images_may_come_as_file_parts_of_a_form_body(http, router, monk
                      {"controlnets.0.image": out.getvalue()})
     response = http.post("/v1/images/generations", **form)
     assert response.status_code == 200, response.text
-    ((spec, (inputs,)),) = router.submit.calls
+    ((spec, (inputs,), _),) = router.submit.calls
     pixels = inputs.control
     assert (spec.num_inference_steps, spec.guidance_scale, spec.seed) == (5, 6.5, 3)
     assert spec.controlnets == (ControlNetUse("depth", 0.5), ControlNetUse("canny")) and spec.loras == (

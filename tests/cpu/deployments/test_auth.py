@@ -1,5 +1,5 @@
-"""API-key auth: off without keys; with keys every route but /health needs `Authorization: Bearer
-<key>`; `metrics_api_keys` replace them for /metrics only; keys that could never be checked (empty,
+"""API-key auth: off without keys; with keys every route but /health (read from the app) and every
+unknown path needs `Authorization: Bearer <key>`; `metrics_api_keys` replace them for /metrics only; keys that could never be checked (empty,
 blank, from an unset variable) stop the config from loading."""
 
 from types import SimpleNamespace
@@ -9,7 +9,7 @@ from starlette.requests import Request
 
 from stepserve.deployments.config import AppConfig
 from stepserve.deployments.errors import APIError
-from stepserve.deployments.ingress import Ingress
+from stepserve.deployments.ingress import Ingress, api_routes
 from tests.cpu.deployments.fakes import INGRESS, StoreHandle, assert_error, build, http_client
 
 ENV = "STEPSERVE_TEST_KEYS"
@@ -46,31 +46,56 @@ def test_any_configured_key_passes():
     authorize(("clé",), {"authorization": "Bearer clé"})  # non-ASCII keys compare as bytes
 
 
-# Every route of the app and what an authorized call gets (the job routes act on a live job).
-ROUTES = [
-    ("POST", "/v1/images/generations", {"json": {"prompt": "a cat"}}, 200),
-    ("POST", "/v1/videos", {"json": FOX}, 200),
-    ("GET", "/v1/videos", {}, 200),
-    ("GET", "/v1/videos/{vid}", {}, 200),
-    ("GET", "/v1/videos/{vid}/content", {}, 409),
-    ("POST", "/v1/videos/{vid}/cancel", {}, 200),
-    ("DELETE", "/v1/videos/{vid}", {}, 200),
-    ("GET", "/v1/models", {}, 200),
-    ("GET", "/ready", {}, 200),
-    ("GET", "/metrics", {}, 200),
-]
+# What an authorized call of each route gets (the job routes act on a live job); the routes
+# themselves are read from the app below, so a route added without an entry here fails.
+WITH_KEY = {
+    ("POST", "/v1/images/generations"): ({"json": {"prompt": "a cat"}}, 200),
+    ("POST", "/v1/images/edits"): ({"json": {"prompt": "a cat"}}, 400),  # no image: checked after the key
+    ("POST", "/v1/videos"): ({"json": FOX}, 200),
+    ("GET", "/v1/videos"): ({}, 200),
+    ("GET", "/v1/videos/{video_id}"): ({}, 200),
+    ("GET", "/v1/videos/{video_id}/content"): ({}, 409),
+    ("POST", "/v1/videos/{video_id}/cancel"): ({}, 200),
+    ("DELETE", "/v1/videos/{video_id}"): ({}, 200),
+    ("GET", "/v1/models"): ({}, 200),
+    ("GET", "/ready"): ({}, 200),
+    ("GET", "/metrics"): ({}, 200),
+    ("GET", "/openapi.json"): ({}, 200),
+    ("GET", "/docs"): ({}, 200),
+    # Any other path or method: 404/405 in the OpenAI shape, for a caller with a key only.
+    ("GET", "/{path:path}"): ({}, 404),
+    ("POST", "/{path:path}"): ({}, 404),
+    ("DELETE", "/{path:path}"): ({}, 404),
+    ("PUT", "/{path:path}"): ({}, 404),
+    ("PATCH", "/{path:path}"): ({}, 404),
+    ("OPTIONS", "/{path:path}"): ({}, 404),
+    ("HEAD", "/{path:path}"): ({}, 404),
+}
+OPEN = {("GET", "/health")}
 
 
-@pytest.mark.parametrize("method,path,kwargs,status", ROUTES, ids=[f"{m} {p}" for m, p, _, _ in ROUTES])
-def test_with_keys_every_route_but_health_needs_one(monkeypatch, method, path, kwargs, status):
+def test_the_table_lists_every_route_the_app_serves():
+    served = {(method, route.path) for route in api_routes() for method in route.methods}
+    assert served == set(WITH_KEY) | OPEN
+
+
+def concrete(path: str, vid: str) -> str:
+    return path.replace("{video_id}", vid).replace("{path:path}", "v1/no/such/thing")
+
+
+@pytest.mark.parametrize("method,path", sorted(WITH_KEY), ids=[f"{m} {p}" for m, p in sorted(WITH_KEY)])
+def test_with_keys_every_route_but_health_needs_one(monkeypatch, method, path):
+    kwargs, status = WITH_KEY[method, path]
     app = build(api_keys=["k1", "k2"])
     with http_client(app.ingress, monkeypatch) as http:
         vid = http.post("/v1/videos", json=FOX, headers=KEY).json()["id"]
         submitted = list(app.router.submitted)
-        url = path.format(vid=vid)
-        for headers in ({}, {"Authorization": "Bearer k3"}, {"Authorization": "k2"}):
+        url = concrete(path, vid)
+        for headers in ({}, {"Authorization": "Bearer k3"}, {"Authorization": "k2"}, {"Authorization": "Bearer "}):
             response = http.request(method, url, headers=headers, **kwargs)
-            assert_error(response, 401, "invalid_api_key")
+            assert response.status_code == 401, (method, url, headers, response.text)
+            if method != "HEAD":
+                assert_error(response, 401, "invalid_api_key")
         # Refused before any work: nothing reached the router or the text encoder.
         assert app.router.submitted == submitted and app.router.cancelled == []
         assert not app.router.readiness.calls and not app.text_encoder.ready.calls
@@ -79,12 +104,27 @@ def test_with_keys_every_route_but_health_needs_one(monkeypatch, method, path, k
         assert http.get("/health").json() == {"status": "ok"}
 
 
+def test_unknown_paths_and_methods_answer_in_the_openai_shape(http):
+    assert_error(http.get("/v1/nothing"), 404, "unknown_url")
+    assert_error(http.get("/v1/images/generations"), 405, "method_not_allowed")
+
+
+def test_open_docs_opens_only_the_docs(monkeypatch):
+    app = build(api_keys=["k1"], ingress={"open_docs": True})
+    with http_client(app.ingress, monkeypatch) as http:
+        schema = http.get("/openapi.json")
+        assert schema.status_code == 200 and "/v1/images/generations" in schema.json()["paths"]
+        assert http.get("/docs").status_code == 200 and "/openapi.json" in http.get("/docs").text
+        assert_error(http.get("/v1/models"), 401, "invalid_api_key")
+        assert_error(http.get("/redoc"), 401, "invalid_api_key")  # FastAPI's other page is not served at all
+
+
 def test_without_keys_every_route_is_open(monkeypatch):
     app = build()
     with http_client(app.ingress, monkeypatch) as http:
         vid = http.post("/v1/videos", json=FOX).json()["id"]
-        for method, path, kwargs, status in ROUTES:
-            assert http.request(method, path.format(vid=vid), **kwargs).status_code == status, path
+        for (method, path), (kwargs, status) in WITH_KEY.items():
+            assert http.request(method, concrete(path, vid), **kwargs).status_code == status, path
 
 
 def test_metrics_keys_replace_the_main_keys_for_metrics_only(monkeypatch):

@@ -8,12 +8,13 @@ import ray.exceptions
 
 from stepserve.actors.router import RequestCancelledError, RequestDiscardedError, RequestFailedError
 from stepserve.actors.router_core import DuplicateRequestError, QueueFullError
+from stepserve.deployments import edge
 from stepserve.deployments.edge import AdmissionGate, as_api_error, mapped
 from stepserve.deployments.errors import APIError
 from stepserve.deployments.job_store import JobStore
 from stepserve.deployments.jobs import IdempotencyConflict, JobTableFull
 from stepserve.policies.admission import ClassLoad, LoadReport
-from stepserve.policies.types import RequestKind
+from stepserve.policies.types import RequestKind, RequestSpec
 from tests.cpu.deployments.fakes import ACTOR_ID, LEAKS, LEAKY_TEXT, NODE_IP, PID, FakeRouter, eventually
 
 T2I, T2V = RequestKind.T2I, RequestKind.T2V
@@ -21,6 +22,11 @@ T2I, T2V = RequestKind.T2I, RequestKind.T2V
 
 def router() -> FakeRouter:
     return FakeRouter(JobStore(ttl_s=60, max_bytes=1 << 20, max_jobs=10))
+
+
+def spec(request_id: str) -> RequestSpec:
+    return RequestSpec(request_id=request_id, model="m", prompt="a cat", width=64, height=64, num_inference_steps=2,
+                       guidance_scale=1.0, seed=0)
 
 
 def images(queued=0, decoding=0, max_queued=3, drain_per_s=None, max_wait_s=None) -> dict:
@@ -31,29 +37,48 @@ def images(queued=0, decoding=0, max_queued=3, drain_per_s=None, max_wait_s=None
 async def watching(fake: FakeRouter, kind: RequestKind = T2I) -> AdmissionGate:
     """A gate that has let one request in (which starts its watch) and holds the router's report."""
     gate = AdmissionGate(fake)
-    gate.check(kind, "first")
-    await eventually(lambda: gate.report is not None)
+    await gate.admit(kind, "first")
     return gate
 
 
-def refused(gate: AdmissionGate, kind: RequestKind, request_id: str = "req-1") -> APIError:
+async def refused(gate: AdmissionGate, kind: RequestKind, request_id: str = "req-1", count: int = 1) -> APIError:
     with pytest.raises(APIError) as info:
-        gate.check(kind, request_id)
+        await gate.admit(kind, request_id, count)
     return info.value
 
 
 # -- the admission gate --------------------------------------------------------------------------
 
 
-def test_no_report_yet_admits_and_starts_the_watch():
+def test_the_first_request_waits_for_the_routers_first_answer():
     fake = router()
-    fake.report = LoadReport(version=3, live_workers=0)  # would refuse everything
+    fake.report = LoadReport(version=3, live_workers=0)  # refuses everything
 
     async def scenario():
         gate = AdmissionGate(fake)
-        gate.check(T2I, "req-1")  # the router decides alone until a report arrives
+        assert gate.report is None
+        assert (await refused(gate, T2I)).status == 503  # decided on the router's answer, not without it
+        assert fake.load.calls[0] == (-1, gate.id)
+
+    asyncio.run(scenario())
+
+
+def test_no_answer_from_the_router_is_503_starting(monkeypatch):
+    # A router still starting (loading its workers' models) cannot answer: no job may be created
+    # that it would then fail as interrupted, and no image may wait on it for a minute.
+    monkeypatch.setattr(edge, "FIRST_REPORT_WAIT_S", 0.1)
+    fake = router()
+    fake.load_error = ray.exceptions.RayActorError()
+
+    async def scenario():
+        gate = AdmissionGate(fake)
+        for kind in (T2I, T2V):
+            error = await refused(gate, kind, "req-3")
+            assert (error.status, error.code, error.request_id) == (503, "unavailable", "req-3")
+            assert error.headers()["retry-after"] == "5" and "starting" in error.message
+        fake.load_error = None  # up now: the watch's next try hears it
         await eventually(lambda: gate.report is not None)
-        assert refused(gate, T2I).status == 503
+        await gate.admit(T2V, "req-4")
 
     asyncio.run(scenario())
 
@@ -64,14 +89,14 @@ def test_a_report_over_the_bound_is_429_with_retry_after():
                                                                         drain_per_s=0.5))
 
     async def scenario():
-        gate = await watching(fake)
-        error = refused(gate, T2I, "req-9")
+        gate = await watching(fake, T2V)
+        error = await refused(gate, T2I, "req-9")
         assert (error.status, error.code, error.type, error.request_id) == (429, "overloaded", "rate_limit_error",
                                                                            "req-9")
         # Five ahead over the bound (8 in backlog, 4 allowed) drain in 10 s at 0.5 per second.
         assert error.retry_after_s == 10 and error.headers() == {"x-request-id": "req-9", "retry-after": "10"}
         assert "queue is full" in error.message
-        gate.check(T2V, "video")  # videos are their own class: a full image queue does not shed them
+        await gate.admit(T2V, "video")  # videos are their own class: a full image queue does not shed them
 
     asyncio.run(scenario())
 
@@ -82,8 +107,8 @@ def test_predicted_wait_over_the_bound_is_429():
                                                                         max_wait_s=2.0))
 
     async def scenario():
-        gate = await watching(fake)
-        error = refused(gate, T2I)
+        gate = await watching(fake, T2V)
+        error = await refused(gate, T2I)
         assert (error.status, error.retry_after_s) == (429, 3.0)  # 5 s predicted, 2 s allowed
 
     asyncio.run(scenario())
@@ -94,96 +119,121 @@ def test_no_live_workers_is_503_with_retry_after():
     fake.report = LoadReport(version=1, live_workers=0)
 
     async def scenario():
-        gate = await watching(fake, T2V)
+        gate = AdmissionGate(fake)
         for kind in (T2I, T2V):
-            error = refused(gate, kind)
+            error = await refused(gate, kind)
             assert (error.status, error.code, error.type) == (503, "unavailable", "server_error")
             assert error.headers()["retry-after"] == "5"
 
     asyncio.run(scenario())
 
 
-def test_pending_counts_requests_let_in_since_the_report():
+def test_a_burst_on_a_quiet_report_stops_at_the_bound_without_asking_the_router():
+    # The router does not republish while its load is quiet, and requests still on their way
+    # are in no report: the gate holds them against the bound itself.
     fake = router()
+    fake.report = LoadReport(version=1, live_workers=2, classes=images(queued=1, max_queued=6))
 
     async def scenario():
         gate = AdmissionGate(fake)
-        gate.check(T2I, "before")  # admitted with no report; starts the watch
-        report = fake.publish(classes=images(queued=2, max_queued=4))  # half full: not quiet
-        await eventually(lambda: gate.report == report)
-        gate.check(T2I, "a")  # backlog 2 + 0 pending
-        gate.check(T2I, "b")  # 2 + 1
-        assert refused(gate, T2I).status == 429  # 2 + 2: the report cannot show them yet
-        assert refused(gate, T2I).status == 429  # a refused request is not pending
-        gate.check(T2V, "video")  # pending is per class
-        # The router's next report shows what it received: the count starts again from it.
-        report = fake.publish(classes=images(queued=3, max_queued=4))
-        await eventually(lambda: gate.report == report)
-        gate.check(T2I, "c")
-        assert refused(gate, T2I).status == 429
+        for i in range(5):  # 1 queued + 5 on their way = the bound
+            await gate.admit(T2I, f"r{i}")
+        assert (await refused(gate, T2I)).status == 429
+        assert (await refused(gate, T2I)).status == 429  # a refused request is not on its way
+        assert gate.ledger.in_flight(T2I) == 5 and not fake.submit.calls
+        await gate.admit(T2V, "video")  # counted per class
 
     asyncio.run(scenario())
 
 
-def test_a_quiet_report_admits_without_counting_pending():
-    # The router does not republish while its load stays quiet (under half of every bound), so
-    # what the edge let in since is not held against the report; the router counts it exactly.
+def test_the_n_images_of_one_request_are_admitted_all_or_none():
     fake = router()
+    fake.report = LoadReport(version=1, live_workers=2, classes=images(queued=2, max_queued=6))
 
     async def scenario():
         gate = AdmissionGate(fake)
-        gate.check(T2I, "before")
-        report = fake.publish(classes=images(queued=1, max_queued=4))
-        await eventually(lambda: gate.report == report)
-        for i in range(10):
-            gate.check(T2I, f"r{i}")
+        assert (await refused(gate, T2I, count=5)).status == 429
+        assert gate.ledger.in_flight(T2I) == 0
+        await gate.admit(T2I, "four", 4)
+        assert gate.ledger.in_flight(T2I) == 4
 
     asyncio.run(scenario())
 
 
-def test_the_watcher_long_polls_and_keeps_the_last_report_when_the_router_fails():
+def test_what_the_router_received_is_no_longer_on_its_way():
+    fake = router()
+    fake.report = LoadReport(version=1, live_workers=2, classes=images(queued=0, max_queued=8))
+
+    async def scenario():
+        gate = AdmissionGate(fake)
+        for i in range(3):
+            await gate.admit(T2I, f"r{i}")
+            await fake.submit.remote(spec(f"r{i}"), None, gate.id)  # finished at once
+        assert gate.ledger.in_flight(T2I) == 3  # the report the gate holds predates them
+        fake.publish(classes=images(queued=0, max_queued=8))
+        await eventually(lambda: gate.report.version == 2)
+        assert gate.report.received == {T2I: 3} and gate.ledger.in_flight(T2I) == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_gate_that_leaves_quiet_asks_for_a_fresh_report():
+    fake = router()
+    fake.report = LoadReport(version=1, live_workers=2, classes=images(queued=0, max_queued=8))
+
+    async def scenario():
+        gate = AdmissionGate(fake)
+        for i in range(3):
+            await gate.admit(T2I, f"r{i}")
+        await asyncio.sleep(0.1)
+        assert fake.load.calls == [(-1, gate.id), (1, gate.id)]  # the long poll only: still quiet
+        await gate.admit(T2I, "r3")  # 4 of 8 on their way: no longer quiet
+        await eventually(lambda: len(fake.load.calls) == 3)
+        assert fake.load.calls[-1] == (-1, gate.id)  # answered at once, beside the long poll
+
+    asyncio.run(scenario())
+
+
+def test_the_watcher_long_polls_and_forgets_a_failed_router(monkeypatch):
+    monkeypatch.setattr(edge, "FIRST_REPORT_WAIT_S", 0.1)
     fake = router()
 
     async def scenario():
         gate = AdmissionGate(fake)
-        gate.check(T2I, "r")
-        await eventually(lambda: gate.report == fake.report and len(fake.load.calls) == 2)
-        assert fake.load.calls == [(-1,), (0,)]  # then it waits on the router with the version it holds
+        await gate.admit(T2I, "r")
+        await eventually(lambda: len(fake.load.calls) == 2)
+        assert fake.load.calls == [(-1, gate.id), (0, gate.id)]  # then it waits with the version it holds
         await asyncio.sleep(0.2)
         assert len(fake.load.calls) == 2  # nothing changed, nothing exchanged
         full = fake.publish(classes=images(queued=3, max_queued=3))
-        await eventually(lambda: gate.report == full)
-        await eventually(lambda: fake.load.calls[-1] == (1,))
+        await eventually(lambda: gate.report.version == full.version)
+        assert (await refused(gate, T2I)).status == 429
 
         fake.load_error = ray.exceptions.RayActorError()  # the router is restarting
         fake.publish(classes={})
-        await asyncio.sleep(0.3)
-        assert gate.report == full  # the last report stands
-        assert refused(gate, T2I).status == 429
+        await eventually(lambda: gate.report is None)  # what it said no longer holds
+        assert (await refused(gate, T2I)).status == 503
         fake.load_error = None
-        await eventually(lambda: gate.report.version == 2)  # it tried again
-        gate.check(T2I, "r2")
+        fake.publish(router_id="new")
+        await eventually(lambda: gate.report is not None)
+        await gate.admit(T2I, "r2")  # the new router answered
+        assert gate.report.router_id == "new"
 
     asyncio.run(scenario())
 
 
 def test_the_watch_restarts_on_a_new_event_loop():
     # A watch whose task ended (its loop closed, or it crashed) must not leave the gate on a
-    # stale report forever: the next check starts it again.
+    # stale report forever: the next request starts it again.
     fake = router()
     gate = AdmissionGate(fake)
-
-    async def first():
-        gate.check(T2I, "r")
-        await eventually(lambda: gate.report is not None)
-
-    asyncio.run(first())
+    asyncio.run(gate.admit(T2I, "r"))
     report = fake.publish(live_workers=0)
 
     async def second():
-        gate.check(T2I, "r")  # stale report (admits); the watch starts again
-        await eventually(lambda: gate.report == report)
-        assert refused(gate, T2I).status == 503
+        await gate.admit(T2I, "r")  # stale report (admits); the watch starts again
+        await eventually(lambda: gate.report.version == report.version)
+        assert (await refused(gate, T2I)).status == 503
 
     asyncio.run(second())
 

@@ -71,7 +71,7 @@ def test_a_form_body_reaches_the_router_as_an_edit_with_its_pixels(http, app):
     response = http.post("/v1/images/edits", **form)
     assert response.status_code == 200, response.text
     assert [d["seed"] for d in response.json()["data"]] == [7, 8]
-    (first, (inputs,)), (second, _) = app.router.submit.calls
+    (first, (inputs,), _), (second, _, _) = app.router.submit.calls
     assert (first.kind, first.model, first.strength, first.template_id) == (RequestKind.EDIT, "tiny-sd3", 0.6, "sofa-v1")
     assert (first.width, first.height) == (64, 64) and second.seed == 8 and first.slo_s == second.slo_s == 2.5
     # SD3's inpaint pipeline keeps the fraction of a step: 10 x 0.6 runs 6 steps, skipping 4.
@@ -86,7 +86,7 @@ def test_a_form_body_reaches_the_router_as_an_edit_with_its_pixels(http, app):
 def test_json_bodies_and_handle_callers_send_base64(http, app):
     response = http.post("/v1/images/edits", json=body(size="128x128", loras=[{"name": "papercut", "scale": 0.5}]))
     assert response.status_code == 200, response.text
-    spec, (inputs,) = app.router.submit.calls[-1]
+    spec, (inputs,), _ = app.router.submit.calls[-1]
     # Without `model`, the first model that edits; resized to the size asked for, mask and all.
     assert (spec.model, spec.width, spec.skip_steps, spec.loras) == ("tiny-sd", 128, 0, (LoraUse("papercut", 0.5),))
     assert inputs.image.shape == (128, 128, 3) and inputs.mask.shape == (128, 128)
@@ -102,7 +102,7 @@ def test_openai_client_images_edit(http, app):
                                 prompt="a cat", model="tiny-sd3", n=1, size="64x64",
                                 extra_body={"strength": 0.5, "seed": 3, "num_inference_steps": 4})
     assert result.data[0].b64_json
-    spec, _ = app.router.submit.calls[-1]
+    spec, *_ = app.router.submit.calls[-1]
     assert (spec.kind, spec.strength, spec.seed, spec.steps_to_run) == (RequestKind.EDIT, 0.5, 3, 2)
     with pytest.raises(Exception) as error:  # a bad mask is the client's BadRequestError, OpenAI-shaped
         client.images.edit(image=("photo.png", picture(), "image/png"), prompt="a cat",

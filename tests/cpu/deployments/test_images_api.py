@@ -19,6 +19,8 @@ from stepserve.deployments.errors import APIError
 from stepserve.deployments.images import request_id_for
 from stepserve.deployments.protocol import ImageGenerationRequest
 from stepserve.deployments.videos import key_seed
+from stepserve.policies.admission import ClassLoad
+from stepserve.policies.types import RequestKind
 from tests.cpu.deployments.fakes import (
     LEAKY_TEXT,
     ManualClock,
@@ -28,6 +30,7 @@ from tests.cpu.deployments.fakes import (
     eventually,
     fake_png,
     http_client,
+    wait_until,
     point_serve_at,
     settle,
 )
@@ -95,7 +98,7 @@ def test_without_a_seed_the_same_key_draws_the_same_seed(http, router):
     assert_error(http.post("/v1/images/generations", json=CAT, headers=key), 429, "overloaded")
     router.refuse = None
     body = http.post("/v1/images/generations", json=CAT, headers=key).json()
-    (refused, _), (served, _) = router.submit.calls
+    (refused, *_), (served, *_) = router.submit.calls
     # Same request id and seed: the retry is the same request (it would join a live first try).
     assert (refused.request_id, refused.seed) == (served.request_id, served.seed) == (
         request_id_for("seedless"), key_seed("seedless"))
@@ -147,7 +150,7 @@ def test_5xx_bodies_hold_nothing_of_the_failure(http, router, raised, status, co
 
 
 def test_a_dead_router_is_503_with_retry_after(http, router):
-    async def dead(spec, inputs):
+    async def dead(spec, inputs, gate):
         raise ray.exceptions.RayActorError(error_msg=LEAKY_TEXT)
 
     router.submit.fn = dead
@@ -161,10 +164,10 @@ def test_a_failed_sibling_frees_the_others(http, router):
     router.hold_images = True
     accept = router.submit.fn
 
-    async def second_fails(spec, inputs):
+    async def second_fails(spec, inputs, gate):
         if spec.request_id.endswith("-1"):
             raise RuntimeError(LEAKY_TEXT)
-        return await accept(spec, inputs)
+        return await accept(spec, inputs, gate)
 
     router.submit.fn = second_fails
     response = http.post("/v1/images/generations", json={**CAT, "n": 2})
@@ -265,3 +268,18 @@ def test_handle_methods_share_the_http_code(app):
         assert (info.value.status, info.value.param) == (400, "size")
 
     asyncio.run(scenario())
+
+
+def test_overload_is_shed_before_the_body_is_read(app, http, router):
+    assert http.post("/v1/images/generations", json=CAT).status_code == 200  # the gate now holds a report
+    full = router.publish(classes={RequestKind.T2I: ClassLoad(queued=4, running=2, decoding=0, max_queued=4,
+                                                               drain_per_s=None)})
+    wait_until(lambda: app.ingress.gate.report.version == full.version)
+    # Not even parsed: a burst's refusals cost the ingress no body read and no checks.
+    response = http.post("/v1/images/generations", content=b"{not json")
+    assert_error(response, 429, "overloaded")
+    assert response.headers["retry-after"] == "1" and response.headers["x-request-id"].startswith("req-")
+    assert_error(http.post("/v1/images/edits", content=b"{not json"), 429, "overloaded")
+    # A retry with an Idempotency-Key may have its answer stored: it goes the whole way.
+    assert_error(http.post("/v1/images/generations", content=b"{not json", headers={"Idempotency-Key": "k"}), 400,
+                 "invalid_json")

@@ -106,8 +106,97 @@ def test_frames_variant_is_a_zip_of_the_exact_frames(http, app):
         names = sorted(archive.namelist())
         got = np.stack([np.asarray(Image.open(io.BytesIO(archive.read(n))).convert("RGB")) for n in names])
     np.testing.assert_array_equal(got, video_frames(app.router.specs[vid]))  # lossless, in order
-    assert_error(http.get(f"/v1/videos/{vid}/content", params={"variant": "thumbnail"}), 400,
-                 "unsupported_value", "variant")
+
+
+def decode_image(response, media_type, image_format):
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"] == media_type
+    assert response.headers["x-stepserve-video-format"] == image_format.lower()
+    image = Image.open(io.BytesIO(response.content))
+    assert image.format == image_format
+    return np.asarray(image.convert("RGB")).astype(int)
+
+
+def nearest_frame(image, frames):
+    """Which frame a lossily encoded image shows: the harness's frames are independent noise,
+    so the right one is far nearer than any other."""
+    return int(np.argmin([np.abs(image - frame.astype(int)).mean() for frame in frames]))
+
+
+def test_thumbnail_is_the_first_frame_as_webp(http, app):
+    vid = create(http, {"prompt": "a fox", "num_frames": 5, "size": "48x32"})["id"]
+    app.router.finish(vid)
+    image = decode_image(http.get(f"/v1/videos/{vid}/content", params={"variant": "thumbnail"}),
+                         "image/webp", "WEBP")
+    assert image.shape == (32, 48, 3)  # the video's own size
+    assert nearest_frame(image, video_frames(app.router.specs[vid])) == 0
+
+
+def test_spritesheet_is_a_grid_of_the_frames_as_jpeg(http, app):
+    vid = create(http, {"prompt": "a fox", "num_frames": 9, "size": "48x32"})["id"]
+    app.router.finish(vid)
+    sheet = decode_image(http.get(f"/v1/videos/{vid}/content", params={"variant": "spritesheet"}),
+                         "image/jpeg", "JPEG")
+    assert sheet.shape == (3 * 32, 3 * 48, 3)  # 9 frames: 3x3 tiles at the video's size
+    frames = video_frames(app.router.specs[vid])
+    tiles = [sheet[r * 32:(r + 1) * 32, c * 48:(c + 1) * 48] for r in range(3) for c in range(3)]
+    assert [nearest_frame(tile, frames) for tile in tiles] == list(range(9))  # in time order
+
+
+def test_unknown_variant_is_400_naming_every_variant(http, app):
+    vid = create(http)["id"]
+    app.router.finish(vid)
+    error = assert_error(http.get(f"/v1/videos/{vid}/content", params={"variant": "poster"}), 400,
+                         "unsupported_value", "variant")
+    assert all(f"'{v}'" in error["message"] for v in ("video", "thumbnail", "spritesheet", "frames"))
+
+
+@pytest.mark.parametrize("variant", ["thumbnail", "spritesheet"])
+def test_previews_of_an_unfinished_job_are_409(http, router, variant):
+    running, failed = create(http)["id"], create(http)["id"]
+    router.step(running, 1)
+    router.fail(failed)
+    assert_error(http.get(f"/v1/videos/{running}/content", params={"variant": variant}), 409, "video_not_ready")
+    assert_error(http.get(f"/v1/videos/{failed}/content", params={"variant": variant}), 409, "video_failed")
+
+
+def test_every_variant_is_cached_then_dropped_with_its_job(http, app):
+    vid = create(http)["id"]
+    app.router.finish(vid)
+    variants = ("video", "thumbnail", "spritesheet", "frames")
+    first = [http.get(f"/v1/videos/{vid}/content", params={"variant": v}).content for v in variants]
+    assert [http.get(f"/v1/videos/{vid}/content", params={"variant": v}).content for v in variants] == first
+    assert len(app.ingress.videos.store.content.calls) == 4  # one fetch per variant, none for the repeats
+    assert http.delete(f"/v1/videos/{vid}").json()["deleted"] is True
+    assert not [key for key in app.ingress.videos._files if key.startswith(vid)]
+
+
+def test_expires_at_is_the_ttl_past_the_end(monkeypatch):
+    clock = ManualClock(1_000.25)
+    app = build(clock, jobs={"ttl_s": 60})
+    with http_client(app.ingress, monkeypatch) as http:
+        created = create(http)
+        completed, failed, cancelled, live = created["id"], create(http)["id"], create(http)["id"], create(http)["id"]
+        assert created["expires_at"] is None
+        app.router.finish(completed)
+        clock.now += 10
+        app.router.fail(failed)
+        clock.now += 10
+        http.post(f"/v1/videos/{cancelled}/cancel")
+        app.router.step(live, 1)
+        for vid, ended_at in ((completed, 1_000.25), (failed, 1_010.25), (cancelled, 1_020.25)):
+            video = http.get(f"/v1/videos/{vid}").json()
+            assert video["expires_at"] == int(ended_at + 60) == video["completed_at"] + 60, video
+        # Nothing of a live job expires, queued or running.
+        assert http.get(f"/v1/videos/{live}").json()["expires_at"] is None
+        listed = {v["id"]: v["expires_at"] for v in http.get("/v1/videos").json()["data"]}
+        assert listed == {completed: 1_060, failed: 1_070, cancelled: 1_080, live: None}
+        # It is gone within the second expires_at names.
+        clock.now = 1_060
+        assert http.get(f"/v1/videos/{completed}").status_code == 200
+        assert http.get(f"/v1/videos/{completed}/content", params={"variant": "thumbnail"}).status_code == 200
+        clock.now = 1_061
+        assert_error(http.get(f"/v1/videos/{completed}"), 404, "video_not_found")
 
 
 def test_failed_job_is_409_with_its_error(http, router):
@@ -143,7 +232,7 @@ def test_form_bodies_as_openai_clients_send_them(http, router):
     assert len(router.submitted) == 2
 
 
-def test_openai_client(http, router):
+def test_openai_client(app, http, router):
     from openai import OpenAI
 
     client = OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http)
@@ -160,6 +249,13 @@ def test_openai_client(http, router):
         router.finish(video.id)
         assert client.videos.retrieve(video.id, extra_headers={"Prefer": "wait=30"}).status == "completed"
         data = client.videos.download_content(video.id).read()
+        finished = client.videos.retrieve(video.id)
+        assert finished.expires_at == finished.completed_at + int(app.config.jobs.ttl_s)
+        thumb = client.videos.download_content(video.id, variant="thumbnail")
+        assert thumb.response.headers["content-type"] == "image/webp"
+        assert Image.open(io.BytesIO(thumb.read())).size == (64, 64)
+        sheet = client.videos.download_content(video.id, variant="spritesheet").read()
+        assert Image.open(io.BytesIO(sheet)).size == (3 * 64, 3 * 64)  # 9 frames: 3x3
         listed = client.videos.list(limit=5)
         assert [v.id for v in listed.data] == [video.id]
         deleted = client.videos.delete(video.id)
@@ -214,7 +310,7 @@ def test_the_edge_sheds_a_full_video_queue_before_the_router(app, http, router):
     create(http)  # the first request starts the gate's watch on the router's load
     full = ClassLoad(queued=2, running=1, decoding=0, max_queued=2, drain_per_s=0.5)
     report = router.publish(classes={RequestKind.T2V: full})
-    wait_until(lambda: app.ingress.videos.gate.report == report)
+    wait_until(lambda: app.ingress.videos.gate.report.version == report.version)
     response = http.post("/v1/videos", json=FOX)
     assert_error(response, 429, "overloaded")
     assert response.headers["retry-after"] == "2"  # one video ahead over the bound at 0.5 per second
@@ -362,7 +458,7 @@ def test_a_refused_create_frees_its_idempotency_key(http, router):
     video = create(http, {"prompt": "a fox"}, headers=key)
     assert router.submitted == [video["id"]]
     # The body has no seed, yet the retry drew the refused attempt's: the key decides it.
-    (refused,), (accepted,) = router.submit_video.calls
+    (refused, _), (accepted, _) = router.submit_video.calls
     assert refused.seed == accepted.seed == video["seed"]
     other = create(http, {"prompt": "a fox"}, headers={"Idempotency-Key": "another"})
     assert other["seed"] != video["seed"]

@@ -217,7 +217,7 @@ def test_the_edge_hears_nothing_of_a_quiet_load(live_app):
     router = serve.get_deployment_handle("Router", "stepserve")
     report = router.load.remote(-1).result()
     assert is_quiet(report)
-    poll = router.load.remote(report.version, 4.0)
+    poll = router.load.remote(report.version, timeout_s=4.0)
     httpx.post(f"{url}/v1/images/generations", json=body(), timeout=60).raise_for_status()
     assert poll.result().version == report.version  # answered by its timeout, not by the request
 
