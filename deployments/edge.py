@@ -1,7 +1,7 @@
 """What every request meets at the ingress before the router: the admission gate and the one
 mapping from internal failures to the OpenAI error shape.
 
-The gate sheds overload in milliseconds from the router's load, before any work is spent. It
+The gate sheds overload from the router's load before any work is spent on it. It
 long-polls the router's `LoadReport` (the router answers when its load changes in a way the edge
 must hear, which far from every bound it does not, so an idle or lightly loaded app exchanges
 one call every few seconds) and counts what it let in since (`EdgeLedger`): a burst is cut at
@@ -27,7 +27,7 @@ from stepserve.actors.router import RequestCancelledError, RequestDiscardedError
 from stepserve.actors.router_core import DuplicateRequestError, QueueFullError
 from stepserve.deployments.errors import APIError, server_error
 from stepserve.deployments.jobs import IdempotencyConflict, JobTableFull
-from stepserve.policies.admission import EdgeLedger, Verdict
+from stepserve.policies.admission import EdgeLedger, LoadReport, Verdict
 from stepserve.policies.types import RequestKind
 
 logger = logging.getLogger("stepserve.edge")
@@ -53,7 +53,7 @@ class AdmissionGate:
         self._refreshed_at = -POLL_GAP_S
 
     @property
-    def report(self):
+    def report(self) -> LoadReport | None:
         return self.ledger.report
 
     async def ready(self, request_id: str) -> None:

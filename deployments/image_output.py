@@ -15,6 +15,7 @@ from typing import Any
 import PIL.Image
 
 from stepserve.deployments.errors import invalid
+from stepserve.deployments.protocol import ImageOptions
 from stepserve.deployments.validation import quality_preset
 from stepserve.policies.types import RequestSpec
 
@@ -36,7 +37,7 @@ class ImageOutput:
                 "background": "opaque"}
 
 
-def output_for(req: Any) -> ImageOutput:
+def output_for(req: ImageOptions) -> ImageOutput:
     """The output an image request (generation or edit) asks for, or a 400 naming the parameter
     whose value this server cannot honour (never silently ignored)."""
     fmt = "png" if req.output_format is None else req.output_format

@@ -10,19 +10,32 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 
-# OpenAI's image parameters, shared by generations and edits.
-QUALITY = ("The step preset when num_inference_steps is omitted (explicit steps win): 'low', 'medium' or 'high' are "
-           "the model's low_quality_steps, default_steps and high_quality_steps; 'auto' (the default) and "
-           "'standard' are 'medium', 'hd' is 'high'. OpenAI's 'xhigh' and 'max' are refused (400).")
-OUTPUT_FORMAT = ("The images' file format: 'png' (the default; lossless, the decoder's own bytes), 'jpeg' or 'webp'. "
-                 "OpenAI's 'gif' and 'svg' are refused (400).")
-OUTPUT_COMPRESSION = ("jpeg and webp only: OpenAI's compression level, 0-100, default 100. As OpenAI's default of 100 "
-                      "implies, higher keeps more of the image (larger files): it is the encoder's quality setting "
-                      "(Pillow's `quality`). With png only 100 (lossless) is accepted.")
-BACKGROUND = ("'auto' (the default) or 'opaque': every image is opaque. 'transparent' is refused (400): no served "
-              "model draws an alpha channel.")
-USER = "An end-user id (at most 256 characters): recorded in the log with the request id; changes nothing."
-SAFETY_IDENTIFIER = "OpenAI's successor of `user`: recorded the same way (at most 256 characters); changes nothing."
+class ImageOptions(BaseModel):
+    """OpenAI's image parameters that generations and edits share: the step preset, the file the
+    response carries, and the end-user ids (recorded, never changing an image)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    quality: str | None = Field(
+        default=None, description="The step preset when num_inference_steps is omitted (explicit steps win): 'low', "
+        "'medium' or 'high' are the model's low_quality_steps, default_steps and high_quality_steps; 'auto' (the "
+        "default) and 'standard' are 'medium', 'hd' is 'high'. OpenAI's 'xhigh' and 'max' are refused (400).")
+    output_format: str | None = Field(
+        default=None, description="The images' file format: 'png' (the default; lossless, the decoder's own bytes), "
+        "'jpeg' or 'webp'. OpenAI's 'gif' and 'svg' are refused (400).")
+    output_compression: int | None = Field(
+        default=None, description="jpeg and webp only: OpenAI's compression level, 0-100, default 100. As OpenAI's "
+        "default of 100 implies, higher keeps more of the image (larger files): it is the encoder's quality setting "
+        "(Pillow's `quality`). With png only 100 (lossless) is accepted.")
+    background: str | None = Field(
+        default=None, description="'auto' (the default) or 'opaque': every image is opaque. 'transparent' is "
+        "refused (400): no served model draws an alpha channel.")
+    user: str | None = Field(
+        default=None, description="An end-user id (at most 256 characters): recorded in the log with the request "
+        "id; changes nothing.")
+    safety_identifier: str | None = Field(
+        default=None, description="OpenAI's successor of `user`: recorded the same way (at most 256 characters); "
+        "changes nothing.")
 
 
 class ControlNetInput(BaseModel):
@@ -48,7 +61,7 @@ class LoraInput(BaseModel):
     scale: float = Field(default=1.0, description="Its adapter weight (diffusers' set_adapters weight).")
 
 
-class ImageGenerationRequest(BaseModel):
+class ImageGenerationRequest(ImageOptions):
     # Unknown fields are an error, not silently ignored: a typo must not change the image.
     model_config = ConfigDict(extra="forbid")
 
@@ -65,18 +78,12 @@ class ImageGenerationRequest(BaseModel):
     seed: int | None = Field(default=None, description="Noise seed; random when omitted (returned per image).")
     slo_s: float | None = Field(default=None, description="Latency objective in seconds from arrival, for SLO-aware "
                                                           "policies; overrides the model's `slo_s`.")
-    quality: str | None = Field(default=None, description=QUALITY)
-    output_format: str | None = Field(default=None, description=OUTPUT_FORMAT)
-    output_compression: int | None = Field(default=None, description=OUTPUT_COMPRESSION)
-    background: str | None = Field(default=None, description=BACKGROUND)
     moderation: Literal["auto", "low"] | None = Field(
         default=None, description="OpenAI's content-moderation level: accepted and recorded (logged, counted); "
                                   "changes nothing here.")
     style: Literal["vivid", "natural"] | None = Field(
         default=None, description="DALL-E 3's style: accepted and recorded (logged, counted); changes nothing here "
                                   "(describe the style in the prompt).")
-    user: str | None = Field(default=None, description=USER)
-    safety_identifier: str | None = Field(default=None, description=SAFETY_IDENTIFIER)
     controlnets: list[ControlNetInput] | None = Field(
         default=None, description="ControlNets conditioning the image; their residuals are summed in this order.")
     loras: list[LoraInput] | None = Field(default=None, description="LoRAs styling the image.")
@@ -97,7 +104,7 @@ class ImagesResponse(BaseModel):
     background: Literal["opaque"] = Field(description="Always 'opaque': no served model draws an alpha channel.")
 
 
-class ImageEditRequest(BaseModel):
+class ImageEditRequest(ImageOptions):
     """POST /v1/images/edits: repaint the masked part of an image. OpenAI's clients send it as
     multipart/form-data (file parts `image` and `mask`); JSON bodies and handle callers give both
     as base64 instead."""
@@ -128,13 +135,7 @@ class ImageEditRequest(BaseModel):
                                                               "(letters, digits, '.', '_', '-'): edits of one template "
                                                               "may reuse its cached activations where the server "
                                                               "enables them.")
-    quality: str | None = Field(default=None, description=QUALITY)
-    output_format: str | None = Field(default=None, description=OUTPUT_FORMAT)
-    output_compression: int | None = Field(default=None, description=OUTPUT_COMPRESSION)
-    background: str | None = Field(default=None, description=BACKGROUND)
     input_fidelity: Literal["high", "low"] | None = Field(
         default=None, description="How closely OpenAI's models keep the input's features: accepted and recorded "
                                   "(logged, counted); changes nothing here (the unmasked area is kept as it is).")
-    user: str | None = Field(default=None, description=USER)
-    safety_identifier: str | None = Field(default=None, description=SAFETY_IDENTIFIER)
     loras: list[LoraInput] | None = Field(default=None, description="LoRAs styling the edit.")

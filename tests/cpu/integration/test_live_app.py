@@ -54,6 +54,18 @@ def test_openai_client_gets_a_png_of_the_requested_size(live_app):
     assert [m.id for m in client.models.list().data] == ["tiny-sd"]
 
 
+@pytest.mark.parametrize("fmt, pil_format", [("png", "PNG"), ("jpeg", "JPEG"), ("webp", "WEBP")])
+def test_openai_client_image_parameters_get_the_format_asked_for(live_app, fmt, pil_format):
+    url, _ = live_app
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    result = client.images.generate(
+        model="tiny-sd", prompt="a lighthouse", size="64x64", quality="low", output_format=fmt, background="opaque",
+        moderation="low", style="vivid", user="user-7", extra_body={"seed": 3})
+    assert (result.output_format, result.quality, result.size, result.background) == (fmt, "low", "64x64", "opaque")
+    image = Image.open(io.BytesIO(base64.b64decode(result.data[0].b64_json)))
+    assert (image.format, image.size) == (pil_format, (64, 64))
+
+
 def test_served_image_in_a_mixed_batch_equals_solo_diffusers(live_app):
     """Other requests with other step counts run concurrently; the target is still exact."""
     url, _ = live_app
