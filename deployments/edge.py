@@ -121,10 +121,15 @@ class AdmissionGate:
 
 
 def refusal(verdict: Verdict, request_id: str) -> APIError:
-    overloaded = verdict.status == 429
-    return APIError(verdict.status, verdict.message, code="overloaded" if overloaded else "unavailable",
+    return shed_error(verdict.status, verdict.message, request_id, verdict.retry_after_s)
+
+
+def shed_error(status: int, message: str, request_id: str, retry_after_s: float | None) -> APIError:
+    """Load shed by admission, at the edge or the router: 429 over capacity, 503 nothing to serve it."""
+    overloaded = status == 429
+    return APIError(status, message, code="overloaded" if overloaded else "unavailable",
                     type="rate_limit_error" if overloaded else "server_error", request_id=request_id,
-                    retry_after_s=verdict.retry_after_s)
+                    retry_after_s=retry_after_s)
 
 
 def as_api_error(exc: BaseException, request_id: str) -> BaseException:
@@ -134,9 +139,7 @@ def as_api_error(exc: BaseException, request_id: str) -> BaseException:
     if isinstance(exc, (APIError, asyncio.CancelledError)):
         return exc
     if isinstance(exc, QueueFullError):
-        kind = "rate_limit_error" if exc.status == 429 else "server_error"
-        return APIError(exc.status, exc.message, code="overloaded" if exc.status == 429 else "unavailable",
-                        type=kind, request_id=request_id, retry_after_s=exc.retry_after_s or 1.0)
+        return shed_error(exc.status, exc.message, request_id, exc.retry_after_s or 1.0)
     if isinstance(exc, DuplicateRequestError):
         return APIError(409, f"request {request_id} is already in progress with a different body",
                         param="request_id", code="duplicate_request_id", request_id=request_id)

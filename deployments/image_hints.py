@@ -4,8 +4,8 @@ official clients work unchanged, and recorded, so an operator sees who asks for 
 change an image.
 
 Recorded as one INFO line per request on the logger "stepserve.images", keyed by the request id,
-and as counts by parameter and value in `/metrics` (`hints_counter`, on the ingress's registry). End-user ids are logged, not counted: a label per user would
-grow without bound.
+and as counts by parameter and value in `/metrics` (`hints_counter`, on the ingress's registry).
+End-user ids are logged, not counted: a label per user would grow without bound.
 """
 
 from __future__ import annotations

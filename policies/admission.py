@@ -86,12 +86,12 @@ def is_quiet(report: LoadReport, pending: Mapping[RequestKind, int] | None = Non
     router publishes nothing; the half left over is what an edge may fill before it asks again."""
     if report.live_workers < 1:
         return False
+    pending = pending or {}
     for kind, load in report.classes.items():
-        ahead = load.backlog + (pending or {}).get(kind, 0)
-        if 2 * ahead >= load.max_queued:
+        if 2 * (load.backlog + pending.get(kind, 0)) >= load.max_queued:
             return False
         if load.max_wait_s is not None:
-            wait = load.predicted_wait_s(load.queued + (pending or {}).get(kind, 0) + 1)
+            wait = load.predicted_wait_s(load.queued + pending.get(kind, 0) + 1)
             if wait is not None and 2 * wait > load.max_wait_s:
                 return False
     return True

@@ -24,6 +24,13 @@ def router() -> FakeRouter:
     return FakeRouter(JobStore(ttl_s=60, max_bytes=1 << 20, max_jobs=10))
 
 
+def reporting(**load) -> FakeRouter:
+    """A router whose report has two live workers and this image load."""
+    fake = router()
+    fake.report = LoadReport(version=1, live_workers=2, classes=images(**load))
+    return fake
+
+
 def spec(request_id: str) -> RequestSpec:
     return RequestSpec(request_id=request_id, model="m", prompt="a cat", width=64, height=64, num_inference_steps=2,
                        guidance_scale=1.0, seed=0)
@@ -131,8 +138,7 @@ def test_no_live_workers_is_503_with_retry_after():
 def test_a_burst_on_a_quiet_report_stops_at_the_bound_without_asking_the_router():
     # The router does not republish while its load is quiet, and requests still on their way
     # are in no report: the gate holds them against the bound itself.
-    fake = router()
-    fake.report = LoadReport(version=1, live_workers=2, classes=images(queued=1, max_queued=6))
+    fake = reporting(queued=1, max_queued=6)
 
     async def scenario():
         gate = AdmissionGate(fake)
@@ -147,8 +153,7 @@ def test_a_burst_on_a_quiet_report_stops_at_the_bound_without_asking_the_router(
 
 
 def test_the_n_images_of_one_request_are_admitted_all_or_none():
-    fake = router()
-    fake.report = LoadReport(version=1, live_workers=2, classes=images(queued=2, max_queued=6))
+    fake = reporting(queued=2, max_queued=6)
 
     async def scenario():
         gate = AdmissionGate(fake)
@@ -161,8 +166,7 @@ def test_the_n_images_of_one_request_are_admitted_all_or_none():
 
 
 def test_what_the_router_received_is_no_longer_on_its_way():
-    fake = router()
-    fake.report = LoadReport(version=1, live_workers=2, classes=images(queued=0, max_queued=8))
+    fake = reporting(queued=0, max_queued=8)
 
     async def scenario():
         gate = AdmissionGate(fake)
@@ -178,8 +182,7 @@ def test_what_the_router_received_is_no_longer_on_its_way():
 
 
 def test_a_gate_that_leaves_quiet_asks_for_a_fresh_report():
-    fake = router()
-    fake.report = LoadReport(version=1, live_workers=2, classes=images(queued=0, max_queued=8))
+    fake = reporting(queued=0, max_queued=8)
 
     async def scenario():
         gate = AdmissionGate(fake)
