@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from stepserve.actors.activation_store import ActivationStoreSpec
-from stepserve.actors.pool import WorkerPoolSpec
 from stepserve.actors.router_core import CoreConfig
 from stepserve.engine.addons.source import AddonKind, AddonSource
 from stepserve.engine.editing.masked_sd3 import CacheKind
@@ -24,11 +23,28 @@ from stepserve.policies.addon_costs import ControlNetPlacement
 from stepserve.policies.types import LoraBatching, RequestKind
 
 
+if TYPE_CHECKING:
+    from stepserve.actors.activation_store import ActivationStoreSpec
+    from stepserve.actors.pool import WorkerPoolSpec
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
+# stepserve's configs folder, in a checkout or installed: the shipped weights live under it.
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def local_path(path: str | None) -> str | None:
+    """A configured weights path, absolute: as given where it exists from here, else a relative
+    path under stepserve's configs folder (where the shipped weights are, e.g.
+    `models/shapes/sd`), so a config names them the same from any working directory."""
+    if path is None or os.path.isabs(path) or os.path.exists(path):
+        return None if path is None else os.path.abspath(path)
+    shipped = CONFIGS / path
+    return str(shipped) if shipped.exists() else path
 
 
 def check_size(text: str, model: "ModelConfig", multiple: int) -> tuple[int, int]:
@@ -56,8 +72,9 @@ class ModelConfig(_Strict):
         default=None, description="Random-weight preset built from configs ('tiny', 'full'); excludes `path`."
     )
     path: str | None = Field(
-        default=None, description="Local diffusers-format folder with safetensors weights; excludes `preset`."
-    )
+        default=None, description="Local diffusers-format folder with safetensors weights; excludes `preset`. A "
+                                  "relative path missing from the working directory is looked up under stepserve's "
+                                  "configs folder (the shipped models: 'models/shapes/sd').")
     seed: int = Field(default=0, description="Weight seed for presets; presets are deterministic by seed.")
     dtype: Literal["float32", "float16", "bfloat16"] = Field(default="float32", description="Weight dtype.")
     scheduler: str | None = Field(
@@ -138,7 +155,7 @@ class ModelConfig(_Strict):
 
     def to_source(self) -> ModelSource:
         return ModelSource(
-            name=self.name, family=self.family, preset=self.preset, path=self.path, seed=self.seed,
+            name=self.name, family=self.family, preset=self.preset, path=local_path(self.path), seed=self.seed,
             dtype=self.dtype, scheduler=self.scheduler,
         )
 
@@ -153,11 +170,11 @@ class AddonConfig(_Strict):
     path: str | None = Field(
         default=None, description="Local weights, safetensors only: a diffusers ControlNet folder; a LoRA "
                                   ".safetensors file or a folder holding pytorch_lora_weights.safetensors. Excludes "
-                                  "`preset`.")
+                                  "`preset`. Relative paths resolve as a model's `path` does.")
     seed: int = Field(default=0, description="Weight seed for presets.")
 
     def to_source(self, kind: AddonKind) -> AddonSource:
-        return AddonSource(kind, self.name, self.model, self.preset, self.path, self.seed)
+        return AddonSource(kind, self.name, self.model, self.preset, local_path(self.path), self.seed)
 
 
 class LoraLoadingConfig(_Strict):
@@ -210,7 +227,9 @@ class EditCacheConfig(_Strict):
     disk_bytes: int | None = Field(default=None, ge=1 << 20, description="Disk per node for spilled templates (LRU); "
                                                                          "None: unbounded.")
 
-    def store_spec(self) -> ActivationStoreSpec | None:
+    def store_spec(self) -> "ActivationStoreSpec | None":
+        from stepserve.actors.activation_store import ActivationStoreSpec  # imports Ray: not for the one-shot CLI
+
         return ActivationStoreSpec(self.memory_bytes, self.disk_dir, self.disk_bytes) if self.enabled else None
 
 
@@ -259,7 +278,9 @@ class WorkersConfig(_Strict):
                     "(its profile says by how much); on a GPU the gain (fewer, larger kernels) is not measured yet.",
     )
 
-    def to_spec(self) -> WorkerPoolSpec:
+    def to_spec(self) -> "WorkerPoolSpec":
+        from stepserve.actors.pool import WorkerPoolSpec  # imports Ray: not for the one-shot CLI
+
         return WorkerPoolSpec(**self.model_dump())
 
 

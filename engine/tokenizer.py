@@ -8,6 +8,7 @@ offline.
 from __future__ import annotations
 
 import string
+from collections.abc import Collection
 
 from tokenizers.pre_tokenizers import ByteLevel
 from transformers import CLIPTokenizer, T5Tokenizer
@@ -46,3 +47,25 @@ def t5_character_vocab() -> list[tuple[str, float]]:
 
 def character_t5_tokenizer(max_length: int = 512) -> T5Tokenizer:
     return T5Tokenizer(vocab=t5_character_vocab(), extra_ids=0, model_max_length=max_length)
+
+
+def word_clip_tokenizer(words: Collection[str], max_length: int) -> CLIPTokenizer:
+    """The byte-level CLIP tokenizer plus BPE merges that make each of `words` one token (the
+    shapes models' caption words); any other word still tokenizes, byte by byte or in pieces.
+
+    Merges are added until every word comes out whole: a merge made for one word can split
+    another word differently (green's "r e" before "g r"), and the next round merges what it left.
+    """
+    vocab, merges = byte_level_vocab(), []
+    for _ in range(64):
+        tokenizer = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=max_length)
+        split = {word: tokenizer.tokenize(word) for word in sorted(words)}
+        pending = [pieces for pieces in split.values() if len(pieces) > 1]
+        if not pending:
+            return tokenizer
+        for pieces in pending:
+            left, right = pieces[0], pieces[1]
+            if (left, right) not in merges:
+                merges.append((left, right))
+                vocab.setdefault(left + right, len(vocab))
+    raise RuntimeError("word_clip_tokenizer: merges did not settle")

@@ -51,14 +51,14 @@ from stepserve.load_tests.plots import plot_addons
 from stepserve.load_tests.server_metrics import scrape_text
 from stepserve.load_tests.workload import generate, load_workload
 from stepserve.policies.cost_model import load_profile
-from stepserve.runtime import default_config_path, load_serve_config
+from stepserve.runtime import tiny_config_path, load_serve_config
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m stepserve.load_tests.bench_addons", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="folder for addons.json, addons.png and the LoRAs")
-    parser.add_argument("--config", type=Path, default=default_config_path(), help="stepserve's Serve config")
+    parser.add_argument("--config", type=Path, default=tiny_config_path(), help="stepserve's Serve config")
     parser.add_argument("--workload", default="local-tiny", help="request mix and SLOs (default: %(default)s)")
     parser.add_argument("--profile", default="tiny-sd-cpu", help="profile the SLOs are computed from")
     parser.add_argument("--service", choices=sorted(SERVICES), default="B", help="Table 1's add-on mix")

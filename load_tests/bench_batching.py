@@ -1,6 +1,6 @@
 """Step-level continuous batching vs request-level static batching, live, at the same load.
 
-For each policy the app from a Serve config (default: configs/local.yaml) is deployed with
+For each policy the app from a Serve config (default: configs/local-tiny.yaml) is deployed with
 only `router.policy` changed (same workers, same batch cap), warmed up, driven open-loop
 with the same seeded Poisson workload of mixed step counts over HTTP, and deleted.
 
@@ -27,7 +27,7 @@ from stepserve.load_tests.plots import plot_batching
 from stepserve.load_tests.records import RequestRecord
 from stepserve.load_tests.server_metrics import histogram_totals, run_means, scrape_text, stage_means, stage_totals
 from stepserve.load_tests.workload import PoissonWorkload, ScheduledRequest, generate
-from stepserve.runtime import default_config_path, load_serve_config
+from stepserve.runtime import tiny_config_path, load_serve_config
 
 POLICIES = ("continuous", "static_fcfs")
 TARGET_P95_RATIO = 0.7  # the issue's bar; InstGenIE reports 0.71x against static batching
@@ -39,10 +39,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--out", type=Path, required=True, help="folder for batching.json and batching.png")
-    parser.add_argument("--config", type=Path, default=default_config_path(),
+    parser.add_argument("--config", type=Path, default=tiny_config_path(),
                         help="Serve config to deploy (default: %(default)s)")
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), help="policies to compare, in run order")
-    # Defaults, measured on a 2-core CPU box with local.yaml (load_tests/README.md): 64 px keeps
+    # Defaults, measured on a 2-core CPU box with local-tiny.yaml (load_tests/README.md): 64 px keeps
     # a batched step much cheaper per request than a solo one, as on a GPU; at 9 req/s continuous
     # batching is far from saturated while the static baseline's batches start blocking newcomers.
     parser.add_argument("--rate", type=float, default=9.0, help="offered load, requests/s (default: %(default)s)")

@@ -1,6 +1,6 @@
 """A burst, live: hundreds of image requests at once against an idle app, shed at the edge.
 
-The app from a Serve config (default: configs/local.yaml) is deployed and warmed up, then
+The app from a Serve config (default: configs/local-tiny.yaml) is deployed and warmed up, then
 `--requests` generations are sent at once (`raw_burst`: every connection opened first, the
 requests written back to back, so the latencies are the server's). What the queues cannot hold
 must be answered 429/503 with `Retry-After` by the ingress's admission gate, without a router
@@ -36,7 +36,7 @@ from stepserve.load_tests.metrics import percentile
 from stepserve.load_tests.plots import plot_latency_cdfs
 from stepserve.load_tests.raw_burst import BurstAnswer, burst
 from stepserve.load_tests.server_metrics import scrape_text
-from stepserve.runtime import default_config_path, load_serve_config
+from stepserve.runtime import tiny_config_path, load_serve_config
 
 GENERATIONS = "/v1/images/generations"
 REFUSED = (429, 503)
@@ -46,7 +46,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m stepserve.load_tests.bench_burst", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="folder for burst.json and burst.png")
-    parser.add_argument("--config", type=Path, default=default_config_path(), help="Serve config (default: %(default)s)")
+    parser.add_argument("--config", type=Path, default=tiny_config_path(), help="Serve config (default: %(default)s)")
     parser.add_argument("--requests", type=int, default=320, help="requests in the burst (default: %(default)s)")
     parser.add_argument("--size", default="64x64", help="image size (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=8, help="denoising steps per image (default: %(default)s)")

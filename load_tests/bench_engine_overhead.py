@@ -46,7 +46,7 @@ from stepserve.load_tests.plots import plot_overhead
 from stepserve.load_tests.workload import DEFAULT_PROMPT, ScheduledRequest
 from stepserve.policies.types import RequestSpec, StepGroup, WorkerPlan
 from stepserve.profile import Stopwatch
-from stepserve.runtime import default_config_path, load_serve_config
+from stepserve.runtime import tiny_config_path, load_serve_config
 
 TARGET_ENGINE_RATIO = 1.10  # the bar: stepserve / diffusers at engine level
 
@@ -74,7 +74,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--out", type=Path, required=True, help="folder for overhead.json and overhead.png")
-    parser.add_argument("--config", type=Path, default=default_config_path(),
+    parser.add_argument("--config", type=Path, default=tiny_config_path(),
                         help="Serve config whose first model is measured (and deployed with --live) "
                              "(default: %(default)s)")
     parser.add_argument("--sizes", type=int, nargs="+", default=[128, 256],
@@ -83,7 +83,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--guidance", type=float, default=7.5, help="guidance_scale (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=9, help="timed runs per side and case (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=1,
-                        help="torch intra-op threads here; 1 matches local.yaml's workers (default: %(default)s)")
+                        help="torch intra-op threads here; 1 matches local-tiny.yaml's workers (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="noise seed of every request (default: %(default)s)")
     parser.add_argument("--device", type=device_arg, default="cpu",
                         help="where the engine level runs: cpu, cuda or cuda:N (default: %(default)s)")

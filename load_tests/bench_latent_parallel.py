@@ -1,4 +1,4 @@
-"""Latent parallelism live (SwiftDiffusion §4.3): the same requests on `configs/local.yaml` served
+"""Latent parallelism live (SwiftDiffusion §4.3): the same requests on `configs/local-tiny.yaml` served
 with continuous batching and with the `latent_parallel` policy (a lone CFG image's two rows on
 both workers, one gloo all-gather a step), side by side in one run, systems alternating.
 
@@ -34,7 +34,7 @@ from stepserve.load_tests.metrics import summarize
 from stepserve.load_tests.plots import plot_latent_parallel_live
 from stepserve.load_tests.server_metrics import scrape_text
 from stepserve.load_tests.workload import PoissonWorkload, ScheduledRequest, generate
-from stepserve.runtime import default_config_path, load_serve_config
+from stepserve.runtime import tiny_config_path, load_serve_config
 
 SYSTEMS = ("continuous", "latent_parallel")
 
@@ -43,7 +43,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m stepserve.load_tests.bench_latent_parallel", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--config", type=Path, default=default_config_path())
+    parser.add_argument("--config", type=Path, default=tiny_config_path())
     parser.add_argument("--profile", default="tiny-sd-cpu", help="the profile latent_parallel decides with")
     parser.add_argument("--size", type=int, default=128)
     parser.add_argument("--steps", type=int, default=20)

@@ -1,7 +1,7 @@
 """Mixed resolutions, live: PatchedServe's comparison (§8) at small scale on this machine's tiny
 models, the live counterpart of `bench_mixed_res_sim`.
 
-One model (default: the first of configs/local.yaml, tiny-sd) gets an equal mix of three sizes
+One model (default: the first of configs/local-tiny.yaml, tiny-sd) gets an equal mix of three sizes
 (default 64, 96 and 128 px), a fixed step count with CFG, Poisson arrivals. Each size's solo
 latency is measured first, live (sequential requests on the idle, warmed app, the median of a
 few), and each request carries its own `slo_s` = `--slo-scale` (5, as the paper) x its size's
@@ -54,7 +54,7 @@ from stepserve.load_tests.records import RequestRecord
 from stepserve.load_tests.sweep import format_summary, parse_rates
 from stepserve.load_tests.workload import PoissonArrivals, RequestClass, ScheduledRequest, SizeChoice, StepsChoice
 from stepserve.load_tests.workload import WorkloadSpec, generate
-from stepserve.runtime import default_config_path, load_serve_config
+from stepserve.runtime import tiny_config_path, load_serve_config
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m stepserve.load_tests.bench_mixed_res_live", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="folder for mixed_res_live.json and .png")
-    parser.add_argument("--config", type=Path, default=default_config_path(),
+    parser.add_argument("--config", type=Path, default=tiny_config_path(),
                         help="Serve config to deploy (default: %(default)s)")
     parser.add_argument("--model", default=None, help="served model to load (default: the config's first)")
     parser.add_argument("--profile", default="tiny-sd-cpu",

@@ -1,6 +1,6 @@
 """Overload, live: offered load at 3x capacity for a minute, shed at the edge.
 
-For each admission setting the app from a Serve config (default: configs/local.yaml) is
+For each admission setting the app from a Serve config (default: configs/local-tiny.yaml) is
 deployed, warmed up and driven open-loop at `--factor` times the app's capacity for `--duration`
 s with the workload's request mix and SLOs. The capacity is measured once first, with only the
 count bound (open-loop well above it for `--probe-duration` s: what completes per second is
@@ -36,14 +36,14 @@ from stepserve.load_tests.plots import plot_overload
 from stepserve.load_tests.records import RequestRecord
 from stepserve.load_tests.workload import generate, load_workload
 from stepserve.policies.cost_model import load_profile
-from stepserve.runtime import default_config_path, load_serve_config
+from stepserve.runtime import tiny_config_path, load_serve_config
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m stepserve.load_tests.bench_overload", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="folder for overload.json and overload.png")
-    parser.add_argument("--config", type=Path, default=default_config_path(), help="Serve config (default: %(default)s)")
+    parser.add_argument("--config", type=Path, default=tiny_config_path(), help="Serve config (default: %(default)s)")
     parser.add_argument("--workload", default="local-tiny", help="request mix and SLOs (default: %(default)s)")
     parser.add_argument("--profile", default="tiny-sd-cpu", help="profile the SLOs are computed from")
     parser.add_argument("--max-waits", default="none,2,0.5", help="admission settings to compare (default: %(default)s)")

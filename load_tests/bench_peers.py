@@ -47,7 +47,7 @@ from stepserve.load_tests.plots import plot_peers
 from stepserve.load_tests.server_metrics import histogram_totals, run_means, scrape_text, stage_means, stage_totals
 from stepserve.load_tests.workload import generate, load_workload
 from stepserve.policies.cost_model import load_profile
-from stepserve.runtime import default_config_path, load_serve_config
+from stepserve.runtime import tiny_config_path, load_serve_config
 
 SYSTEMS = ("stepserve", "per_request", "batched")
 IDLE_S = 20.0  # seconds the deployed, warmed-up app is left alone to measure its idle CPU
@@ -57,7 +57,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m stepserve.load_tests.bench_peers", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="folder for peers.json and peers.png")
-    parser.add_argument("--config", type=Path, default=default_config_path(),
+    parser.add_argument("--config", type=Path, default=tiny_config_path(),
                         help="stepserve's Serve config; the peers take its first model and worker layout "
                              "(default: %(default)s)")
     parser.add_argument("--workload", default="local-tiny", help="request mix and SLOs (default: %(default)s)")

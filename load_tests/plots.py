@@ -494,3 +494,19 @@ def plot_latent_parallel_live(report: Mapping, path: Path) -> None:
         ax.set_ylabel("fraction of requests")
         ax.legend(fontsize=8)
     fig.savefig(path, dpi=110)
+
+
+def plot_shapes(rows: Mapping[str, Mapping[str, float]], title: str, path: Path) -> None:
+    """One bar per measured fraction of each row (prompt accuracy, silhouette IoU...)."""
+    figure = _figure(9, 4)
+    ax = figure.subplots()
+    labels, values = [], []
+    for row, measures in rows.items():
+        for measure, value in measures.items():
+            labels.append(f"{row}\n{measure}")
+            values.append(value)
+    bars = ax.bar(range(len(values)), values, color="C0")
+    ax.bar_label(bars, fmt="%.2f", fontsize=8)
+    ax.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=7)
+    ax.set(ylim=(0, 1.05), title=title)
+    figure.savefig(path, dpi=110)

@@ -1,6 +1,6 @@
 """The simulator against the live system: the same requests, the same profile, side by side.
 
-For each policy the app from a Serve config (default: configs/local.yaml) is deployed on a
+For each policy the app from a Serve config (default: configs/local-tiny.yaml) is deployed on a
 lean local Ray, warmed up, and driven open-loop over HTTP with a workload's requests (images
 with /v1/images/generations, videos as /v1/videos jobs long-polled until they end); the simulator
 then runs exactly those requests (same offsets, steps, sizes, frames) with the cluster taken
@@ -71,7 +71,7 @@ from stepserve.load_tests.records import RequestRecord
 from stepserve.load_tests.sim import SimConfig, simulate
 from stepserve.load_tests.sweep import parse_rates, sim_config_from_serve
 from stepserve.load_tests.workload import ScheduledRequest, generate, load_workload
-from stepserve.runtime import default_config_path, load_serve_config
+from stepserve.runtime import tiny_config_path, load_serve_config
 
 TOLERANCE = 0.15  # the issue's bar for P50 and P95
 # The speed fit stops when every kind's simulated mean step is within 1% of the live one, or
@@ -87,7 +87,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m stepserve.load_tests.sim_vs_live", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="folder for sim_vs_live.json and .png")
-    parser.add_argument("--config", type=Path, default=default_config_path(),
+    parser.add_argument("--config", type=Path, default=tiny_config_path(),
                         help="Serve config to deploy and to take the simulated cluster from (default: %(default)s)")
     parser.add_argument("--workload", default="local-tiny",
                         help="workload YAML or shipped name (default: %(default)s)")
@@ -288,7 +288,7 @@ def measure_profile(config: Path, out: Path, requests: list) -> list[Path]:
 def live_serve_config(serve_config: dict[str, Any], profiles: Sequence[str]) -> dict[str, Any]:
     """The config to deploy: when it names `router.profiles`, those are replaced by the
     comparison's own (as absolute CSV paths), so the live router predicts with the costs the
-    simulator is timed by. A config without them (local.yaml) is deployed as it is."""
+    simulator is timed by. A config without them (local-tiny.yaml) is deployed as it is."""
     from stepserve.policies.cost_model import resolve_profile
 
     config = copy.deepcopy(serve_config)

@@ -66,7 +66,7 @@ def add_sim_args(parser: argparse.ArgumentParser) -> None:
                         help="text encoder replicas (default: 1; 0: each worker encodes the prompts it admits)")
     parser.add_argument("--host-cpus", type=float, default=None,
                         help="all components share one CPU host of this many cores (a CPU box running the whole "
-                             "app, as configs/local.yaml does); default: each has a device of its own")
+                             "app, as configs/local-tiny.yaml does); default: each has a device of its own")
     parser.add_argument("--serve-config", type=Path, default=None,
                         help="take workers, batch cap, policy, queue bounds, pipeline depth and lead, encoder and "
                              "decoder replicas from this Serve YAML (flags given explicitly still win)")

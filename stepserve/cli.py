@@ -1,15 +1,20 @@
-"""`stepserve serve` runs a Serve config locally; `stepserve generate` makes one image;
+"""`stepserve serve` runs a Serve config locally; `stepserve generate` makes one image, in this
+process with the server's engine (no Ray cluster, no Serve) or, with --url, on a running server;
 `stepserve profile` measures this device's latencies into a cost-model profile CSV."""
 
 from __future__ import annotations
 
 import argparse
 import base64
+import os
 import signal
 import sys
 import time
-import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import httpx
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -40,53 +45,77 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+# How long `generate --url` waits for its image: a busy server queues it behind others.
+REMOTE_TIMEOUT_S = 600.0
+
+
 def _generate(args: argparse.Namespace) -> int:
-    import ray
-    from ray import serve
-    from tqdm import tqdm
-
-    from stepserve.deployments.config import AppConfig
-    from stepserve.deployments.errors import APIError
-    from stepserve.deployments.validation import to_specs
-    from stepserve.runtime import load_serve_config, run_app, start_local_ray
-
-    request = {"prompt": args.prompt, "n": 1}
+    request = {"prompt": args.prompt}
     for key in ("model", "size", "negative_prompt", "num_inference_steps", "guidance_scale", "seed"):
         if getattr(args, key) is not None:
             request[key] = getattr(args, key)
-    config = load_serve_config(args.config)
-    try:  # fail fast, before paying for a Ray start; the server validates again
-        (spec,) = to_specs(request, AppConfig.model_validate(config["applications"][0]["args"]), "cli")
-    except APIError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    request["seed"] = spec.seed
-    start_local_ray(args.num_cpus)
-    try:
-        print("starting stepserve (in-process)...", file=sys.stderr)
-        handle = run_app(config, http=False)
-        request_id = f"cli-{uuid.uuid4().hex[:12]}"
-        response = handle.generate.remote(request, request_id)
+    if args.url is not None:
+        return _generate_remote(args, request)
+    return _generate_here(args, request)
+
+
+def _generate_here(args: argparse.Namespace, request: dict) -> int:
+    """One image in this process (`stepserve.oneshot`): the server's engine, no Ray cluster, no Serve."""
+    from stepserve.deployments.errors import APIError
+    from stepserve.oneshot import app_config, generate, quiet_libraries, validate
+    from stepserve.runtime import load_serve_config
+
+    with quiet_libraries():  # entered before validation, which imports transformers: it warns as it loads
+        app = app_config(load_serve_config(args.config))
+        try:  # fail fast, before the model loads
+            spec = validate(app, request)
+        except APIError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        from tqdm import tqdm
+
         with tqdm(desc="denoising", unit="step", total=spec.steps_to_run) as bar:
-            while True:
-                try:
-                    result = response.result(timeout_s=0.1)
-                    break
-                except TimeoutError:
-                    progress = handle.progress.remote(request_id).result()
-                    if progress:
-                        bar.update(progress["steps_done"] - bar.n)
-            bar.update(bar.total - bar.n)
-    except APIError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-    image = result["data"][0]
+            def progress(done: int, total: int) -> None:
+                bar.total = total
+                bar.update(done - bar.n)
+
+            png = generate(app, spec, progress)
+    Path(args.output).write_bytes(png)
+    print(f"wrote {args.output} (seed {spec.seed})")
+    return 0
+
+
+def _generate_remote(args: argparse.Namespace, request: dict) -> int:
+    """The same request to a running server (`stepserve serve`), which validates and answers it."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    body = {**request, "n": 1, "response_format": "b64_json"}
+    try:
+        response = httpx.post(f"{args.url.rstrip('/')}/v1/images/generations", json=body, headers=headers,
+                              timeout=REMOTE_TIMEOUT_S)
+    except httpx.HTTPError as exc:
+        print(f"error: {args.url}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    if response.status_code >= 400:
+        print(f"error: {_error_text(response)}", file=sys.stderr)
+        return 2 if response.status_code < 500 else 1  # 4xx: the request was wrong, as a local check says
+    image = response.json()["data"][0]
     Path(args.output).write_bytes(base64.b64decode(image["b64_json"]))
     print(f"wrote {args.output} (seed {image['seed']})")
     return 0
+
+
+def _error_text(response: httpx.Response) -> str:
+    """The server's error as `APIError` prints it, from OpenAI's error shape where it has one."""
+    from stepserve.deployments.errors import APIError
+
+    try:
+        error = response.json()["error"]
+        return str(APIError(response.status_code, error["message"], param=error.get("param"),
+                            code=error.get("code"), type=error.get("type")))
+    except (ValueError, KeyError, TypeError):
+        return f"{response.status_code}: {response.text[:500]}"
 
 
 def _profile(args: argparse.Namespace) -> int:
@@ -99,6 +128,8 @@ PASS_THROUGH = (
     ("simulate", "stepserve.load_tests.sim.__main__", "discrete-event simulation of a workload (see --help)"),
     ("compare", "stepserve.load_tests.compare_policies", "simulated policy comparison report (see --help)"),
     ("bench", "stepserve.load_tests.bench_batching", "live benchmark: continuous vs static batching (see --help)"),
+    ("train-shapes", "stepserve.train_shapes",
+     "train the shipped shapes models from scratch on this machine (see --help)"),
     ("lora-bound", "stepserve.load_tests.bench_lora_bound",
      "how late a LoRA may join, and the fidelity of joining late (see --help)"),
 )
@@ -115,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     serve_p.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may use (default: all)")
     serve_p.set_defaults(func=_serve)
 
-    gen = sub.add_parser("generate", help="generate one image in-process and write it as PNG")
+    gen = sub.add_parser("generate", help="make one image with the server's engine in this process (no Ray, no "
+                                          "Serve), or with --url on a running server, and write it as PNG")
     gen.add_argument("prompt")
     gen.add_argument("-o", "--output", default="out.png")
     gen.add_argument("--config", default=str(default_config_path()), help="Serve YAML")
@@ -125,8 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--steps", dest="num_inference_steps", type=int)
     gen.add_argument("--guidance-scale", dest="guidance_scale", type=float)
     gen.add_argument("--seed", type=int)
-    gen.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may use (default: all)")
-    gen.set_defaults(func=_generate)
+    gen.add_argument("--url", help="a running server (e.g. http://127.0.0.1:8000) to ask instead; --config is unused")
+    gen.add_argument("--api-key", default=os.environ.get("STEPSERVE_API_KEY"),
+                     help="bearer token for --url (default: $STEPSERVE_API_KEY)")
+    gen.set_defaults(func=_generate, exit_at_once=True)
 
     prof = sub.add_parser("profile", help="measure this device's latency grid and write a profile CSV")
     prof.add_argument("--model", help="model name from the config (default: its first model)")
@@ -158,7 +192,14 @@ def main(argv: list[str] | None = None) -> int:
         return importlib.import_module(args.module).main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    return args.func(args)
+    code = args.func(args)
+    if argv is None and getattr(args, "exit_at_once", False):
+        # This process is the command itself, and it is done: the interpreter's teardown of the
+        # torch and diffusers modules it imported takes over a second and does nothing for it.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

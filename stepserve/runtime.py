@@ -13,14 +13,25 @@ CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_BUILDER = "stepserve.deployments.app:build_app"
 
 
-def default_config_path() -> Path:
-    """configs/local.yaml from a checkout, else the copy installed with the package."""
-    checkout = CONFIGS / "local.yaml"
+def config_path(name: str) -> Path:
+    """configs/<name> from a checkout, else the copy installed with the package."""
+    checkout = CONFIGS / name
     if checkout.exists():
         return checkout
     from importlib.resources import files
 
-    return Path(str(files("stepserve.configs") / "local.yaml"))
+    return Path(str(files("stepserve.configs") / name))
+
+
+def default_config_path() -> Path:
+    """The embedded default, configs/local.yaml: the shapes models trained here, on CPU."""
+    return config_path("local.yaml")
+
+
+def tiny_config_path() -> Path:
+    """configs/local-tiny.yaml: tiny-sd with random weights, what the CPU benchmarks and most live
+    tests run (its cost profile, configs/profiles/tiny-sd-cpu.csv, was measured on it)."""
+    return config_path("local-tiny.yaml")
 
 
 def load_serve_config(path: str | os.PathLike) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from stepserve.engine.families import ALL_PARTS, ModelSource, load_family
 from stepserve.load_tests.peers import image_with_addons
 from stepserve.policies.types import RequestSpec
 
-# The preset add-ons of configs/local.yaml and the engine golden tests: name -> seed.
+# The preset add-ons of configs/local-tiny.yaml and the engine golden tests: name -> seed.
 CONTROLNETS = {"canny": 1, "depth": 2, "pose": 3}
 LORAS = {"papercut": 11, "ink": 12}
 

@@ -68,7 +68,7 @@ from stepserve.policies.types import (ControlNetUse, LoraBatching, LoraUse, Requ
 @dataclass(frozen=True)
 class SimConfig:
     workers: int = 8
-    max_batch_size: int = 8  # per worker (configs/local.yaml; SynerDiff's BS=8)
+    max_batch_size: int = 8  # per worker (configs/local-tiny.yaml; SynerDiff's BS=8)
     policy: str = "continuous"
     policy_options: Mapping[str, Any] = field(default_factory=dict)
     pipeline_depth: int = 2  # RouterConfig.pipeline_depth

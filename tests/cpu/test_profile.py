@@ -28,8 +28,8 @@ from stepserve.policies.cost_model import (
 def test_quick_profile_writes_a_loadable_csv(tmp_path):
     out = tmp_path / "tiny-sd-cpu.csv"
     proc = subprocess.run(
-        [sys.executable, "-m", "stepserve.cli", "profile", "--model", "tiny-sd", "--device", "cpu", "--quick",
-         "--out", str(out), "--num-cpus", "2"],
+        [sys.executable, "-m", "stepserve.cli", "profile", "--config", "configs/local-tiny.yaml", "--model", "tiny-sd",
+         "--device", "cpu", "--quick", "--out", str(out), "--num-cpus", "2"],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -53,7 +53,7 @@ def test_quick_profile_writes_a_loadable_csv(tmp_path):
     assert model.solo_seconds("tiny-sd", 64, 64, 10, True) > 10 * model.denoise_seconds(batch)
     report = model.fit_report()["tiny-sd"]
     assert report["missing"] == ["request_overhead"]  # --quick skips the live app
-    # configs/local.yaml serves ControlNets and LoRAs for tiny-sd: their rows, on the same grid.
+    # configs/local-tiny.yaml serves ControlNets and LoRAs for tiny-sd: their rows, on the same grid.
     for component in (CONTROLNET, DENOISE_ENCODER, LORA):
         assert sorted((r.height, r.rows) for r in by(component)) == [(64, 1), (64, 2), (64, 4)], component
     assert len(by(LORA_LOAD)) == 1 and report["missing_extras"] == [CONTROLNET_TRANSFER, CFG_EXCHANGE]

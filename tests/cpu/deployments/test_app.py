@@ -5,7 +5,7 @@ from __future__ import annotations
 from ray.serve.deployment import Application
 
 from stepserve.deployments.app import build_app
-from stepserve.runtime import default_config_path, load_serve_config
+from stepserve.runtime import tiny_config_path, load_serve_config
 
 METRICS_ENV = "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"
 ONE_LOOP_ENV = "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"
@@ -24,7 +24,7 @@ def deployments(app: Application) -> dict[str, object]:
 
 
 def app_args(**changes) -> dict:
-    args = dict(load_serve_config(default_config_path())["applications"][0]["args"])
+    args = dict(load_serve_config(tiny_config_path())["applications"][0]["args"])
     return {**args, **changes}
 
 

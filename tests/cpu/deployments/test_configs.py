@@ -66,3 +66,13 @@ def test_the_addon_settings_reach_the_router_as_cost_and_batching_choices():
     assert stale.controlnet_service.placement is ControlNetPlacement.STALE
     with pytest.raises(ValueError, match="batches"):
         AppConfig.model_validate({**base, "lora_loading": {"batches": "one_by_one"}})
+
+
+def test_a_relative_weights_path_resolves_from_here_else_under_configs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    shipped = ModelConfig(name="shapes", family="sd15", path="models/shapes/sd")
+    assert shipped.to_source().path == str(CONFIGS / "models" / "shapes" / "sd")
+    (tmp_path / "mine").mkdir()
+    assert ModelConfig(name="m", family="sd15", path="mine").to_source().path == str(tmp_path / "mine")
+    # Nowhere: left as given, for loading to say it does not exist.
+    assert ModelConfig(name="m", family="sd15", path="nowhere").to_source().path == "nowhere"

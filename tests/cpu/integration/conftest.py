@@ -6,7 +6,7 @@ import time
 import httpx
 import pytest
 
-from stepserve.runtime import default_config_path, load_serve_config, run_app, start_local_ray
+from stepserve.runtime import tiny_config_path, load_serve_config, run_app, start_local_ray
 
 
 def free_port() -> int:
@@ -47,5 +47,5 @@ def serving(config: dict):
 
 @pytest.fixture(scope="package")
 def live_app():
-    """configs/local.yaml served by a real local Ray + Serve, on a free port."""
-    yield from serving(load_serve_config(default_config_path()))
+    """configs/local-tiny.yaml served by a real local Ray + Serve, on a free port."""
+    yield from serving(load_serve_config(tiny_config_path()))

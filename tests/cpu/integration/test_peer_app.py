@@ -11,7 +11,7 @@ from PIL import Image
 from ray import serve
 
 from stepserve.load_tests.peers import build_peer_app
-from stepserve.runtime import default_config_path, load_serve_config
+from stepserve.runtime import tiny_config_path, load_serve_config
 
 
 def pixels(b64: str) -> np.ndarray:
@@ -21,7 +21,7 @@ def pixels(b64: str) -> np.ndarray:
 @pytest.fixture(scope="module")
 def peer_url(live_app):
     url, _ = live_app
-    model = load_serve_config(default_config_path())["applications"][0]["args"]["models"][0]
+    model = load_serve_config(tiny_config_path())["applications"][0]["args"]["models"][0]
     # Small CPU asks: it shares the 2-CPU test Ray with the stepserve app (1.3 CPUs).
     app = build_peer_app({"model": model, "mode": "batched", "num_replicas": 1, "num_cpus": 0.1,
                           "ingress_num_cpus": 0.05, "batch_wait_timeout_s": 0.3})

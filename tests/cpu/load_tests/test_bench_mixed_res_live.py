@@ -9,7 +9,7 @@ import pytest
 from stepserve.load_tests.bench_mixed_res_live import (VARIANTS, MeasuredSolo, build_report, mix_spec, parse_args,
                                                        slo_requests, variant_config, write_outputs)
 from stepserve.load_tests.records import RequestRecord
-from stepserve.runtime import default_config_path, load_serve_config
+from stepserve.runtime import tiny_config_path, load_serve_config
 
 SOLO = MeasuredSolo({64: 0.4, 96: 0.6, 128: 1.0})
 
@@ -37,7 +37,7 @@ def test_every_rate_sends_the_same_requests_closer_together():
 
 
 def test_variants_differ_only_in_policy_and_packing():
-    base = load_serve_config(default_config_path())
+    base = load_serve_config(tiny_config_path())
     configs = {v.label: variant_config(base, 8123, v, "tiny-sd-cpu", [64, 96, 128]) for v in VARIANTS}
     args = {label: c["applications"][0]["args"] for label, c in configs.items()}
     assert {label: (a["router"]["policy"], a["workers"]["pack_resolutions"]) for label, a in args.items()} == {

@@ -5,11 +5,11 @@ from __future__ import annotations
 import copy
 
 from stepserve.load_tests.local_app import bench_serve_config
-from stepserve.runtime import default_config_path, load_serve_config
+from stepserve.runtime import tiny_config_path, load_serve_config
 
 
 def test_only_policy_and_port_change_and_the_base_is_untouched():
-    base = load_serve_config(default_config_path())
+    base = load_serve_config(tiny_config_path())
     pristine = copy.deepcopy(base)
     config = bench_serve_config(base, 43210, "static_fcfs")
     assert base == pristine
@@ -22,5 +22,5 @@ def test_only_policy_and_port_change_and_the_base_is_untouched():
 
 
 def test_without_a_policy_the_app_is_the_base_app():
-    base = load_serve_config(default_config_path())
+    base = load_serve_config(tiny_config_path())
     assert bench_serve_config(base, 43210)["applications"] == base["applications"]

@@ -20,7 +20,7 @@ CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 
 @pytest.mark.slow
 def test_simulated_latency_within_15_percent_of_live(tmp_path):
-    # configs/local.yaml (2 CPU workers), local-tiny at its moderate 3 req/s for 45 s, profile
+    # configs/local-tiny.yaml (2 CPU workers), local-tiny at its moderate 3 req/s for 45 s, profile
     # measured first on this machine.
     rc = sim_vs_live.main(["--out", str(tmp_path), "--duration", "45", "--policies", "continuous"])
     report = json.loads((tmp_path / "sim_vs_live.json").read_text())

@@ -21,7 +21,7 @@ from stepserve.policies.cost_model import load_profile
 from stepserve.runtime import load_serve_config
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
-LOCAL, LOCAL_VIDEO = CONFIGS / "local.yaml", CONFIGS / "local-video.yaml"
+LOCAL, LOCAL_VIDEO = CONFIGS / "local-tiny.yaml", CONFIGS / "local-video.yaml"
 
 
 def scheduled(index: int, video: bool) -> ScheduledRequest:

@@ -11,7 +11,7 @@ import yaml
 from stepserve.load_tests import compare_policies
 from stepserve.load_tests.sim import __main__ as sim_main
 from stepserve.load_tests.sweep import add_sim_args, config_from_args, sim_config_from_serve
-from stepserve.runtime import default_config_path, load_serve_config
+from stepserve.runtime import tiny_config_path, load_serve_config
 
 
 def test_compare_policies_writes_the_report(tmp_path, capsys):
@@ -44,7 +44,7 @@ def test_sim_one_policy_with_traces_and_errors(tmp_path, capsys):
 
 
 def test_the_cluster_comes_from_a_serve_config_and_explicit_flags_win(tmp_path):
-    serve = load_serve_config(default_config_path())
+    serve = load_serve_config(tiny_config_path())
     app_args = serve["applications"][0]["args"]
     app_args["router"] = {**app_args["router"], "pipeline_depth": 3, "pipeline_lead_s": 0.02,
                           "max_queued_images": 7, "max_queued_videos": 3}

@@ -14,7 +14,7 @@ from ray import serve
 
 from stepserve.load_tests.bench_burst import refusals_in_the_ingress, router_refused
 from stepserve.load_tests.raw_burst import burst
-from stepserve.runtime import CONFIGS, default_config_path, load_serve_config, run_app
+from stepserve.runtime import CONFIGS, tiny_config_path, load_serve_config, run_app
 
 from tests.cpu.integration.conftest import free_port, local_ray_for_tests
 
@@ -39,7 +39,7 @@ def on_port(path, port: int, **router) -> tuple[dict, str]:
 def test_a_burst_is_refused_at_the_edge_and_every_admitted_request_is_served(port):
     # 60 at once against 16 worker slots and a queue of 8: most must be refused, and none by
     # the router (the gate counts what it let in, whatever its last report said).
-    config, url = on_port(default_config_path(), port, max_queued_images=8)
+    config, url = on_port(tiny_config_path(), port, max_queued_images=8)
     run_app(config, http=True)
     try:
         body = {"prompt": "a red fox", "size": "64x64", "num_inference_steps": 20}

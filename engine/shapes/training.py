@@ -1,0 +1,351 @@
+"""Training the shipped shapes models on this machine's CPUs, deterministically by seed.
+
+Order (each stage reads what the earlier ones made): the dataset is rendered once; the VAE
+learns to reconstruct it; its latents are computed once; the text encoder and UNet learn to
+denoise them (epsilon prediction on SD1.5's noise schedule, 10% empty captions so classifier-free
+guidance works); the ControlNet learns the silhouette with the UNet frozen; the LoRA learns the
+outlined style with the UNet frozen; the judge learns shape and colour from the renders.
+
+Every stage logs its loss per step; `ShapesTraining.logs` keeps them, and the first ones are
+written beside the weights so a test can check that training from the same seed reproduces them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from diffusers import AutoencoderKL, ControlNetModel, DDPMScheduler, UNet2DConditionModel
+from torch import nn
+from tqdm import tqdm
+from transformers import CLIPTextConfig, CLIPTextModel
+
+from stepserve.engine.addons.lora import LoraLayer, LoraWeights
+from stepserve.engine.families.presets import autoencoder_kl
+from stepserve.engine.families.sd15 import SD_SCHEDULER
+from stepserve.engine.shapes import dataset
+from stepserve.engine.shapes.judge import Judge, judge_targets
+from stepserve.engine.tokenizer import word_clip_tokenizer
+
+TOKENS = 32  # the text encoder's context: the longest caption is 14 tokens with its markers
+CAPTION_DROPOUT = 0.1  # empty captions, so the unconditional prediction is learned too
+LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The architectures: the real classes at small widths."""
+
+    text: dict = field(default_factory=lambda: dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                    num_attention_heads=4))
+    unet: dict = field(default_factory=lambda: dict(
+        sample_size=8, layers_per_block=1, block_out_channels=(32, 64),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=64, attention_head_dim=8, norm_num_groups=16, use_linear_projection=True))
+    # 16 latent channels (as SD3's VAE): with 4, a VAE this small and this briefly trained blurs the
+    # shapes' edges past what the judge can tell apart.
+    vae: dict = field(default_factory=lambda: dict(block_out_channels=(16, 32, 64, 64), layers_per_block=1,
+                                                   norm_num_groups=8, sample_size=64, latent_channels=16))
+    controlnet_embedding: tuple[int, ...] = (8, 16, 32, 32)
+    lora_rank: int = 8
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How long each stage trains (optimizer steps), its batch and learning rate."""
+
+    samples: int = 12_000
+    vae_steps: int = 3500
+    vae_batch: int = 16
+    vae_crop: int = 32  # the VAE trains on crops (it is convolutional): 4x cheaper than whole pictures
+    vae_lr: float = 2e-3
+    unet_steps: int = 2500
+    unet_batch: int = 32
+    unet_lr: float = 1e-3
+    unet_ema: float = 0.998  # the shipped text encoder and UNet are this moving average of the trained ones
+    min_snr: float = 5.0  # Min-SNR loss weighting (Hang et al., 2023): converges in fewer steps
+    # What the UNet predicts (the scheduler config says so to every sampler). With epsilon, the
+    # loss barely depends on the caption at high noise, and the UNet learned to ignore it.
+    prediction_type: str = "v_prediction"
+    controlnet_steps: int = 500
+    controlnet_lr: float = 1e-3
+    lora_steps: int = 400
+    lora_lr: float = 2e-3
+    judge_steps: int = 800
+    judge_lr: float = 2e-3
+
+
+class Log:
+    """A stage's losses, with a progress bar."""
+
+    def __init__(self, name: str, steps: int, show: bool):
+        self.losses: list[float] = []
+        self.bar = tqdm(total=steps, desc=name, disable=not show, leave=True)
+
+    def add(self, loss: float) -> None:
+        self.losses.append(loss)
+        self.bar.update(1)
+        if len(self.losses) % 25 == 0:
+            self.bar.set_postfix(loss=f"{np.mean(self.losses[-25:]):.4f}")
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def caption_words() -> list[str]:
+    words = {"a", "an", "on", "background", ",", *dataset.SHAPES, *dataset.COLOURS, *dataset.SIZES}
+    for position in dataset.POSITIONS:
+        words.update(position.split())
+    return sorted(words)
+
+
+def _fit(params: Iterable[nn.Parameter], loss: Callable[[int], torch.Tensor], steps: int, lr: float,
+         log: Log, after_step: Callable[[], None] | None = None, stop_after: int | None = None) -> None:
+    """AdamW with a short warm-up and a cosine decay over `steps`; `loss(step)` draws its own
+    batch. `stop_after` ends it early, on the same learning rates."""
+    params = [p for p in params if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    warmup = max(1, steps // 20)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
+    for step in range(steps if stop_after is None else min(steps, stop_after)):
+        value = loss(step)
+        optimizer.zero_grad(set_to_none=True)
+        value.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        schedule.step()
+        if after_step is not None:
+            after_step()
+        log.add(value.item())
+    log.close()
+
+
+def pixels(images: np.ndarray) -> torch.Tensor:
+    """uint8 [n, h, w, 3] as the VAE's input: float [n, 3, h, w] in [-1, 1]."""
+    return torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1
+
+
+class Latents:
+    """A style's pictures as scaled VAE latents (posterior means), encoded the first time asked for."""
+
+    def __init__(self, vae: AutoencoderKL, renders: dataset.Renders):
+        self.vae, self.renders = vae, renders
+        channels, factor = vae.config.latent_channels, 2 ** (len(vae.config.block_out_channels) - 1)
+        self.cache = torch.zeros(len(renders), channels, renders.size // factor, renders.size // factor)
+        self.done = torch.zeros(len(renders), dtype=torch.bool)
+
+    @torch.no_grad()
+    def __call__(self, idx: torch.Tensor) -> torch.Tensor:
+        missing = idx[~self.done[idx]].unique()
+        if len(missing):
+            means = self.vae.encode(pixels(self.renders.pictures(missing.numpy()))).latent_dist.mean
+            self.cache[missing] = means * self.vae.config.scaling_factor
+            self.done[missing] = True
+        return self.cache[idx]
+
+
+class ShapesTraining:
+    """One training run. `stop_after` (steps per stage) cuts every stage short: what the
+    reproducibility test uses."""
+
+    def __init__(self, seed: int = 0, sizes: Sizes = Sizes(), schedule: Schedule = Schedule(),
+                 stop_after: int | None = None, show: bool = True):
+        self.seed, self.sizes, self.schedule = seed, sizes, schedule
+        self.stop_after, self.show = stop_after, show
+        self.logs: dict[str, list[float]] = {}
+        self.tokenizer = word_clip_tokenizer(caption_words(), TOKENS)
+        self.filled = dataset.Renders(seed, schedule.samples)
+        self.outlined = dataset.Renders(seed, schedule.samples, style="outlined")  # the same scenes
+        self.captions = [s.caption for s in self.filled.scenes]
+        # SD1.5's training noise schedule (sampling steps it with Euler, `sd15.SD_SCHEDULER`).
+        self.noise_schedule = DDPMScheduler(**{k: v for k, v in SD_SCHEDULER.items() if k != "timestep_spacing"})
+
+    # -- plumbing ---------------------------------------------------------------------------
+    def _log(self, name: str, steps: int) -> Log:
+        log = Log(name, steps if self.stop_after is None else min(steps, self.stop_after), self.show)
+        self.logs[name] = log.losses
+        return log
+
+    def _generator(self, stage: int) -> torch.Generator:
+        return torch.Generator().manual_seed(self.seed * 7919 + stage)
+
+    def _seed_module(self, stage: int) -> None:
+        torch.manual_seed(self.seed * 7919 + 100 + stage)
+
+    def token_ids(self, captions: list[str]) -> torch.Tensor:
+        return self.tokenizer(captions, padding="max_length", max_length=TOKENS, truncation=True,
+                              return_tensors="pt").input_ids
+
+    # -- stages -----------------------------------------------------------------------------
+    def train_vae(self) -> AutoencoderKL:
+        s = self.schedule
+        self._seed_module(0)
+        vae = autoencoder_kl(self.sizes.vae)
+        g = self._generator(0)
+        side = self.filled.size
+
+        def loss(step: int) -> torch.Tensor:
+            idx = torch.randint(0, len(self.filled), (s.vae_batch,), generator=g)
+            y, x = torch.randint(0, side - s.vae_crop + 1, (2,), generator=g).tolist()
+            y, x = y // 8 * 8, x // 8 * 8  # crops on the latent grid, as whole pictures are seen
+            batch = pixels(self.filled.pictures(idx.numpy()))[:, :, y:y + s.vae_crop, x:x + s.vae_crop]
+            posterior = vae.encode(batch).latent_dist
+            z = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=g)
+            reconstruction = vae.decode(z).sample
+            # L1 beside MSE: flat colours converge faster with it; the KL term only keeps the posterior tame.
+            return F.l1_loss(reconstruction, batch) + F.mse_loss(reconstruction, batch) + 1e-6 * posterior.kl().mean()
+
+        _fit(vae.parameters(), loss, s.vae_steps, s.vae_lr, self._log("vae", s.vae_steps),
+             stop_after=self.stop_after)
+        vae.eval().requires_grad_(False)
+        with torch.no_grad():  # SD's convention: latents scaled to unit variance (over the first samples)
+            means = vae.encode(pixels(self.filled.pictures(np.arange(min(1024, len(self.filled)))))).latent_dist.mean
+        vae.register_to_config(scaling_factor=float(1 / means.std()), shift_factor=0.0)
+        self.use_vae(vae)
+        return vae
+
+    def use_vae(self, vae: AutoencoderKL) -> None:
+        """Later stages train on this VAE's latents (a trained one, or the shipped one)."""
+        self.latents = {"filled": Latents(vae, self.filled), "outlined": Latents(vae, self.outlined)}
+
+    def use_text_unet(self, text: CLIPTextModel, unet: UNet2DConditionModel) -> None:
+        """The ControlNet and the LoRA train on this (frozen) text encoder and UNet."""
+        self.text, self.unet = text.eval().requires_grad_(False), unet.eval().requires_grad_(False)
+
+    def train_text_unet(self) -> tuple[CLIPTextModel, UNet2DConditionModel]:
+        s = self.schedule
+        self._seed_module(1)
+        text = CLIPTextModel(CLIPTextConfig(vocab_size=len(self.tokenizer.get_vocab()), max_position_embeddings=TOKENS,
+                                            bos_token_id=0, eos_token_id=1, pad_token_id=1, **self.sizes.text))
+        channels = self.sizes.vae.get("latent_channels", 4)
+        unet = UNet2DConditionModel(in_channels=channels, out_channels=channels, **self.sizes.unet)
+        noise_schedule = self.noise_schedule
+        g = self._generator(1)
+        ids = self.token_ids(self.captions)
+        empty = self.token_ids([""])[0]
+
+        def loss(step: int) -> torch.Tensor:
+            idx = torch.randint(0, len(ids), (s.unet_batch,), generator=g)
+            batch_ids = ids[idx].clone()
+            batch_ids[torch.rand(s.unet_batch, generator=g) < CAPTION_DROPOUT] = empty
+            latents = self.latents["filled"](idx)
+            noise = torch.randn(latents.shape, generator=g)
+            t = torch.randint(0, noise_schedule.config.num_train_timesteps, (s.unet_batch,), generator=g)
+            noisy = noise_schedule.add_noise(latents, noise, t)
+            context = text(batch_ids)[0]
+            target = self._target(latents, noise, t)
+            per_sample = F.mse_loss(unet(noisy, t, context).sample, target, reduction="none").mean((1, 2, 3))
+            return (per_sample * snr_weight[t]).mean()
+
+        # Min-SNR-gamma: min(SNR, gamma) / SNR per timestep for epsilon, / (SNR + 1) for v.
+        alphas = noise_schedule.alphas_cumprod
+        snr = alphas / (1 - alphas)
+        snr_weight = torch.clamp(snr, max=s.min_snr) / (snr + (s.prediction_type == "v_prediction"))
+        modules = nn.ModuleList([text, unet])
+        average = torch.optim.swa_utils.AveragedModel(
+            modules, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(s.unet_ema))
+        _fit(modules.parameters(), loss, s.unet_steps, s.unet_lr, self._log("unet", s.unet_steps),
+             after_step=lambda: average.update_parameters(modules), stop_after=self.stop_after)
+        text, unet = average.module[0], average.module[1]
+        self.use_text_unet(text, unet)
+        return text, unet
+
+    def _denoising_loss(self, g: torch.Generator, batch: int, latents: torch.Tensor,
+                        forward: Callable[..., torch.Tensor], ids: torch.Tensor,
+                        idx: torch.Tensor) -> torch.Tensor:
+        noise = torch.randn(latents.shape, generator=g)
+        t = torch.randint(0, self.noise_schedule.config.num_train_timesteps, (batch,), generator=g)
+        noisy = self.noise_schedule.add_noise(latents, noise, t)
+        with torch.no_grad():
+            context = self.text(ids)[0]
+        return F.mse_loss(forward(noisy, t, context, idx), self._target(latents, noise, t))
+
+    def _target(self, latents: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        if self.schedule.prediction_type == "v_prediction":
+            return self.noise_schedule.get_velocity(latents, noise, t)
+        return noise
+
+    def train_controlnet(self) -> ControlNetModel:
+        s = self.schedule
+        self._seed_module(2)
+        controlnet = ControlNetModel.from_unet(
+            self.unet, conditioning_embedding_out_channels=self.sizes.controlnet_embedding)
+        controlnet.train().requires_grad_(True)
+        g = self._generator(2)
+        ids = self.token_ids(self.captions)
+
+        def forward(noisy, t, context, idx):
+            # The control image as the pipeline feeds it: RGB in [0, 1].
+            control = torch.from_numpy(self.filled.silhouettes(idx.numpy())).permute(0, 3, 1, 2).float() / 255
+            down, mid = controlnet(noisy, t, context, controlnet_cond=control, return_dict=False)
+            return self.unet(noisy, t, context, down_block_additional_residuals=down,
+                             mid_block_additional_residual=mid).sample
+
+        def loss(step: int) -> torch.Tensor:
+            idx = torch.randint(0, len(ids), (s.unet_batch,), generator=g)
+            return self._denoising_loss(g, s.unet_batch, self.latents["filled"](idx), forward, ids[idx], idx)
+
+        _fit(controlnet.parameters(), loss, s.controlnet_steps, s.controlnet_lr,
+             self._log("controlnet", s.controlnet_steps), stop_after=self.stop_after)
+        return controlnet.eval().requires_grad_(False)
+
+    def train_lora(self) -> LoraWeights:
+        """A rank-r LoRA over the UNet's attention layers that draws shapes outlined, not filled."""
+        s, rank = self.schedule, self.sizes.lora_rank
+        self._seed_module(3)
+        layers = {name: m for name, m in self.unet.named_modules()
+                  if isinstance(m, (nn.Linear, nn.Conv2d)) and name.endswith(LORA_TARGETS)}
+        down = nn.ParameterDict({k.replace(".", "|"): nn.Parameter(
+            torch.randn(rank, m.weight.shape[1], *m.weight.shape[2:]) / m.weight.shape[1] ** 0.5)
+            for k, m in layers.items()})
+        up = nn.ParameterDict({k.replace(".", "|"): nn.Parameter(torch.zeros(m.weight.shape[0], rank, *(
+            (1, 1) if m.weight.dim() == 4 else ()))) for k, m in layers.items()})
+        hooks = []
+        for name, module in layers.items():
+            key = name.replace(".", "|")
+
+            def hook(mod, inputs, output, key=key):
+                x = inputs[0]
+                if isinstance(mod, nn.Conv2d):
+                    return output + F.conv2d(F.conv2d(x, down[key]), up[key])
+                return output + F.linear(F.linear(x, down[key]), up[key])
+            hooks.append(module.register_forward_hook(hook))
+        g = self._generator(3)
+        ids = self.token_ids(self.captions)
+
+        def loss(step: int) -> torch.Tensor:
+            idx = torch.randint(0, len(ids), (s.unet_batch,), generator=g)
+            return self._denoising_loss(g, s.unet_batch, self.latents["outlined"](idx),
+                                        lambda noisy, t, context, _: self.unet(noisy, t, context).sample, ids[idx], idx)
+
+        try:
+            _fit([*down.values(), *up.values()], loss, s.lora_steps, s.lora_lr,
+                 self._log("lora", s.lora_steps), stop_after=self.stop_after)
+        finally:
+            for h in hooks:
+                h.remove()
+        return LoraWeights("outlined", {name: LoraLayer(down[name.replace(".", "|")].detach().clone(),
+                                                        up[name.replace(".", "|")].detach().clone(), 1.0)
+                                        for name in layers})
+
+    def train_judge(self) -> Judge:
+        s = self.schedule
+        self._seed_module(4)
+        judge = Judge()
+        g = self._generator(4)
+        shape, colour = judge_targets(self.filled.scenes)
+
+        def loss(step: int) -> torch.Tensor:
+            idx = torch.randint(0, len(self.filled), (64,), generator=g)
+            shape_logits, colour_logits = judge(pixels(self.filled.pictures(idx.numpy())))
+            return F.cross_entropy(shape_logits, shape[idx]) + F.cross_entropy(colour_logits, colour[idx])
+
+        judge.train()
+        _fit(judge.parameters(), loss, s.judge_steps, s.judge_lr, self._log("judge", s.judge_steps),
+             stop_after=self.stop_after)
+        return judge.eval().requires_grad_(False)

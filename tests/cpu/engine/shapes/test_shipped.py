@@ -1,0 +1,111 @@
+"""The shipped shapes models: they load through the same local-folder paths as real checkpoints,
+and training from the recorded seed reproduces the first losses logged when they were trained."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from diffusers import AutoencoderKL, UNet2DConditionModel
+from transformers import CLIPTextModel
+
+from stepserve.engine.addons.source import AddonKind, AddonSource, load_addon
+from stepserve.engine.families import ALL_PARTS, ModelSource, family_class
+from stepserve.engine.shapes.dataset import Renders
+from stepserve.engine.shapes.export import SHIPPED
+from stepserve.engine.shapes.judge import Judge, prompt_accuracy
+from stepserve.engine.shapes.training import Schedule, ShapesTraining, Sizes
+
+SD = str(SHIPPED / "sd")
+RECORD = json.loads((SHIPPED / "training.json").read_text())
+
+
+def test_the_shipped_folders_load_as_a_served_model_with_its_addons():
+    source = ModelSource(name="shapes", family="sd15", path=SD)
+    family = family_class("sd15").load(source, ALL_PARTS, "cpu")
+    assert family.vae_scale_factor == 8
+    load_addon(AddonSource(AddonKind.CONTROLNET, "silhouette", "shapes", path=str(SHIPPED / "controlnet-silhouette")),
+               family)
+    load_addon(AddonSource(AddonKind.LORA, "outlined", "shapes", path=str(SHIPPED / "lora-outlined")), family)
+    assert set(family.controlnets) == {"silhouette"} and set(family.loras) == {"outlined"}
+    # Every caption word is one token of the shipped tokenizer.
+    assert len(family.pipe.tokenizer.tokenize("a large purple triangle on an orange background, top left")) == 11
+
+
+def test_the_judge_names_shape_and_colour_of_held_out_renders():
+    judge = Judge.from_pretrained(str(SHIPPED / "judge"), use_safetensors=True)
+    held_out = Renders(seed=4242, count=300)
+    assert prompt_accuracy(judge, held_out.pictures(np.arange(300)), held_out.scenes) >= 0.99
+
+
+def test_training_from_the_recorded_seed_reproduces_the_first_logged_losses():
+    """Each stage from scratch for a few steps; the stages after the VAE start from the shipped
+    weights of the stages before them, as the full run started from what it had trained."""
+    steps = 3
+    run = ShapesTraining(RECORD["seed"], Sizes(**_tuples(RECORD["sizes"])), Schedule(**RECORD["schedule"]),
+                         stop_after=steps, show=False)
+    run.train_vae()
+    run.use_vae(AutoencoderKL.from_pretrained(SD, subfolder="vae", use_safetensors=True))
+    run.train_text_unet()
+    run.use_text_unet(CLIPTextModel.from_pretrained(SD, subfolder="text_encoder", use_safetensors=True),
+                      UNet2DConditionModel.from_pretrained(SD, subfolder="unet", use_safetensors=True))
+    run.train_controlnet()
+    run.train_lora()
+    run.train_judge()
+    for stage, logged in RECORD["first_losses"].items():
+        assert run.logs[stage] == pytest.approx(logged[:steps], rel=1e-3), stage
+
+
+def _tuples(value):
+    """JSON lists back to the tuples the diffusers configs were given."""
+    if isinstance(value, list):
+        return tuple(value)
+    if isinstance(value, dict):
+        return {k: _tuples(v) for k, v in value.items()}
+    return value
+
+
+def test_served_pictures_in_one_batch_equal_diffusers_pipelines_loading_the_shipped_folders():
+    """A plain, a ControlNet and a LoRA request denoised together by the worker's engine equal
+    diffusers' own pipelines, each alone, loading the same folders (`from_pretrained`)."""
+    from diffusers import ControlNetModel, StableDiffusionControlNetPipeline, StableDiffusionPipeline
+    from PIL import Image
+
+    from stepserve.load_tests.bench_shapes import draw
+    from stepserve.policies.types import ControlNetUse, LoraUse, RequestSpec
+
+    family = family_class("sd15").load(ModelSource(name="shapes", family="sd15", path=SD), ALL_PARTS, "cpu")
+    load_addon(AddonSource(AddonKind.CONTROLNET, "silhouette", "shapes", path=str(SHIPPED / "controlnet-silhouette")),
+               family)
+    load_addon(AddonSource(AddonKind.LORA, "outlined", "shapes", path=str(SHIPPED / "lora-outlined")), family)
+    held_out = Renders(seed=5, count=1)
+    scene, silhouette = held_out.scenes[0], held_out.silhouettes([0])[0]
+
+    def spec(rid, seed, **addons):
+        return RequestSpec(request_id=rid, model="shapes", prompt=scene.caption, width=64, height=64,
+                           num_inference_steps=8, guidance_scale=5.0, seed=seed, **addons)
+
+    specs = [spec("plain", 1), spec("cn", 2, controlnets=(ControlNetUse("silhouette"),)),
+             spec("lora", 3, loras=(LoraUse("outlined"),))]
+    served = draw(family, specs, [None, silhouette, None]).astype(int)
+
+    local = dict(use_safetensors=True, local_files_only=True)
+    pipe = StableDiffusionPipeline.from_pretrained(SD, safety_checker=None, requires_safety_checker=False, **local)
+    pipe.set_progress_bar_config(disable=True)
+    controlnet = ControlNetModel.from_pretrained(str(SHIPPED / "controlnet-silhouette"), **local)
+    with_control = StableDiffusionControlNetPipeline(**pipe.components, controlnet=controlnet)
+    with_control.set_progress_bar_config(disable=True)
+
+    def reference(p, s, **extra):
+        out = p(s.prompt, height=64, width=64, num_inference_steps=8, guidance_scale=5.0,
+                generator=torch.Generator("cpu").manual_seed(s.seed), output_type="np", **extra).images[0]
+        return (out * 255).round().astype(int)
+
+    expected = [reference(pipe, specs[0]), reference(with_control, specs[1], image=Image.fromarray(silhouette))]
+    pipe.load_lora_weights(str(SHIPPED / "lora-outlined"), **local)
+    pipe.fuse_lora(lora_scale=1.0)
+    expected.append(reference(pipe, specs[2]))
+    for s, got, want in zip(specs, served, expected):
+        assert np.abs(got - want).max() <= 1, s.request_id
+    # The add-ons change the picture, so the comparisons can fail.
+    assert np.abs(expected[1] - expected[0]).mean() > 2 and np.abs(expected[2] - expected[0]).mean() > 2
