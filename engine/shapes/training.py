@@ -255,11 +255,11 @@ class ShapesTraining:
         self.use_text_unet(text, unet)
         return text, unet
 
-    def _denoising_loss(self, g: torch.Generator, batch: int, latents: torch.Tensor,
+    def _denoising_loss(self, g: torch.Generator, latents: torch.Tensor,
                         forward: Callable[..., torch.Tensor], ids: torch.Tensor,
                         idx: torch.Tensor) -> torch.Tensor:
         noise = torch.randn(latents.shape, generator=g)
-        t = torch.randint(0, self.noise_schedule.config.num_train_timesteps, (batch,), generator=g)
+        t = torch.randint(0, self.noise_schedule.config.num_train_timesteps, (len(latents),), generator=g)
         noisy = self.noise_schedule.add_noise(latents, noise, t)
         with torch.no_grad():
             context = self.text(ids)[0]
@@ -288,7 +288,7 @@ class ShapesTraining:
 
         def loss(step: int) -> torch.Tensor:
             idx = torch.randint(0, len(ids), (s.unet_batch,), generator=g)
-            return self._denoising_loss(g, s.unet_batch, self.latents["filled"](idx), forward, ids[idx], idx)
+            return self._denoising_loss(g, self.latents["filled"](idx), forward, ids[idx], idx)
 
         _fit(controlnet.parameters(), loss, s.controlnet_steps, s.controlnet_lr,
              self._log("controlnet", s.controlnet_steps), stop_after=self.stop_after)
@@ -320,7 +320,7 @@ class ShapesTraining:
 
         def loss(step: int) -> torch.Tensor:
             idx = torch.randint(0, len(ids), (s.unet_batch,), generator=g)
-            return self._denoising_loss(g, s.unet_batch, self.latents["outlined"](idx),
+            return self._denoising_loss(g, self.latents["outlined"](idx),
                                         lambda noisy, t, context, _: self.unet(noisy, t, context).sample, ids[idx], idx)
 
         try:
