@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from stepserve.actors.router_core import CoreConfig
 from stepserve.engine.addons.source import AddonKind, AddonSource
 from stepserve.engine.editing.masked_sd3 import CacheKind
 from stepserve.engine.families import FAMILIES, ModelSource, family_class
@@ -26,6 +25,7 @@ from stepserve.policies.types import LoraBatching, RequestKind
 if TYPE_CHECKING:
     from stepserve.actors.activation_store import ActivationStoreSpec
     from stepserve.actors.pool import WorkerPoolSpec
+    from stepserve.actors.router_core import CoreConfig
 
 
 class _Strict(BaseModel):
@@ -350,6 +350,8 @@ class RouterConfig(_Strict):
         return self
 
     def core_config(self) -> CoreConfig:
+        from stepserve.actors.router_core import CoreConfig  # the router's state machine: not for the one-shot CLI
+
         return CoreConfig(
             pipeline_depth=self.pipeline_depth, pipeline_lead_s=self.pipeline_lead_s, max_plan_s=self.max_plan_s,
             max_queued={RequestKind.T2I: self.max_queued_images, RequestKind.T2V: self.max_queued_videos},

@@ -79,40 +79,55 @@ def iou(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.mean([(x & y).sum() / max(1, (x | y).sum()) for x, y in zip(a, b)]))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m stepserve.load_tests.bench_shapes", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_drawing_arguments(parser: argparse.ArgumentParser, prompts: int) -> None:
+    """What a benchmark that draws held-out prompts with a served model is asked: the config and
+    model, how many prompts, and the requests' steps, guidance, size and first seed."""
     parser.add_argument("--config", type=Path, default=default_config_path(),
                         help="Serve config (default: %(default)s)")
     parser.add_argument("--model", default="shapes")
-    parser.add_argument("--prompts", type=int, default=200, help="held-out prompts judged (default: %(default)s)")
-    parser.add_argument("--addon-prompts", type=int, default=50,
-                        help="held-out prompts per add-on (default: %(default)s)")
+    parser.add_argument("--prompts", type=int, default=prompts, help="held-out prompts (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--guidance", type=float, default=None, help="default: the model's default_guidance_scale")
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+
+
+def load_served(args: argparse.Namespace):
+    """The config's app, `args.model`'s config and its family loaded as a worker loads it, with
+    the config's ControlNets and LoRAs of that model, and the judge; `args.guidance` defaults to
+    the model's. Call inside `quiet_libraries`."""
+    from stepserve.engine.addons.source import AddonKind, load_addon
+    from stepserve.oneshot import app_config, load_model
+
+    app = app_config(load_serve_config(args.config))
+    model = app.model(args.model)
+    args.guidance = model.default_guidance_scale if args.guidance is None else args.guidance
+    family = load_model(model, "cpu")
+    for kind, addons in ((AddonKind.CONTROLNET, app.controlnets), (AddonKind.LORA, app.loras)):
+        for addon in addons:
+            if addon.model == args.model:
+                load_addon(addon.to_source(kind), family)
+    return app, model, family, Judge.from_pretrained(str(SHIPPED / "judge"), use_safetensors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m stepserve.load_tests.bench_shapes", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_drawing_arguments(parser, prompts=200)
+    parser.add_argument("--addon-prompts", type=int, default=50,
+                        help="held-out prompts per add-on (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("results/shapes"))
     args = parser.parse_args(argv)
 
     import torch
 
-    from stepserve.engine.addons.source import AddonKind, load_addon
-    from stepserve.oneshot import app_config, load_model, quiet_libraries
     from stepserve.load_tests.plots import plot_shapes
+    from stepserve.oneshot import quiet_libraries
 
     torch.set_num_threads(args.threads)
     with quiet_libraries():
-        app = app_config(load_serve_config(args.config))
-        model = app.model(args.model)
-        args.guidance = model.default_guidance_scale if args.guidance is None else args.guidance
-        family = load_model(model, "cpu")
-        for kind, addons in ((AddonKind.CONTROLNET, app.controlnets), (AddonKind.LORA, app.loras)):
-            for addon in addons:
-                if addon.model == args.model:
-                    load_addon(addon.to_source(kind), family)
-        judge = Judge.from_pretrained(str(SHIPPED / "judge"), use_safetensors=True)
+        _, _, family, judge = load_served(args)
         held_out = dataset.Renders(HELD_OUT_SEED, args.prompts)
         prompts = [s.caption for s in held_out.scenes]
         start = time.perf_counter()

@@ -7,11 +7,13 @@ backend or figure registry is touched and nothing needs a display.
 from __future__ import annotations
 
 import statistics
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.patches import Patch
 
 from stepserve.load_tests.metrics import Summary
 from stepserve.load_tests.records import RequestRecord
@@ -510,3 +512,38 @@ def plot_shapes(rows: Mapping[str, Mapping[str, float]], title: str, path: Path)
     ax.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=7)
     ax.set(ylim=(0, 1.05), title=title)
     figure.savefig(path, dpi=110)
+
+
+def plot_fidelity(rows: Sequence[Mapping], title: str, path: Path) -> None:
+    """Per approximation and setting: PSNR and SSIM against exact, and the change in prompt
+    accuracy, defaults dark and more aggressive settings light, with the issue's bars (SSIM 0.9,
+    3 points); approximations that cannot run are listed under the figure."""
+    measured = [r for r in rows if "not_applicable" not in r]
+    skipped = [r for r in rows if "not_applicable" in r]
+    fig = _figure(15, 5.2)
+    psnr, ssim, accuracy = fig.subplots(1, 3)
+    fig.suptitle(title)
+    x = range(len(measured))
+    labels = [f"{r['approximation']}:\n{r['setting']}" for r in measured]
+    colors = ["C0" if r["default"] else "C9" for r in measured]
+    top = max([r["psnr_db"] for r in measured if r["psnr_db"] is not None] or [1.0])
+    bars = psnr.bar(x, [top if r["psnr_db"] is None else r["psnr_db"] for r in measured], color=colors)
+    psnr.bar_label(bars, ["equal" if r["psnr_db"] is None else f"{r['psnr_db']:.1f}" for r in measured], fontsize=7)
+    psnr.set_ylabel("PSNR vs exact, dB (all pictures)")
+    bars = ssim.bar(x, [r["ssim"] for r in measured], color=colors)
+    ssim.bar_label(bars, fmt="%.3f", fontsize=7)
+    ssim.axhline(0.9, color="0.4", linestyle="--", linewidth=1)
+    ssim.set(ylabel="SSIM vs exact (mean)", ylim=(0, 1.08))
+    bars = accuracy.bar(x, [r["accuracy_change_points"] for r in measured], color=colors)
+    accuracy.bar_label(bars, fmt="%+.1f", fontsize=7)
+    accuracy.axhspan(-3, 3, color="0.9", zorder=0)
+    accuracy.axhline(0, color="0.4", linewidth=0.8)
+    accuracy.set_ylabel("prompt accuracy - exact's, points")
+    for ax in (psnr, ssim, accuracy):
+        ax.set_xticks(x, labels, rotation=45, ha="right", rotation_mode="anchor", fontsize=6)
+    fig.legend(handles=[Patch(color="C0", label="default"), Patch(color="C9", label="more aggressive")],
+               fontsize=7, loc="outside upper right")
+    if skipped:
+        fig.supxlabel(textwrap.fill("not run: " + "; ".join(f"{r['approximation']} ({r['not_applicable']})"
+                                                            for r in skipped), 200), fontsize=7)
+    fig.savefig(path, dpi=110)

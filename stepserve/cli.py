@@ -62,10 +62,11 @@ def _generate(args: argparse.Namespace) -> int:
 def _generate_here(args: argparse.Namespace, request: dict) -> int:
     """One image in this process (`stepserve.oneshot`): the server's engine, no Ray cluster, no Serve."""
     from stepserve.deployments.errors import APIError
-    from stepserve.oneshot import app_config, generate, quiet_libraries, validate
+    from stepserve.oneshot import app_config, gc_paused, generate, quiet_libraries, validate
     from stepserve.runtime import load_serve_config
 
-    with quiet_libraries():  # entered before validation, which imports transformers: it warns as it loads
+    # Both entered before validation, which imports the engine: transformers warns as it loads.
+    with gc_paused(), quiet_libraries():
         app = app_config(load_serve_config(args.config))
         try:  # fail fast, before the model loads
             spec = validate(app, request)

@@ -2,25 +2,40 @@
 
 from __future__ import annotations
 
-from typing import Collection
+import importlib
+from collections.abc import Collection, Iterator, Mapping
 
 import torch
 
 from stepserve.engine.families.base import ALL_PARTS, DENOISER, TEXT, VAE, DiffusionFamily, ModelSource
-from stepserve.engine.families.flux import FluxFamily
-from stepserve.engine.families.sd15 import SD15Family
-from stepserve.engine.families.sd3 import SD3Family
-from stepserve.engine.families.sdxl import SDXLFamily
-from stepserve.engine.families.wan import WanFamily, WanTI2VFamily
 
-FAMILIES: dict[str, type[DiffusionFamily]] = {
-    "sd15": SD15Family,
-    "sdxl": SDXLFamily,
-    "sd3": SD3Family,
-    "flux": FluxFamily,
-    "wan": WanFamily,
-    "wan-ti2v": WanTI2VFamily,
+# name -> (module, class). A family's module is imported when the family is first looked up:
+# each pulls in its own diffusers pipelines and engine wrappers, and `stepserve generate` needs one.
+_WHERE = {
+    "sd15": ("stepserve.engine.families.sd15", "SD15Family"),
+    "sdxl": ("stepserve.engine.families.sdxl", "SDXLFamily"),
+    "sd3": ("stepserve.engine.families.sd3", "SD3Family"),
+    "flux": ("stepserve.engine.families.flux", "FluxFamily"),
+    "wan": ("stepserve.engine.families.wan", "WanFamily"),
+    "wan-ti2v": ("stepserve.engine.families.wan", "WanTI2VFamily"),
 }
+
+
+class _Families(Mapping[str, type[DiffusionFamily]]):
+    """Read-only name -> family class; names and membership need no import, a lookup imports one family."""
+
+    def __getitem__(self, name: str) -> type[DiffusionFamily]:
+        module, cls = _WHERE[name]
+        return getattr(importlib.import_module(module), cls)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_WHERE)
+
+    def __len__(self) -> int:
+        return len(_WHERE)
+
+
+FAMILIES: Mapping[str, type[DiffusionFamily]] = _Families()
 
 
 def family_class(name: str) -> type[DiffusionFamily]:

@@ -1,0 +1,28 @@
+"""bench_fidelity measures each approximation switch against the exact path on the shapes models
+and writes its JSON and plot; a switch at its exact setting reproduces the exact pictures."""
+
+import json
+
+from stepserve.load_tests import bench_fidelity
+
+
+def test_bench_fidelity_writes_its_report(tmp_path):
+    assert bench_fidelity.main(["--prompts", "2", "--steps", "2", "--threads", "1", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "fidelity.json").read_text())
+    rows = {(r["approximation"], r.get("setting")): r for r in report["rows"]}
+    measured = [r for r in rows.values() if "not_applicable" not in r]
+    assert {r["approximation"] for r in measured} == {"patch statistics", "stale ControlNet", "late LoRA join",
+                                                        "CFG parallel"}
+    assert {a for a, _ in rows} - {r["approximation"] for r in measured} == {"patch cache", "cached edits",
+                                                                             "skip-CFG", "step caching"}
+    exact_join = rows[("late LoRA join", "0 (joins at step 0 of 2)")]  # the LoRA waited for at step 0: exact
+    assert exact_join["psnr_db"] is None and exact_join["ssim"] == 1.0 and exact_join["identical"] == 1.0
+    assert exact_join["accuracy_change_points"] == 0 and exact_join["meets_rule"]
+    # Exact up to float rounding: per-image statistics, the ControlNet service without staleness, the CFG split.
+    for row in (r for r in measured if r["default"] or r["approximation"] == "CFG parallel"):
+        assert row["psnr_db"] is None or row["psnr_db"] > 60, row
+        assert row["ssim"] > 0.999, row
+    assert rows[("CFG parallel", "latent_parallel (rows on 2 ranks)")]["ranks_agree"]
+    assert all(0 <= r["prompt_accuracy"] <= 1 for r in measured)
+    assert (tmp_path / "fidelity.png").stat().st_size > 0
+
