@@ -35,7 +35,6 @@ Writes fidelity.json and fidelity.png.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import math
 import sys
@@ -46,15 +45,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import PIL.Image
 
 from stepserve.engine.shapes import dataset
 from stepserve.engine.shapes.judge import Judge, prompt_accuracy
 from stepserve.load_tests.bench_shapes import (
-    HELD_OUT_SEED, add_drawing_arguments, in_batches, load_served, specs_for,
+    HELD_OUT_SEED, add_drawing_arguments, draw, in_batches, load_served, specs_for,
 )
 from stepserve.load_tests.fidelity import psnr, ssim
-from stepserve.policies.types import ControlNetUse, GroupSplit, LoraUse, RequestSpec, StepGroup, WorkerPlan
+from stepserve.policies.types import ControlNetUse, LoraUse, RequestSpec
 from stepserve.runtime import load_serve_config
 
 BATCH = 25  # requests denoised together, as bench_shapes batches them (batch shape changes float rounding)
@@ -64,29 +62,6 @@ RULE_POINTS = 3.0  # ... and prompt accuracy within this many points of exact
 
 def batched(make: Callable[[list[RequestSpec]], np.ndarray], specs: Sequence[RequestSpec]) -> np.ndarray:
     return np.concatenate([make(list(specs[i:i + BATCH])) for i in range(0, len(specs), BATCH)])
-
-
-def served(runner, family, specs: Sequence[RequestSpec], split_over: Any = None) -> np.ndarray:
-    """The specs' pictures (uint8 [n, h, w, 3]) from `runner`, as bench_shapes' `draw` makes them
-    but with a runner of the switch's options; `split_over`: a two-rank process group each
-    request's CFG rows are split over (one group, one forward, per request)."""
-    from stepserve.engine.sampler import Conditioning
-    from stepserve.engine.step_runner import Admission
-    from stepserve.engine.text_encoding import encode_pair
-
-    admissions = {s.request_id: Admission(s, conditioning=Conditioning.from_numpy(*encode_pair(family, s)))
-                  for s in specs}
-    ids = tuple(admissions)
-    groups = (tuple(StepGroup((rid,), (0, 1), GroupSplit.CFG) for rid in ids) if split_over is not None
-              else (StepGroup(ids),))
-    report, _ = runner.execute(WorkerPlan(runner.worker_id, admit=ids, plan_id=0), admissions)
-    total = report.progress[0].steps_total
-    for step in range(1, total + 1):
-        plan = WorkerPlan(runner.worker_id, groups=groups, plan_id=step, finish=ids if step == total else ())
-        report, payloads = runner.execute(plan, {}, sp_group=lambda ranks: split_over)
-        if report.failed:
-            raise RuntimeError(report.failed[0].message)
-    return np.stack([np.asarray(PIL.Image.open(io.BytesIO(png)).convert("RGB")) for png in payloads])
 
 
 class DueLoras:
@@ -119,7 +94,7 @@ def joined_late(family, specs: Sequence[RequestSpec], join_by: float) -> np.ndar
             family.remove_lora(name)
         runner = StepRunner("bench", {chunk[0].model: family}, decode_images=True, loras=DueLoras(family, loras),
                             lora_join_by=join_by)
-        return served(runner, family, chunk)
+        return draw(family, chunk, runner=runner)
 
     try:
         return batched(batch, specs)
@@ -185,7 +160,7 @@ def split_rank(rank: int, world_size: int, folder: str, config: str, model_name:
         try:
             group = dist.new_group(list(range(world_size)))
             runner = StepRunner(f"rank{rank}", {model_name: family}, decode_images=True)
-            pictures = batched(lambda chunk: served(runner, family, chunk, split_over=group), specs)
+            pictures = batched(lambda chunk: draw(family, chunk, runner=runner, split_over=group), specs)
         finally:
             dist.destroy_process_group()
     np.save(Path(folder) / f"rank{rank}.npy", pictures)

@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import PIL.Image
@@ -26,7 +27,7 @@ import PIL.Image
 from stepserve.engine.shapes import dataset
 from stepserve.engine.shapes.judge import Judge, prompt_accuracy
 from stepserve.engine.shapes.export import SHIPPED
-from stepserve.policies.types import ControlNetUse, LoraUse, RequestSpec, StepGroup, WorkerPlan
+from stepserve.policies.types import ControlNetUse, GroupSplit, LoraUse, RequestSpec, StepGroup, WorkerPlan
 from stepserve.runtime import default_config_path, load_serve_config
 
 HELD_OUT_SEED = 2026  # the dataset seed of the held-out prompts (training used seed 0)
@@ -35,24 +36,29 @@ GRID = [f"{'an' if c[0] in 'aeiou' else 'a'} {c} {s} on a {b} background"
         for s in dataset.SHAPES]
 
 
-def draw(family, specs: Sequence[RequestSpec], control: Sequence[np.ndarray | None] = ()) -> np.ndarray:
-    """The specs' pictures (uint8 [n, h, w, 3]), denoised together, one forward per step."""
+def draw(family, specs: Sequence[RequestSpec], control: Sequence[np.ndarray | None] = (), runner=None,
+         split_over: Any = None) -> np.ndarray:
+    """The specs' pictures (uint8 [n, h, w, 3]), denoised together, one forward per step, by
+    `runner` (default: a plain worker's `StepRunner`). `split_over`: a two-rank process group each
+    request's CFG rows are split over (one group, one forward, per request)."""
     from stepserve.engine.sampler import Conditioning, RequestInputs
     from stepserve.engine.step_runner import Admission, StepRunner
     from stepserve.engine.text_encoding import encode_pair
 
-    runner = StepRunner("bench", {specs[0].model: family}, decode_images=True)
+    runner = runner or StepRunner("bench", {specs[0].model: family}, decode_images=True)
     control = list(control) or [None] * len(specs)
     admissions = {
         spec.request_id: Admission(spec, conditioning=Conditioning.from_numpy(
             *encode_pair(family, spec), RequestInputs(control=() if c is None else (c,))))
         for spec, c in zip(specs, control)}
     ids = tuple(admissions)
-    report, _ = runner.execute(WorkerPlan("bench", admit=ids, plan_id=0), admissions)
+    groups = (tuple(StepGroup((rid,), (0, 1), GroupSplit.CFG) for rid in ids) if split_over is not None
+              else (StepGroup(ids),))
+    report, _ = runner.execute(WorkerPlan(runner.worker_id, admit=ids, plan_id=0), admissions)
     total = report.progress[0].steps_total
     for step in range(1, total + 1):
-        report, payloads = runner.execute(WorkerPlan("bench", groups=(StepGroup(ids),), plan_id=step,
-                                                     finish=ids if step == total else ()), {})
+        plan = WorkerPlan(runner.worker_id, groups=groups, plan_id=step, finish=ids if step == total else ())
+        report, payloads = runner.execute(plan, {}, sp_group=lambda ranks: split_over)
         if report.failed:
             raise RuntimeError(report.failed[0].message)
     return np.stack([np.asarray(PIL.Image.open(io.BytesIO(png)).convert("RGB")) for png in payloads])

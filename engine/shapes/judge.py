@@ -18,6 +18,11 @@ from stepserve.engine.shapes import dataset
 SIDE = 64  # the judge looks at every picture at this size
 
 
+def pixels(images: np.ndarray) -> torch.Tensor:
+    """uint8 [n, h, w, 3] as the models' input: float [n, 3, h, w] in [-1, 1]."""
+    return torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2).float() / 127.5 - 1
+
+
 class Judge(ModelMixin, ConfigMixin):
     """Four strided convolutions, then one linear head per question (shape, colour)."""
 
@@ -42,8 +47,7 @@ class Judge(ModelMixin, ConfigMixin):
     @torch.no_grad()
     def name(self, images: np.ndarray) -> list[tuple[str, str]]:
         """(shape, colour) of each uint8 RGB picture [n, h, w, 3]."""
-        x = torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2).float() / 127.5 - 1
-        shape_logits, colour_logits = self(x.to(self.device, self.dtype))
+        shape_logits, colour_logits = self(pixels(images).to(self.device, self.dtype))
         colours = list(dataset.COLOURS)
         return [(dataset.SHAPES[s], colours[c])
                 for s, c in zip(shape_logits.argmax(1).tolist(), colour_logits.argmax(1).tolist())]

@@ -28,7 +28,7 @@ from stepserve.engine.addons.lora import LoraLayer, LoraWeights
 from stepserve.engine.families.presets import autoencoder_kl
 from stepserve.engine.families.sd15 import SD_SCHEDULER
 from stepserve.engine.shapes import dataset
-from stepserve.engine.shapes.judge import Judge, judge_targets
+from stepserve.engine.shapes.judge import Judge, judge_targets, pixels
 from stepserve.engine.tokenizer import word_clip_tokenizer
 
 TOKENS = 32  # the text encoder's context: the longest caption is 14 tokens with its markers
@@ -125,11 +125,6 @@ def _fit(params: Iterable[nn.Parameter], loss: Callable[[int], torch.Tensor], st
             after_step()
         log.add(value.item())
     log.close()
-
-
-def pixels(images: np.ndarray) -> torch.Tensor:
-    """uint8 [n, h, w, 3] as the VAE's input: float [n, 3, h, w] in [-1, 1]."""
-    return torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1
 
 
 class Latents:
