@@ -13,8 +13,8 @@ video's frames.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 from uuid import uuid4
 
@@ -23,19 +23,20 @@ import torch
 
 from stepserve.actors.activation_cache import ActivationCache
 from stepserve.actors.activation_store import StoreActivations, node_store
-from stepserve.actors.sp_world import DEFAULT_TIMEOUT_S, SPWorld, backend_for, rendezvous_address
 from stepserve.actors.controlnet_client import ServiceControlNets
 from stepserve.actors.lora_store import StoreLoras
 from stepserve.actors.node_stores import stores_by_node
-from stepserve.engine.addons.source import AddonKind, AddonSource, load_addon
-from stepserve.engine.editing.masked_sd3 import CacheKind
+from stepserve.actors.sp_world import DEFAULT_TIMEOUT_S, SPWorld, backend_for, rendezvous_address
+from stepserve.actors.worker_options import WorkerPoolSpec, WorkerServices
+from stepserve.engine.addons.source import AddonKind, load_addon
 from stepserve.engine.families import DENOISER, TEXT, VAE, ModelSource, family_class, load_family
-from stepserve.engine.patch_cache.calibration import PatchCacheSpec, calibrate
+from stepserve.engine.patch_cache.calibration import calibrate
 from stepserve.engine.sampler import Conditioning
 from stepserve.engine.step_runner import Admission, StepRunner
 from stepserve.engine.template_edits import TemplateCache
 from stepserve.engine.text_encoding import CachedTextEncoder, Pair, encode_items, text_item
 from stepserve.policies.types import RequestFailure, RequestSpec, StepReport, WorkerPlan
+from stepserve.routing.core import AdmissionRef
 
 CONTROL = "control"  # the concurrency group of the calls that must not wait for a running plan
 
@@ -49,21 +50,6 @@ LOST = (
     ray.exceptions.WorkerCrashedError,
     ray.exceptions.ObjectFetchTimedOutError,
 )
-
-
-@dataclass(frozen=True)
-class AdmissionRef:
-    """The router's admission bundle: the spec, and an object ref to either the text encoder's
-    (prompt, negative-or-None) embeddings, an `engine.text_encoding.Pair` (`resume=False`), or a
-    state another worker exported (`resume=True`). A fresh start with no ref (None) is encoded by
-    the worker (`text_encoder.on_workers`). `inputs`: for a fresh start of a request with
-    ControlNets or of an edit, an object ref to its `engine.sampler.RequestInputs` (pixels, as
-    the ingress prepared them)."""
-
-    spec: RequestSpec
-    source: Any  # ray.ObjectRef, or None: the worker encodes the prompts
-    resume: bool = False
-    inputs: Any = None  # ray.ObjectRef or None
 
 
 def resolve_device(device: str) -> str:
@@ -89,56 +75,53 @@ def worker_parts(source: ModelSource, decode_images: bool = False, encode_text: 
 
 
 class DenoiserWorker:
-    def __init__(self, worker_id: str, models: Sequence[ModelSource], device: str = "auto",
-                 torch_threads: int | None = None, decode_images: bool = False, text_cache_size: int | None = None,
-                 addons: Sequence[AddonSource] = (), lora_stores: Mapping[str, Any] | None = None,
-                 lora_join_by: float = 0.0, max_resident_loras: int = 32, controlnet_service: Any | None = None,
-                 controlnet_stale: bool = False, activation_stores: Mapping[str, Any] | None = None,
-                 edit_cache_kind: CacheKind = CacheKind.KEYS_VALUES, edit_cache_worker_bytes: int = 4 << 30,
-                 pack_resolutions: bool = False, patch_cache: PatchCacheSpec | None = None):
-        """`text_cache_size`: None, the text encoder deployment encodes prompts; else this worker
-        does, keeping that many embeddings. `addons`: the ControlNets it holds and the LoRAs it
-        serves; LoRAs come from `lora_stores` (by node id; this node's, or any) as requests need
-        them, or, with no store, are all loaded here at start. `controlnet_service`: a handle to the
-        ControlNet deployment, which then runs the ControlNets instead of this worker; with
-        `controlnet_stale`, a step may add the residuals of its request's previous step.
-        `activation_stores` (by node id; `edit_cache`): edits of templates reuse the cached
-        activations (of `edit_cache_kind`) this node's store holds, and record them there when
-        it has none; it keeps those it used last in `edit_cache_worker_bytes` of its own.
-        `pack_resolutions`: a plan's plain groups of one model run as one forward where its family
-        can (`StepRunner`). `patch_cache`: the models whose family has a patch cache reuse their
-        requests' patches across steps, with a predictor calibrated here, now."""
-        if torch_threads:
-            torch.set_num_threads(torch_threads)
-        self.device = resolve_device(device)
-        encodes = text_cache_size is not None
-        calibrates = patch_cache is not None
-        families = {m.name: load_family(m, worker_parts(m, decode_images, encodes, calibrates), self.device)
+    def __init__(self, worker_id: str, models: Sequence[ModelSource], options: WorkerPoolSpec = WorkerPoolSpec(),
+                 services: WorkerServices = WorkerServices()):
+        """`options.encode_text`: this worker encodes the prompts of what it admits, keeping
+        `text_cache_size` embeddings (else the text encoder deployment does). `addons`: the
+        ControlNets it holds and the LoRAs it serves; LoRAs come from `services.lora_stores` (this
+        node's, or any) as requests need them, or, with no store, are all loaded here at start.
+        `services.controlnet_service`: the ControlNet deployment, which then runs the ControlNets
+        instead of this worker; with `controlnet_stale`, a step may add the residuals of its
+        request's previous step. `services.activation_stores` (`edit_cache`): edits of templates
+        reuse the cached activations (of `edit_cache_kind`) this node's store holds, and record
+        them there when it has none; it keeps those it used last in `edit_cache_worker_bytes` of
+        its own. `pack_resolutions`: a plan's plain groups of one model run as one forward where
+        its family can (`StepRunner`). `patch_cache`: the models whose family has a patch cache
+        reuse their requests' patches across steps, with a predictor calibrated here, now."""
+        o = options
+        if o.torch_threads:
+            torch.set_num_threads(o.torch_threads)
+        self.device = resolve_device(o.device)
+        calibrates = o.patch_cache is not None
+        families = {m.name: load_family(m, worker_parts(m, o.decode_images, o.encode_text, calibrates), self.device)
                     for m in models}
         loras = None
-        if lora_stores:
-            store = stores_by_node(lora_stores, ray.get_runtime_context().get_node_id())
-            loras = StoreLoras(store, families, max_resident_loras)
-        for addon in addons:
-            here = loras is None if addon.kind is AddonKind.LORA else controlnet_service is None
+        if services.lora_stores:
+            store = stores_by_node(services.lora_stores, ray.get_runtime_context().get_node_id())
+            loras = StoreLoras(store, families, o.max_resident_loras)
+        controlnets = services.controlnet_service
+        for addon in o.addons:
+            here = loras is None if addon.kind is AddonKind.LORA else controlnets is None
             if here:
                 load_addon(addon, families[addon.model])
-        if controlnet_service is not None:
+        if controlnets is not None:
             for family in families.values():
                 if family.takes_addons:
-                    family.controlnet_service = ServiceControlNets(controlnet_service)
-                    family.controlnet_stale = controlnet_stale
-        self.text = CachedTextEncoder(families, text_cache_size) if encodes else None
+                    family.controlnet_service = ServiceControlNets(controlnets)
+                    family.controlnet_stale = o.controlnet_stale
+        self.text = CachedTextEncoder(families, o.text_cache_size) if o.encode_text else None
         # New on every process start: a restarted actor has lost every resident request.
         self.incarnation = uuid4().hex
         templates = None
-        if activation_stores:
-            local = ActivationCache(edit_cache_worker_bytes) if edit_cache_worker_bytes else None
-            templates = TemplateCache(StoreActivations(node_store(activation_stores), local), edit_cache_kind)
-        patch_reuse = {name: calibrate(family, name, patch_cache) for name, family in families.items()
-                       if patch_cache is not None and family.patch_cached}
-        self.runner = StepRunner(worker_id, families, self.incarnation, decode_images, loras, lora_join_by,
-                                 templates, pack_resolutions, patch_reuse)
+        if services.activation_stores:
+            local = ActivationCache(o.edit_cache_worker_bytes) if o.edit_cache_worker_bytes else None
+            templates = TemplateCache(StoreActivations(node_store(services.activation_stores), local),
+                                      o.edit_cache_kind)
+        patch_reuse = {name: calibrate(family, name, o.patch_cache) for name, family in families.items()
+                       if calibrates and family.patch_cached}
+        self.runner = StepRunner(worker_id, families, self.incarnation, o.decode_images, loras, o.lora_join_by,
+                                 templates, o.pack_resolutions, patch_reuse)
         self.sp_world: SPWorld | None = None
         self._interrupted = 0  # the plan id the router last asked to cut short
         self._held_since: float | None = None  # when the last plan ended with requests resident

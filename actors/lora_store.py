@@ -22,11 +22,11 @@ import numpy as np
 import ray
 import torch
 
-from stepserve.actors.lora_residency import LoraResidency
 from stepserve.engine.addons.lora import LoraLayer, LoraWeights, load_lora_file
 from stepserve.engine.addons.presets import preset_lora
 from stepserve.engine.addons.source import AddonKind, AddonSource
 from stepserve.engine.families import DENOISER, ModelSource, load_family
+from stepserve.routing.lora_residency import LoraResidency
 
 # A LoRA as the store hands it out: (name, {module: (down, up, scaling)}) in numpy.
 LoraArrays = tuple[str, dict[str, tuple[np.ndarray, np.ndarray, float]]]

@@ -26,21 +26,21 @@ from typing import Any
 import ray
 
 from stepserve.actors.activation_store import start_activation_stores
-from stepserve.actors.denoiser import AdmissionRef
 from stepserve.actors.metrics import RouterMetrics
-from stepserve.actors.pool import WorkerPoolSpec, start_lora_stores, start_workers
-from stepserve.actors.router_core import Admission, CoreConfig, Outcome, QueueFullError, RouterCore, WorkerSlot
+from stepserve.actors.pool import start_lora_stores, start_workers
+from stepserve.actors.worker_options import WorkerPoolSpec
 from stepserve.engine.families import ModelSource, family_class
 from stepserve.engine.template_edits import template_key
 from stepserve.engine.text_encoding import text_item
 from stepserve.policies import make_policy, needs_costs
-from stepserve.policies.admission import LoadReport, is_quiet
 from stepserve.policies.addon_costs import ControlNetPlacement
+from stepserve.policies.admission import LoadReport, is_quiet
 from stepserve.policies.cost_model import CostModel, ProfiledCostModel, load_profile
 from stepserve.policies.instgenie.edit_profile import profiled_costs
 from stepserve.policies.patchedserve.mixed_costs import packed
 from stepserve.policies.patchedserve.packed_profile import packing_fits
 from stepserve.policies.types import RequestFailure, RequestKind, RequestSpec, RequestStatus, WorkerPlan
+from stepserve.routing.core import AdmissionRef, CoreConfig, Outcome, QueueFullError, RouterCore, WorkerSlot
 
 logger = logging.getLogger("stepserve.router")
 
@@ -368,10 +368,9 @@ class Router:
             if decision.plans or decision.discard:
                 self._published()
 
-    def _send(self, plan: WorkerPlan, admissions: tuple[Admission, ...]) -> list[ray.ObjectRef]:
+    def _send(self, plan: WorkerPlan, admissions: tuple[AdmissionRef, ...]) -> list[ray.ObjectRef]:
         """Dispatch one plan; returns refs to what it will return (owned here, so they outlive
         the worker). Ray runs one caller's calls to an actor in order."""
-        refs = [AdmissionRef(a.spec, a.source, a.resume, a.inputs) for a in admissions]
         for rid in plan.admit:
             state = self.core.state(rid)
             if state.admit_time is None:
@@ -379,7 +378,7 @@ class Router:
         for group in plan.groups:  # counted at the group's first rank
             if group.ranks and self.core.rank(plan.worker_id) == group.ranks[0]:
                 self.metrics.split_steps.labels(group.split.value).inc(plan.steps)
-        returns = self.workers[plan.worker_id].execute.options(num_returns=1 + len(plan.outputs)).remote(plan, refs)
+        returns = self.workers[plan.worker_id].execute.options(num_returns=1 + len(plan.outputs)).remote(plan, admissions)
         if not plan.outputs:
             returns = [returns]
         self._reports[plan.worker_id].append(returns[0])

@@ -17,15 +17,15 @@ from stepserve.engine.editing.masked_sd3 import CacheKind
 from stepserve.engine.families import FAMILIES, ModelSource, family_class
 from stepserve.engine.patch_cache.calibration import PatchCacheSpec
 from stepserve.policies import needs_costs
-from stepserve.policies.registry import validate_policy
 from stepserve.policies.addon_costs import ControlNetPlacement
+from stepserve.policies.registry import validate_policy
 from stepserve.policies.types import LoraBatching, RequestKind
 
 
 if TYPE_CHECKING:
     from stepserve.actors.activation_store import ActivationStoreSpec
-    from stepserve.actors.pool import WorkerPoolSpec
-    from stepserve.actors.router_core import CoreConfig
+    from stepserve.actors.worker_options import WorkerPoolSpec
+    from stepserve.routing.core import CoreConfig
 
 
 class _Strict(BaseModel):
@@ -279,7 +279,7 @@ class WorkersConfig(_Strict):
     )
 
     def to_spec(self) -> "WorkerPoolSpec":
-        from stepserve.actors.pool import WorkerPoolSpec  # imports Ray: not for the one-shot CLI
+        from stepserve.actors.worker_options import WorkerPoolSpec  # imports Ray: not for the one-shot CLI
 
         return WorkerPoolSpec(**self.model_dump())
 
@@ -350,7 +350,7 @@ class RouterConfig(_Strict):
         return self
 
     def core_config(self) -> CoreConfig:
-        from stepserve.actors.router_core import CoreConfig  # the router's state machine: not for the one-shot CLI
+        from stepserve.routing.core import CoreConfig  # the router's state machine: not for the one-shot CLI
 
         return CoreConfig(
             pipeline_depth=self.pipeline_depth, pipeline_lead_s=self.pipeline_lead_s, max_plan_s=self.max_plan_s,

@@ -24,11 +24,11 @@ from typing import Any
 import ray
 
 from stepserve.actors.router import RequestCancelledError, RequestDiscardedError, RequestFailedError
-from stepserve.actors.router_core import DuplicateRequestError, QueueFullError
 from stepserve.deployments.errors import APIError, server_error
 from stepserve.deployments.jobs import IdempotencyConflict, JobTableFull
 from stepserve.policies.admission import EdgeLedger, LoadReport, Verdict
 from stepserve.policies.types import RequestKind
+from stepserve.routing.core import DuplicateRequestError, QueueFullError
 
 logger = logging.getLogger("stepserve.edge")
 

@@ -20,19 +20,19 @@ from typing import Any
 import ray
 from prometheus_client import Counter
 
-from stepserve.actors.router_core import DuplicateRequestError
 from stepserve.deployments.config import AppConfig
 from stepserve.deployments.edge import AdmissionGate, as_api_error
+from stepserve.deployments.edit_validation import parse_edit, to_edit_specs
 from stepserve.deployments.image_hints import record_hints
 from stepserve.deployments.image_inputs import control_inputs
 from stepserve.deployments.image_output import ImageOutput, encode_all, output_for
 from stepserve.deployments.jobs import IdempotencyConflict
-from stepserve.deployments.edit_validation import parse_edit, to_edit_specs
 from stepserve.deployments.protocol import ImageEditRequest, ImageGenerationRequest
 from stepserve.deployments.validation import parse_request, to_specs
-from stepserve.engine.sampler import RequestInputs
 from stepserve.deployments.videos import key_seed, request_digest
+from stepserve.engine.sampler import RequestInputs
 from stepserve.policies.types import RequestSpec
+from stepserve.routing.core import DuplicateRequestError
 
 
 class ImageRequests:

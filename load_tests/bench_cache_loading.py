@@ -67,15 +67,15 @@ from matplotlib.ticker import MaxNLocator
 
 from stepserve.engine.editing.block_costs import BlockCosts, measure_block_costs
 from stepserve.engine.editing.block_loader import BlockLoader, pin
-from stepserve.engine.editing.record_file import RecordFile
 from stepserve.engine.editing.masked_sd3 import (
     CacheKind, MaskedPlan, SD3Inputs, masked_forward, plain_forward, recording_forward, token_index,
 )
+from stepserve.engine.editing.record_file import RecordFile
 from stepserve.load_tests.bench_masked_compute import (
     CONFIGS, DTYPES, VAE_SCALE, box_mask, build_transformer, difference, interleaved_times, make_inputs,
 )
 from stepserve.policies.instgenie.pipeline_dp import Loading, Pipeline, plan
-from stepserve.profile import Stopwatch, device_description, log, set_threads
+from stepserve.profiling.common import Stopwatch, device_description, log, set_threads
 
 LOADINGS = {
     CacheKind.OUTPUTS: (Loading.IDEAL, Loading.NAIVE, Loading.ALWAYS_LOAD, Loading.ALGORITHM1, Loading.OPTIMAL),

@@ -45,7 +45,7 @@ from stepserve.engine.text_encoding import encode_conditioning
 from stepserve.load_tests.plots import plot_overhead
 from stepserve.load_tests.workload import DEFAULT_PROMPT, ScheduledRequest
 from stepserve.policies.types import RequestSpec, StepGroup, WorkerPlan
-from stepserve.profile import Stopwatch
+from stepserve.profiling.common import Stopwatch
 from stepserve.runtime import tiny_config_path, load_serve_config
 
 TARGET_ENGINE_RATIO = 1.10  # the bar: stepserve / diffusers at engine level

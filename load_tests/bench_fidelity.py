@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     from stepserve.engine.patched import NormStats
     from stepserve.load_tests.plots import plot_fidelity
     from stepserve.oneshot import quiet_libraries
-    from stepserve.profile import log
+    from stepserve.profiling.common import log
 
     torch.set_num_threads(args.threads)
     started = time.perf_counter()

@@ -44,7 +44,7 @@ from stepserve.engine.editing.masked_sd3 import (
 )
 from stepserve.engine.families.presets import created_as
 from stepserve.engine.families.sd3 import TINY
-from stepserve.profile import Stopwatch, device_description, interleaved_times, log, set_threads
+from stepserve.profiling.common import Stopwatch, device_description, interleaved_times, log, set_threads
 
 VAE_SCALE = 8  # SD3's VAE: 8x downscale, 16 latent channels
 ROWS = 2  # one request with classifier-free guidance

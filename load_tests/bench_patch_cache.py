@@ -15,7 +15,7 @@ where a learned predictor allows, against the exact generation (same request, sa
    relative L2 error of the latents against the exact ones; the share of patch decisions that
    reused (PatchedServe Fig. 19's computation savings), overall and per step.
 4. Speed: whole generations, stepped in lockstep with each step's forwards timed round-robin
-   (`stepserve.profile.interleaved_times`), `--repeats` times: the exact
+   (`stepserve.profiling.common.interleaved_times`), `--repeats` times: the exact
    forward (`family.denoise`), the patch cache with a predictor that never reuses (the cost of
    the cache's bookkeeping alone), and each tolerance.
 
@@ -54,7 +54,7 @@ from stepserve.engine.sampler import Sampler
 from stepserve.engine.text_encoding import encode_conditioning
 from stepserve.load_tests.fidelity import psnr, ssim
 from stepserve.policies.types import RequestSpec
-from stepserve.profile import Stopwatch, device_description, interleaved_times, log, set_threads
+from stepserve.profiling.common import Stopwatch, device_description, interleaved_times, log, set_threads
 
 MODEL = "sd3-bench"
 CALIBRATION = (("a red fox in the snow", 11), ("a city street at night", 12))  # (prompt, seed)

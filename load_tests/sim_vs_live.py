@@ -273,7 +273,7 @@ def measure_profile(config: Path, out: Path, requests: list) -> list[Path]:
     """`stepserve profile` for every model in the requests, at their sizes, into one CSV each
     in `out`."""
     if any(r.is_video for r in requests):
-        from stepserve.profile_video import GRIDS  # torch: only when a video model is measured
+        from stepserve.profiling.video import GRIDS  # torch: only when a video model is measured
 
         for note in frame_notes(requests, GRIDS["cpu"].frames):
             log(note)

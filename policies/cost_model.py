@@ -831,7 +831,7 @@ class ProfiledCostModel:
     def video_step_seconds(self, model: str, height: int, width: int, frames: int, degree: int,
                            cfg: bool = True) -> float:
         """`step_seconds` of one video, raising for an unprofiled degree: what `stepserve profile`
-        prints after a video profile (stepserve/profile_video.py)."""
+        prints after a video profile (stepserve/profiling/video.py)."""
         batch = BatchShape(model, height, width, 2 if cfg else 1, frames, degree)
         return self.denoise_seconds(batch) + self.round_overhead_seconds((batch,))
 

@@ -120,7 +120,7 @@ def _error_text(response: httpx.Response) -> str:
 
 
 def _profile(args: argparse.Namespace) -> int:
-    from stepserve.profile import run_profile  # torch and Ray load only when profiling
+    from stepserve.profiling.images import run_profile  # torch and Ray load only when profiling
 
     return run_profile(args)
 

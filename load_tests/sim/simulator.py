@@ -50,7 +50,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from stepserve.actors.router_core import Admission, CoreConfig, QueueFullError, RouterCore, WorkerSlot
 from stepserve.load_tests.edit_workload import ScheduledEdit
 from stepserve.load_tests.metrics import Summary, summarize
 from stepserve.load_tests.records import RequestRecord, record_of
@@ -63,6 +62,7 @@ from stepserve.policies import make_policy, needs_costs
 from stepserve.policies.cost_model import BatchShape
 from stepserve.policies.types import (ControlNetUse, LoraBatching, LoraUse, RequestKind, RequestSpec, RequestStatus,
                                       WorkerPlan)
+from stepserve.routing.core import AdmissionRef, CoreConfig, QueueFullError, RouterCore, WorkerSlot
 
 
 @dataclass(frozen=True)
@@ -224,7 +224,7 @@ class _Pending:
 class _Queued:
     __slots__ = ("plan", "admissions", "handles", "gang")
 
-    def __init__(self, plan: WorkerPlan, admissions: tuple[Admission, ...], handles: list[_Handle], gang: int):
+    def __init__(self, plan: WorkerPlan, admissions: tuple[AdmissionRef, ...], handles: list[_Handle], gang: int):
         self.plan, self.admissions, self.handles, self.gang = plan, admissions, handles, gang
 
 
@@ -438,7 +438,7 @@ class Simulation:
         self._wakes.discard(at)
         self._request_decision()
 
-    def _send(self, plan: WorkerPlan, admissions: tuple[Admission, ...]) -> list[_Handle]:
+    def _send(self, plan: WorkerPlan, admissions: tuple[AdmissionRef, ...]) -> list[_Handle]:
         handles = [_Handle() for _ in plan.outputs]
         lane = self.lanes[plan.worker_id]
         # Every member of an SP step is sent in the same decision pass: that pass names the gang.

@@ -20,9 +20,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from stepserve.actors.lora_residency import LoraResidency
 from stepserve.policies.cost_model import BatchShape
 from stepserve.policies.types import RequestFailure, RequestProgress, RequestSpec, StepReport, WorkerPlan
+from stepserve.routing.lora_residency import LoraResidency
 
 
 @dataclass(frozen=True)

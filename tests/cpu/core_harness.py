@@ -11,10 +11,10 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from stepserve.actors.router_core import Admission, CoreConfig, Outcome, RouterCore, WorkerSlot
 from stepserve.load_tests.sim.worker import SimAdmission, SimWorker
 from stepserve.policies import make_policy
 from stepserve.policies.types import LoraBatching, RequestKind, RequestSpec, WorkerPlan
+from stepserve.routing.core import AdmissionRef, CoreConfig, Outcome, RouterCore, WorkerSlot
 
 TICK = 0.01
 
@@ -52,7 +52,7 @@ class Harness:
         self.outcomes: list[Outcome] = []
         self.now = 0.0
 
-    def send(self, plan: WorkerPlan, admissions: tuple[Admission, ...]) -> list[Handle]:
+    def send(self, plan: WorkerPlan, admissions: tuple[AdmissionRef, ...]) -> list[Handle]:
         handles = [Handle() for _ in plan.outputs]
         self.queues[plan.worker_id].append((plan, admissions, handles))
         self.sent.append(plan)

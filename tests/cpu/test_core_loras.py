@@ -10,10 +10,10 @@ from dataclasses import replace
 
 import pytest
 
-from stepserve.actors.lora_residency import LoraResidency
 from stepserve.load_tests.sim.worker import SimAdmission, SimWorker
 from stepserve.policies.base import PolicyError
 from stepserve.policies.types import Decision, LoraBatching, LoraUse, StepGroup, WorkerPlan
+from stepserve.routing.lora_residency import LoraResidency
 from tests.cpu.core_harness import Harness, spec
 
 

@@ -65,7 +65,8 @@ def test_quick_profile_writes_a_loadable_csv(tmp_path):
 
 
 def test_live_rows_charge_what_a_live_step_costs_beyond_the_in_process_one():
-    from stepserve.profile import QUICK, Context, LiveResult, Stopwatch, live_rows
+    from stepserve.profiling.common import QUICK, Context, Stopwatch
+    from stepserve.profiling.live import LiveResult, live_rows
 
     ctx = Context("m", "cpu", None, QUICK, Stopwatch("cpu"), "measured today")
     echo = ctx.row(ROUND_OVERHEAD, 0.0015, 200, note="Ray actor round trip")
@@ -87,8 +88,8 @@ def test_live_rows_charge_what_a_live_step_costs_beyond_the_in_process_one():
 
 def test_the_model_work_timed_between_live_pairs_is_what_a_request_does_once():
     from stepserve.engine.families import ALL_PARTS, load_family
-    from stepserve.profile import image_model_work
-    from stepserve.profile_video import video_model_work
+    from stepserve.profiling.images import image_model_work
+    from stepserve.profiling.video import video_model_work
 
     image = load_family(ModelConfig(name="tiny-sd", family="sd15", preset="tiny").to_source(), ALL_PARTS, "cpu")
     embeddings, png = image_model_work(image, 64, 2)()
@@ -102,7 +103,8 @@ def test_live_rows_record_the_host_when_the_live_check_read_it():
     from dataclasses import replace
 
     from stepserve.policies.cost_model import HOST_IDLE, ROUTER_CPU, ProfiledCostModel
-    from stepserve.profile import QUICK, Context, LiveResult, Stopwatch, live_rows
+    from stepserve.profiling.common import QUICK, Context, Stopwatch
+    from stepserve.profiling.live import LiveResult, live_rows
 
     ctx = Context("m", "cpu", None, QUICK, Stopwatch("cpu"), "measured today")
     echo = ctx.row(ROUND_OVERHEAD, 0.0015, 200, note="Ray actor round trip")
@@ -122,7 +124,7 @@ def test_live_rows_record_the_host_when_the_live_check_read_it():
 
 
 def test_the_idle_reading_is_the_whole_machine_over_the_window():
-    from stepserve.profile import measure_idle_cores
+    from stepserve.profiling.live import measure_idle_cores
 
     # A process spinning for the whole window is a core busy: the reading sees it.
     busy = "import time\nt = time.monotonic()\nwhile time.monotonic() - t < 3: pass"

@@ -14,8 +14,8 @@ from stepserve.engine.template_edits import TemplateEdit, template_forward
 from stepserve.engine.text_encoding import embed
 from stepserve.policies.cost_model import DENOISE, BatchShape, ProfiledCostModel, read_profile
 from stepserve.policies.instgenie import MaskAwareCosts, profiled_costs
-from stepserve.profile import PROMPT, QUICK, Context, Stopwatch, choose_grid, first_timestep, forward_inputs
-from stepserve.profile_edits import ProfiledEdit, masked_tokens, measure_masked, self_records
+from stepserve.profiling.common import PROMPT, QUICK, Context, Stopwatch, choose_grid, first_timestep, forward_inputs
+from stepserve.profiling.edits import ProfiledEdit, masked_tokens, measure_masked, self_records
 
 GRID = QUICK.__class__(**{**QUICK.__dict__, "repeats": 1, "mask_ratios": (0.25, 0.5)})
 

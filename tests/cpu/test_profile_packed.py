@@ -6,8 +6,9 @@ import torch
 
 from stepserve.engine.families import ALL_PARTS, ModelSource, load_family
 from stepserve.policies.cost_model import DENOISE, ProfiledCostModel, read_profile, write_profile
-from stepserve.profile import QUICK, Context, Stopwatch, measure_denoise
-from stepserve.profile_packed import measure_packed, packed_fit_report, size_mixes
+from stepserve.profiling.common import QUICK, Context, Stopwatch
+from stepserve.profiling.images import measure_denoise
+from stepserve.profiling.packed import measure_packed, packed_fit_report, size_mixes
 
 GRID = QUICK.__class__(**{**QUICK.__dict__, "sizes": (64, 128), "batches": (1, 2), "repeats": 1,
                           "packed_batches": (1, 2)})

@@ -1,4 +1,4 @@
-"""RouterCore: the one state machine for images and videos under every policy (actors/router_core.py).
+"""RouterCore: the one state machine for images and videos under every policy (stepserve/routing/core.py).
 
 Driven by `core_harness.Harness` (SimWorkers execute the plans); policies are the real ones,
 or a `FixedPolicy` test double that returns whatever decision a test hands it.
@@ -8,13 +8,6 @@ import random
 
 import pytest
 
-from stepserve.actors.router_core import (
-    CoreConfig,
-    DuplicateRequestError,
-    QueueFullError,
-    RouterCore,
-    WorkerSlot,
-)
 from stepserve.policies import make_policy
 from stepserve.policies.base import PolicyError
 from stepserve.policies.types import (
@@ -25,6 +18,13 @@ from stepserve.policies.types import (
     StepGroup,
     StepReport,
     WorkerPlan,
+)
+from stepserve.routing.core import (
+    CoreConfig,
+    DuplicateRequestError,
+    QueueFullError,
+    RouterCore,
+    WorkerSlot,
 )
 
 from tests.cpu.core_harness import Harness, spec

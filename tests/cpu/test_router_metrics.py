@@ -1,8 +1,8 @@
 from prometheus_client.parser import text_string_to_metric_families
 
 from stepserve.actors.metrics import ROUTER_STAGES, RouterMetrics
-from stepserve.actors.router_core import RequestState
 from stepserve.policies.types import RequestKind, RequestStatus
+from stepserve.routing.core import RequestState
 
 
 def state(kind=RequestKind.T2I, ready=1.5, admit=2.0, denoised=6.0, steps=20) -> RequestState:

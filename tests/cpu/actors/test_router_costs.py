@@ -9,9 +9,8 @@ import math
 import pytest
 
 from stepserve.actors.activation_store import ActivationStoreSpec
-from stepserve.actors.pool import WorkerPoolSpec
+from stepserve.actors.worker_options import WorkerPoolSpec
 from stepserve.actors.router import RouterSpec, router_costs
-from stepserve.actors.router_core import CoreConfig
 from stepserve.engine.editing.masked_sd3 import CacheKind
 from stepserve.engine.families import ModelSource, family_class
 from stepserve.policies import make_policy
@@ -21,6 +20,7 @@ from stepserve.policies.cost_model import (
 from stepserve.policies.instgenie import DiTDims, MaskAwareCosts, forward_flops
 from stepserve.policies.patchedserve.mixed_costs import PackedForwardCosts
 from stepserve.policies.types import RequestKind, RequestStatus, RequestView, ShapeKey
+from stepserve.routing.core import CoreConfig
 
 SD3 = ModelSource("tiny-sd3", "sd3", preset="tiny")
 SD15 = ModelSource("tiny-sd", "sd15", preset="tiny")

@@ -20,12 +20,12 @@ import ray.serve
 from fastapi.testclient import TestClient
 
 from stepserve.actors.router import RequestCancelledError
-from stepserve.actors.router_core import DuplicateRequestError
 from stepserve.deployments import ingress as ingress_module
 from stepserve.deployments.config import AppConfig
 from stepserve.deployments.job_store import JobStore
 from stepserve.policies.admission import LoadReport
 from stepserve.policies.types import RequestSpec
+from stepserve.routing.core import DuplicateRequestError
 
 # What the text of a Ray failure carries; no response body may ever show any of it.
 NODE_IP, ACTOR_ID, PID = "10.0.0.7", "4f2c9e1d7a", 4242

@@ -7,7 +7,6 @@ import pytest
 import ray.exceptions
 
 from stepserve.actors.router import RequestCancelledError, RequestDiscardedError, RequestFailedError
-from stepserve.actors.router_core import DuplicateRequestError, QueueFullError
 from stepserve.deployments import edge
 from stepserve.deployments.edge import AdmissionGate, as_api_error, mapped
 from stepserve.deployments.errors import APIError
@@ -15,6 +14,7 @@ from stepserve.deployments.job_store import JobStore
 from stepserve.deployments.jobs import IdempotencyConflict, JobTableFull
 from stepserve.policies.admission import ClassLoad, LoadReport
 from stepserve.policies.types import RequestKind, RequestSpec
+from stepserve.routing.core import DuplicateRequestError, QueueFullError
 from tests.cpu.deployments.fakes import ACTOR_ID, LEAKS, LEAKY_TEXT, NODE_IP, PID, FakeRouter, eventually
 
 T2I, T2V = RequestKind.T2I, RequestKind.T2V

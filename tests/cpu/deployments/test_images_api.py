@@ -13,7 +13,6 @@ import ray.exceptions
 from prometheus_client.parser import text_string_to_metric_families
 
 from stepserve.actors.router import RequestFailedError
-from stepserve.actors.router_core import QueueFullError
 from stepserve.deployments import ingress as ingress_module
 from stepserve.deployments.errors import APIError
 from stepserve.deployments.images import request_id_for
@@ -21,6 +20,7 @@ from stepserve.deployments.protocol import ImageGenerationRequest
 from stepserve.deployments.videos import key_seed
 from stepserve.policies.admission import ClassLoad
 from stepserve.policies.types import RequestKind
+from stepserve.routing.core import QueueFullError
 from tests.cpu.deployments.fakes import (
     LEAKY_TEXT,
     ManualClock,

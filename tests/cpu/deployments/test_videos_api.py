@@ -15,12 +15,12 @@ import pytest
 import ray.exceptions
 from PIL import Image
 
-from stepserve.actors.router_core import DuplicateRequestError, QueueFullError
 from stepserve.deployments.errors import APIError
 from stepserve.deployments.video_validation import VideoCreateRequest
 from stepserve.deployments.videos import preferred_wait_s
 from stepserve.policies.admission import ClassLoad
 from stepserve.policies.types import RequestKind
+from stepserve.routing.core import DuplicateRequestError, QueueFullError
 from tests.cpu.deployments.fakes import (
     ManualClock,
     assert_error,

@@ -4,10 +4,12 @@ cannot be encoded fails only its own request, and a worker that does not encode 
 
 import numpy as np
 
-from stepserve.actors.denoiser import AdmissionRef, DenoiserWorker, worker_parts
+from stepserve.actors.denoiser import DenoiserWorker, worker_parts
+from stepserve.actors.worker_options import WorkerPoolSpec
 from stepserve.engine.families import DENOISER, TEXT, VAE
 from stepserve.engine.step_runner import StepRunner
 from stepserve.policies.types import StepGroup, WorkerPlan
+from stepserve.routing.core import AdmissionRef
 
 from tests.tiny import TINY, TINY_FLUX, admission_for, make_spec
 
@@ -22,7 +24,7 @@ def test_a_worker_loads_the_text_encoders_only_when_it_encodes_prompts():
 
 
 def test_prompts_encoded_on_the_worker_give_the_text_encoders_images(tiny_family):
-    worker = DenoiserWorker("w0", [TINY], "cpu", text_cache_size=8)
+    worker = DenoiserWorker("w0", [TINY], WorkerPoolSpec(device="cpu", encode_text=True, text_cache_size=8))
     # CFG with a negative prompt, no CFG, and the same prompt again (a cache hit).
     specs = [make_spec("a", steps=2, seed=1, negative="blurry"), make_spec("b", steps=2, seed=2, guidance=1.0),
              make_spec("c", steps=2, seed=3, negative="blurry")]
@@ -42,7 +44,7 @@ def test_prompts_encoded_on_the_worker_give_the_text_encoders_images(tiny_family
 
 
 def test_a_prompt_that_cannot_be_encoded_fails_only_its_request():
-    worker = DenoiserWorker("w0", [TINY], "cpu", text_cache_size=8)
+    worker = DenoiserWorker("w0", [TINY], WorkerPoolSpec(device="cpu", encode_text=True, text_cache_size=8))
     good, bad = make_spec("good", steps=1), make_spec("bad", steps=1, prompt=BAD)
     plan = WorkerPlan("w0", admit=("good", "bad"), groups=(StepGroup(("good", "bad")),), finish=("good", "bad"))
     report, good_latents, bad_latents = worker.execute(plan, (AdmissionRef(good, None), AdmissionRef(bad, None)))
@@ -53,7 +55,7 @@ def test_a_prompt_that_cannot_be_encoded_fails_only_its_request():
 
 
 def test_a_worker_that_does_not_encode_prompts_fails_a_request_that_brings_none():
-    worker = DenoiserWorker("w0", [TINY], "cpu")
+    worker = DenoiserWorker("w0", [TINY], WorkerPoolSpec(device="cpu"))
     spec = make_spec("a", steps=1)
     report = worker.execute(WorkerPlan("w0", admit=("a",)), (AdmissionRef(spec, None),))
     (failure,) = report.failed

@@ -3,14 +3,16 @@ router's metrics show as stepserve_worker_wait_seconds), and nothing when it hel
 
 import time
 
-from stepserve.actors.denoiser import AdmissionRef, DenoiserWorker
+from stepserve.actors.denoiser import DenoiserWorker
+from stepserve.actors.worker_options import WorkerPoolSpec
 from stepserve.policies.types import StepGroup, WorkerPlan
+from stepserve.routing.core import AdmissionRef
 
 from tests.tiny import TINY, make_spec
 
 
 def test_the_wait_between_plans_is_reported_only_while_requests_are_resident():
-    worker = DenoiserWorker("w0", [TINY], "cpu", text_cache_size=8)
+    worker = DenoiserWorker("w0", [TINY], WorkerPoolSpec(device="cpu", encode_text=True, text_cache_size=8))
     spec = make_spec("a", steps=3)
     first = worker.execute(WorkerPlan("w0", admit=("a",), groups=(StepGroup(("a",)),), plan_id=1),
                            (AdmissionRef(spec, None),))

@@ -12,7 +12,8 @@ import ray
 import torch
 
 from stepserve.actors.denoiser import AdmissionRef
-from stepserve.actors.pool import WorkerPoolSpec, start_workers
+from stepserve.actors.pool import start_workers
+from stepserve.actors.worker_options import WorkerPoolSpec
 from stepserve.engine.families import TEXT, load_family
 from stepserve.policies.types import RequestProgress, StepGroup, StepReport, WorkerPlan
 from stepserve.runtime import start_local_ray

@@ -26,7 +26,7 @@ def test_means_over_a_run_sum_workers_and_exclude_earlier_observations():
 
 
 def test_stage_means_cover_one_kind_and_the_run_only():
-    from stepserve.actors.router_core import RequestState
+    from stepserve.routing.core import RequestState
     from stepserve.load_tests.server_metrics import stage_means, stage_totals
     from stepserve.policies.types import RequestKind, RequestStatus
 

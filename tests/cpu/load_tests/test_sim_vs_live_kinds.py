@@ -138,7 +138,7 @@ def test_the_profile_is_measured_for_every_model_the_requests_use(tmp_path):
         assert line == (f"stepserve.cli profile --model {model} --device cpu --config {LOCAL_VIDEO} --sizes 64 "
                         f"--out {path}")
     # Its 9 frames are on the profiler's CPU grid; other counts are interpolated, and said so.
-    from stepserve.profile_video import GRIDS
+    from stepserve.profiling.video import GRIDS
 
     assert svl.frame_notes(requests, GRIDS["cpu"].frames) == []
     [note] = svl.frame_notes([replace(r, num_frames=17) if r.is_video else r for r in requests], (5, 9))

@@ -114,7 +114,7 @@ def plan_on(decision: Decision, worker_id: str) -> WorkerPlan:
 
 
 def assert_executable(snapshot: ClusterSnapshot, decision: Decision) -> None:
-    """The rules of actors/plan_check.py, written again against the snapshot alone (the checker
+    """The rules of stepserve/routing/plan_check.py, written again against the snapshot alone (the checker
     reads the router core's private state, which a hand-made snapshot does not have)."""
     workers = {w.worker_id: w for w in snapshot.workers}
     waiting = {v.request_id: v for v in snapshot.queued}

@@ -5,7 +5,7 @@ FakeCosts numbers used below. Images: IMG (512x512) with CFG steps in 0.041 s al
 = 0.82 s). Videos (CLIP: 480x832, 81 frames, 40 steps): 4.0 / 2.05 / 1.15 s per step at degree
 1/2/4, so 160 / 82 / 46 s to finish. Default round: 1 s.
 
-Every decision is checked against the plan rules of actors/plan_check.py (`assert_executable`,
+Every decision is checked against the plan rules of stepserve/routing/plan_check.py (`assert_executable`,
 written against the snapshot: the real checker reads a router core's private state, which a
 hand-made snapshot does not have), and against the rule that a busy worker only continues.
 """

@@ -18,17 +18,30 @@ A decision is executable when:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from stepserve.policies.base import PolicyError
-from stepserve.policies.types import Decision, GroupSplit, RequestStatus, WorkerPlan
+from stepserve.policies.types import Decision, GroupSplit, RequestSpec, RequestStatus, ShapeKey, WorkerPlan
+from stepserve.routing.records import RequestRecord, WorkerRecord
 
-if TYPE_CHECKING:
-    from stepserve.actors.router_core import RouterCore
+
+class CoreState(Protocol):
+    """What the check reads of the router core (`RouterCore` is one)."""
+
+    policy: Any
+    sp_available: bool
+
+    def worker_record(self, worker_id: str) -> WorkerRecord | None: ...
+
+    def request_record(self, request_id: str) -> RequestRecord | None: ...
+
+    def is_open(self, worker: WorkerRecord) -> bool: ...
+
+    def batch_key(self, spec: RequestSpec) -> ShapeKey: ...
 
 
 class PlanChecker:
-    def __init__(self, core: "RouterCore") -> None:
+    def __init__(self, core: CoreState) -> None:
         self.core = core
 
     def decision(self, decision: Decision) -> None:
@@ -38,22 +51,31 @@ class PlanChecker:
         def fail(problem: str) -> PolicyError:
             return PolicyError(f"policy {name!r}: {problem}")
 
+        def request(request_id: str) -> RequestRecord:
+            """A request the checks below already found known (stepped, exported or released)."""
+            record = core.request_record(request_id)
+            if record is None:
+                raise fail(f"{request_id!r} is unknown")
+            return record
+
         if not isinstance(decision, Decision):
             raise fail(f"expected a Decision, got {type(decision).__name__}")
         planned: dict[str, WorkerPlan] = {}
+        held: dict[str, WorkerRecord] = {}  # the planned workers' records
         for plan in decision.plans:
             if not isinstance(plan, WorkerPlan):
                 raise fail(f"expected WorkerPlans, got {type(plan).__name__}")
-            worker = core._workers.get(plan.worker_id)
+            worker = core.worker_record(plan.worker_id)
             if worker is None or not worker.alive:
                 raise fail(f"plans worker {plan.worker_id!r}, which is unknown or dead")
-            if not core._open(worker):
+            if not core.is_open(worker):
                 raise fail(f"plans worker {plan.worker_id!r}, which is not open (pipeline full)")
             if plan.worker_id in planned:
                 raise fail(f"plans worker {plan.worker_id!r} twice")
             if plan.drop or plan.checkpoint or plan.finish or plan.plan_id or plan.steps != 1:
                 raise fail(f"plan for {plan.worker_id!r} sets router-filled fields")
             planned[plan.worker_id] = plan
+            held[plan.worker_id] = worker
 
         admitted: dict[str, list[str]] = {}
         stepped: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
@@ -61,9 +83,9 @@ class PlanChecker:
         released: dict[str, set[str]] = {}
         for wid, plan in planned.items():
             where = f"plan for {wid!r}"
-            resident = core._workers[wid].residents
+            resident = held[wid].residents
             for rid in plan.admit:
-                record = core._requests.get(rid)
+                record = core.request_record(rid)
                 if record is None or record.status not in (RequestStatus.QUEUED, RequestStatus.PAUSED):
                     status = "unknown" if record is None else record.status.value
                     raise fail(f"{where} admits {rid!r}, which is not waiting ({status})")
@@ -83,12 +105,12 @@ class PlanChecker:
                     if rid in in_plan:
                         raise fail(f"{where} steps {rid!r} twice")
                     in_plan.add(rid)
-                    record = core._requests.get(rid)
+                    record = core.request_record(rid)
                     if record is None or record.status.is_terminal:
                         raise fail(f"{where} steps {rid!r}, which is not live")
                     if rid not in resident and rid not in plan.admit:
                         raise fail(f"{where} steps {rid!r}, which is not resident on it")
-                    if rid in core._workers[wid].drops and rid not in plan.admit:
+                    if rid in held[wid].drops and rid not in plan.admit:
                         raise fail(f"{where} steps {rid!r}, which was dropped (cancelled or lost)")
                     if not record.needs_steps:
                         raise fail(f"{where} steps {rid!r}, whose last step is already planned")
@@ -116,15 +138,15 @@ class PlanChecker:
                 released.setdefault(rid, set()).add(wid)
             leaving = set(plan.export) | set(plan.release)
             after = len([r for r in resident if r not in leaving]) + len([r for r in plan.admit if r not in leaving])
-            if after > core._workers[wid].slot.max_batch_size:
+            if after > held[wid].slot.max_batch_size:
                 raise fail(f"{where}: {after} resident requests exceed max_batch_size "
-                           f"{core._workers[wid].slot.max_batch_size}")
+                           f"{held[wid].slot.max_batch_size}")
 
         def rank(worker_id: str) -> int:
-            return core._workers[worker_id].slot.rank
+            return held[worker_id].slot.rank
 
         for rid, steps in stepped.items():
-            record = core._requests[rid]
+            record = request(rid)
             workers = tuple(sorted({w for w, _ in steps}, key=rank))
             holders = (set(record.workers) | set(admitted.get(rid, ()))) - released.get(rid, set())
             group_ranks = {r for _, r in steps}
@@ -140,18 +162,18 @@ class PlanChecker:
             if len(wids) > 1 and rid not in stepped:
                 raise fail(f"{rid!r} is admitted on {wids} without an SP step")
         for rid, wid in exported.items():
-            others = set(core._requests[rid].workers) | set(admitted.get(rid, ()))
+            others = set(request(rid).workers) | set(admitted.get(rid, ()))
             others.discard(wid)
             if released.get(rid, set()) != others:
                 raise fail(f"{rid!r} is exported from {wid!r} but its other holders {sorted(others)} do not release it")
         for rid, wids in released.items():
             # Every holder of a split request holds all of it: all but one may let it go.
-            if rid not in exported and not set(core._requests[rid].workers) - wids:
+            if rid not in exported and not set(request(rid).workers) - wids:
                 raise fail(f"{rid!r} is released on {sorted(wids)} by every holder, without an export")
         planned_ids = set(admitted) | set(stepped) | set(exported) | set(released)
         for failure in decision.discard:
             rid = failure.request_id
-            record = core._requests.get(rid)
+            record = core.request_record(rid)
             if record is None or record.status not in (RequestStatus.QUEUED, RequestStatus.PAUSED):
                 status = "unknown" if record is None else record.status.value
                 raise fail(f"discards {rid!r}, which is not waiting ({status})")

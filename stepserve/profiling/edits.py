@@ -26,7 +26,7 @@ from stepserve.engine.template_edits import TemplateEdit, template_forward
 from stepserve.engine.text_encoding import embed
 from stepserve.policies.cost_model import DENOISE, ProfileRow
 from stepserve.policies.instgenie.edit_profile import fitted_edit_models
-from stepserve.profile import PROMPT, Context, first_timestep, forward_inputs, interleaved_medians, log
+from stepserve.profiling.common import PROMPT, Context, first_timestep, forward_inputs, interleaved_medians, log
 
 PROFILE_KEY = "profile"  # the records never leave this process: any key will do
 

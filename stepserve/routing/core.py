@@ -34,13 +34,9 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from stepserve.actors.lora_residency import LoraResidency
-from stepserve.actors.plan_check import PlanChecker
-from stepserve.actors.step_overhead import StepOverhead
 from stepserve.policies.admission import ClassLoad, LoadReport, admit
 from stepserve.policies.base import Scheduler
 from stepserve.policies.cost_model import BatchShape, CostModel
@@ -59,6 +55,9 @@ from stepserve.policies.types import (
     WorkerPlan,
     WorkerView,
 )
+from stepserve.routing.plan_check import PlanChecker
+from stepserve.routing.records import RequestRecord, SentPlan, WorkerRecord, WorkerSlot
+from stepserve.routing.step_overhead import StepOverhead
 
 
 DRAIN_ALPHA = 0.05  # weight of the newest gap between completions in the drain-rate estimate
@@ -78,13 +77,6 @@ class QueueFullError(Exception):
 
 class DuplicateRequestError(Exception):
     """A request with this id is still live."""
-
-
-@dataclass(frozen=True)
-class WorkerSlot:
-    worker_id: str
-    max_batch_size: int
-    rank: int  # its rank in the workers' process-group world
 
 
 @dataclass(frozen=True)
@@ -139,19 +131,23 @@ class CoreConfig:
 
 
 @dataclass(frozen=True)
-class Admission:
-    """What a worker needs to make a request resident: its spec and the handle of its text
-    conditioning (a fresh start) or of the state it resumes from; for a fresh start, the handle
-    of its other inputs (control images), if it has any."""
+class AdmissionRef:
+    """The one message that makes a request resident on a worker (beside its `WorkerPlan`): its
+    spec and the handle of its text conditioning (a fresh start: the text encoder's
+    `engine.text_encoding.Pair`, or None when the worker encodes the prompts itself) or of the
+    state another worker exported (`resume`); for a fresh start, the handle of its other inputs
+    (an `engine.sampler.RequestInputs`: control images, an edit's pixels), if it has any. Handles
+    are Ray object refs live and tokens in the simulator; the worker resolves them into the
+    engine's `step_runner.Admission`."""
 
     spec: RequestSpec
     source: object
-    resume: bool
+    resume: bool = False
     inputs: object | None = None
 
 
 # `send(plan, admissions)` dispatches a plan and returns one handle per `plan.outputs` entry.
-Send = Callable[[WorkerPlan, tuple[Admission, ...]], Sequence[object]]
+Send = Callable[[WorkerPlan, tuple[AdmissionRef, ...]], Sequence[object]]
 # `interrupt(worker_id, plan_id)` asks the worker to end that plan after the step it is running.
 Interrupt = Callable[[str, int], None]
 
@@ -184,104 +180,6 @@ class RequestState:
     degrees: tuple[int, ...]  # the SP degree of every step, in order
 
 
-class _Request:
-    __slots__ = ("spec", "arrival", "deadline", "status", "conditioning", "inputs", "host_state", "host_steps", "host_from",
-                 "checkpoint", "checkpoint_steps", "checkpoint_time", "steps_done", "steps_planned", "workers",
-                 "ready_time", "admit_time", "denoised_time", "finish_time", "error", "pauses", "recoveries", "degrees",
-                 "epoch", "view")
-
-    def __init__(self, spec: RequestSpec, arrival: float, deadline: float, inputs: object | None) -> None:
-        self.spec = spec
-        self.arrival = arrival
-        self.deadline = deadline
-        self.status = RequestStatus.QUEUED
-        # The handle of its text embeddings once ready (None: its worker encodes the prompts).
-        self.conditioning: object | None = None
-        self.inputs = inputs  # the handle of its control images (None: it has none)
-        self.host_state: object | None = None  # its state in host memory while PAUSED
-        self.host_steps = 0
-        self.host_from: tuple[str, int] | None = None  # the (worker, plan id) producing host_state, until reported
-        self.checkpoint: object | None = None
-        self.checkpoint_steps = 0
-        self.checkpoint_time = arrival
-        self.steps_done = 0  # reported
-        self.steps_planned = 0  # sent, plans in flight included
-        self.workers: tuple[str, ...] = ()  # where its state will be once the plans sent have run
-        self.ready_time: float | None = None
-        self.admit_time: float | None = None
-        self.denoised_time: float | None = None
-        self.finish_time: float | None = None
-        self.error: str | None = None
-        self.pauses = 0
-        self.recoveries = 0
-        self.degrees: list[int] = []
-        self.epoch = 0  # bumped when it is recovered: reports about an older epoch are stale
-        self.view: RequestView | None = None
-
-    @property
-    def ready(self) -> bool:
-        return self.ready_time is not None
-
-    @property
-    def needs_steps(self) -> bool:
-        return self.steps_planned < self.spec.steps_to_run
-
-
-@dataclass
-class _Sent:
-    plan: WorkerPlan
-    sent_at: float
-    epochs: dict[str, int]  # the epoch of every request the plan touches
-    handles: dict[str, object]  # output id -> handle
-    predicted_s: float | None  # the profile's cost of its groups, for calibration
-    expected_s: float | None  # what it is expected to take: the prediction plus the measured overhead
-    decodes_video: bool  # it ends with a video's VAE decode (seconds, not a step)
-    checkpoints: dict[str, int] = field(default_factory=dict)  # checkpointed id -> its steps then
-
-
-class _Worker:
-    def __init__(self, slot: WorkerSlot, lora_resident: int) -> None:
-        self.slot = slot
-        self.loras = LoraResidency(lora_resident)  # what it holds, as its StoreLoras keeps them
-        self.alive = True
-        self.incarnation = ""
-        self.residents: dict[str, None] = {}  # as planned, admission order
-        self.in_flight: deque[_Sent] = deque()
-        self.drops: dict[str, None] = {}  # router-filled: forget at the next plan
-        self.next_plan_id = 1
-        self.last_report_at: float | None = None
-        self.step_s: float | None = None  # smoothed time a step takes here, report to report
-        # It is open (may take a plan) while now >= open_from: -inf when idle, inf when dead or
-        # its pipeline is full, else when its plans in flight are predicted to end, less the lead.
-        self.open_from = -math.inf
-        self.timer = 0  # invalidates an opening time pushed before the last change
-        # The plan asked to end early: until it reports, nothing is planned after it (its
-        # successor would assume all of its steps ran).
-        self.interrupted: int | None = None
-
-    @property
-    def cuttable(self) -> bool:
-        """Its one plan in flight runs several steps and may be cut short: not one whose group
-        spans ranks, since a member cut alone would leave the others waiting in a collective."""
-        return (self.alive and self.interrupted is None and len(self.in_flight) == 1
-                and self.in_flight[0].plan.steps > 1 and not any(g.ranks for g in self.in_flight[0].plan.groups))
-
-    def free_at(self) -> float | None:
-        """When the plans in flight are predicted to have run; None when unknown."""
-        if not self.in_flight:
-            return None
-        head = self.in_flight[0]
-        at = head.sent_at if self.last_report_at is None else max(head.sent_at, self.last_report_at)
-        for sent in self.in_flight:
-            if sent.expected_s is not None:
-                at += sent.expected_s
-            elif self.step_s is not None:
-                at += self.step_s * sent.plan.steps
-            else:
-                return None
-        return at
-
-
 class RouterCore:
     def __init__(self, policy: Scheduler, workers: Sequence[WorkerSlot], config: CoreConfig = CoreConfig(),
                  costs: CostModel | None = None) -> None:
@@ -289,16 +187,16 @@ class RouterCore:
             raise ValueError("RouterCore needs at least one worker")
         self.policy = policy
         self.config = config
-        self._workers: dict[str, _Worker] = {}
+        self._workers: dict[str, WorkerRecord] = {}
         for slot in sorted(workers, key=lambda s: s.rank):
             if slot.worker_id in self._workers:
                 raise ValueError(f"duplicate worker id {slot.worker_id!r}")
             if slot.max_batch_size < 1:
                 raise ValueError(f"worker {slot.worker_id!r}: max_batch_size must be >= 1, got {slot.max_batch_size}")
-            self._workers[slot.worker_id] = _Worker(slot, config.lora_resident)
+            self._workers[slot.worker_id] = WorkerRecord(slot, config.lora_resident)
         if len({s.rank for s in workers}) != len(workers):
             raise ValueError("worker ranks must be unique")
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, RequestRecord] = {}
         self._waiting: dict[str, None] = {}  # QUEUED or PAUSED ids
         self._waiting_views: tuple[RequestView, ...] | None = None
         # The snapshot's worker side, kept up to date incrementally: only workers that changed
@@ -343,7 +241,7 @@ class RouterCore:
             raise ValueError(f"request {spec.request_id!r}: tail_s must be a finite number >= 0, got {tail_s!r}")
         deadline = math.inf if spec.slo_s is None else now + spec.slo_s - tail_s
         self._requests.pop(spec.request_id, None)
-        record = _Request(spec, now, deadline, inputs)
+        record = RequestRecord(spec, now, deadline, inputs)
         self._requests[spec.request_id] = record
         self._count(record, +1)
         self._waiting[spec.request_id] = None
@@ -384,7 +282,7 @@ class RouterCore:
                 discarded.append(failure)
             plans = {p.worker_id: p for p in decision.plans}
             for wid in self._with_drops:  # cancelled residents still to forget
-                if wid not in plans and self._open(self._workers[wid]):
+                if wid not in plans and self.is_open(self._workers[wid]):
                     plans[wid] = WorkerPlan(wid)
             again = False
             completed = self._complete(list(plans.values()), now)
@@ -393,7 +291,7 @@ class RouterCore:
             self._count_steps(completed)
             for plan, admitted in zip(completed, admissions):
                 sent.append(self._dispatch(plan, admitted, now, send))
-                again = again or bool(plan.export) or self._open(self._workers[plan.worker_id])
+                again = again or bool(plan.export) or self.is_open(self._workers[plan.worker_id])
             wake_at = decision.wake_at
             if not again:
                 break
@@ -468,12 +366,12 @@ class RouterCore:
                    for rid in plan.stepping)
         return max(1, min(left, int(self.config.max_plan_s / max(worker.step_s, 1e-6))))
 
-    def _to_interrupt(self, now: float) -> list[_Worker]:
+    def _to_interrupt(self, now: float) -> list[WorkerRecord]:
         """Workers whose plan of several steps this round changed: one that holds a cancelled
         request, and, under a policy that joins running batches, the least loaded with room for
         the ready requests no worker took (one each). A plan is cut only while nothing is
         planned after it and more than a step of it is left."""
-        def worth_it(worker: _Worker) -> bool:
+        def worth_it(worker: WorkerRecord) -> bool:
             free_at = worker.free_at()
             return worker.cuttable and free_at is not None and free_at - now > (worker.step_s or 0.0)
 
@@ -508,17 +406,17 @@ class RouterCore:
             record.degrees.extend([d] * steps)
             self._touch(record)
 
-    def _admissions(self, plan: WorkerPlan) -> tuple[Admission, ...]:
+    def _admissions(self, plan: WorkerPlan) -> tuple[AdmissionRef, ...]:
         out = []
         for rid in plan.admit:
             record = self._requests[rid]
             if record.status is RequestStatus.PAUSED:
-                out.append(Admission(record.spec, record.host_state, True))
+                out.append(AdmissionRef(record.spec, record.host_state, True))
             else:
-                out.append(Admission(record.spec, record.conditioning, False, record.inputs))
+                out.append(AdmissionRef(record.spec, record.conditioning, False, record.inputs))
         return tuple(out)
 
-    def _dispatch(self, plan: WorkerPlan, admissions: tuple[Admission, ...], now: float, send: Send) -> WorkerPlan:
+    def _dispatch(self, plan: WorkerPlan, admissions: tuple[AdmissionRef, ...], now: float, send: Send) -> WorkerPlan:
         worker = self._workers[plan.worker_id]
         worker.drops.clear()
         self._with_drops.pop(plan.worker_id, None)
@@ -532,14 +430,14 @@ class RouterCore:
             epochs[rid] = self._requests[rid].epoch
         predicted = self._predict(plan, admissions)
         expected = None if predicted is None else predicted + self.overhead.applied[self._kind_of(plan)]
-        sent = _Sent(plan, now, epochs, by_output, predicted, expected,
+        sent = SentPlan(plan, now, epochs, by_output, predicted, expected,
                      any(self._requests[rid].spec.is_video for rid in plan.finish))
         self._commit(plan, sent, now)
         worker.in_flight.append(sent)
         self._retime(worker)
         return plan
 
-    def _commit(self, plan: WorkerPlan, sent: _Sent, now: float) -> None:
+    def _commit(self, plan: WorkerPlan, sent: SentPlan, now: float) -> None:
         """The state as it will be once `plan` has run (its report confirms it)."""
         worker = self._workers[plan.worker_id]
         for rid in plan.admit:
@@ -622,7 +520,7 @@ class RouterCore:
         self._calibrate(worker, sent, now, steps_run)
         self._retime(worker)
 
-        def current(rid: str) -> _Request | None:
+        def current(rid: str) -> RequestRecord | None:
             record = self._requests.get(rid)
             if record is None or record.status.is_terminal or record.epoch != sent.epochs[rid]:
                 return None
@@ -666,7 +564,7 @@ class RouterCore:
                 denoised.append((rid, sent.handles[rid]))
         return Outcome(tuple(denoised), tuple(failed), tuple(recovered))
 
-    def _cut_short(self, worker: _Worker, sent: _Sent, short: int, stepped: dict[str, _Request | None]) -> None:
+    def _cut_short(self, worker: WorkerRecord, sent: SentPlan, short: int, stepped: dict[str, RequestRecord | None]) -> None:
         """The plan ran `short` steps fewer than committed (no plan was sent after it, so its
         steps are the last planned): take them back. What it was to finish is still resident
         there: it stays, or, if it ended meanwhile (`stepped` maps it to None), is dropped."""
@@ -782,7 +680,7 @@ class RouterCore:
             return True
         return any(g.ranks for w in self._workers.values() for s in w.in_flight for g in s.plan.groups)
 
-    def _recover(self, record: _Request, now: float) -> bool:
+    def _recover(self, record: RequestRecord, now: float) -> bool:
         """Put a request whose state was lost back in line: PAUSED at its checkpoint, or QUEUED
         from step 0. False (and FAILED) once it has been lost too often."""
         record.epoch += 1
@@ -885,18 +783,26 @@ class RouterCore:
 
     # ---- internals ------------------------------------------------------------------------
 
-    def _worker(self, worker_id: str) -> _Worker:
+    def _worker(self, worker_id: str) -> WorkerRecord:
         try:
             return self._workers[worker_id]
         except KeyError:
             raise KeyError(f"unknown worker {worker_id!r}") from None
 
-    def _open(self, worker: _Worker) -> bool:
+    def worker_record(self, worker_id: str) -> WorkerRecord | None:
+        """The worker's record (None: unknown), to read: only the core changes it."""
+        return self._workers.get(worker_id)
+
+    def request_record(self, request_id: str) -> RequestRecord | None:
+        """The live or retained request's record (None: unknown), to read: only the core changes it."""
+        return self._requests.get(request_id)
+
+    def is_open(self, worker: WorkerRecord) -> bool:
         """It may take a plan now: alive, room in its pipeline, and (if busy) its current work
         is predicted to end within the pipeline lead."""
         return worker.alive and self._now >= worker.open_from
 
-    def _retime(self, worker: _Worker) -> None:
+    def _retime(self, worker: WorkerRecord) -> None:
         """After its plans in flight, its life or its timing changed: when does it open next?"""
         worker.timer += 1
         if not worker.alive or worker.interrupted is not None or len(worker.in_flight) >= self.config.pipeline_depth:
@@ -939,7 +845,7 @@ class RouterCore:
             revived = revived or old is None
             needing = [self._requests[rid] for rid in worker.residents if self._requests[rid].needs_steps]
             views = tuple(self._view(r) for r in needing)
-            is_open = self._open(worker)
+            is_open = self.is_open(worker)
             view = WorkerView(wid, worker.slot.rank, worker.slot.max_batch_size,
                               tuple(r.spec.request_id for r in needing), open=is_open, busy=bool(worker.in_flight),
                               decoding=any(s.decodes_video for s in worker.in_flight), loras=worker.loras.held())
@@ -964,7 +870,7 @@ class RouterCore:
         """What decides which requests may share a forward (`CoreConfig.lora_batches`)."""
         return spec.batch_key(self.config.lora_batches is LoraBatching.PER_ADAPTER, self.config.cached_edits)
 
-    def _view(self, record: _Request) -> RequestView:
+    def _view(self, record: RequestRecord) -> RequestView:
         if record.view is None:
             spec = record.spec
             record.view = RequestView(
@@ -974,18 +880,18 @@ class RouterCore:
                 tuple(use.name for use in spec.loras), spec.mask_ratio, spec.template_id)
         return record.view
 
-    def _touch(self, record: _Request) -> None:
+    def _touch(self, record: RequestRecord) -> None:
         """Drop cached views that show this record; call after changing anything a view shows."""
         record.view = None
         if record.status in (RequestStatus.QUEUED, RequestStatus.PAUSED):
             self._waiting_views = None
         self._stale.update(record.workers)
 
-    def _leave_waiting(self, record: _Request) -> None:
+    def _leave_waiting(self, record: RequestRecord) -> None:
         self._waiting.pop(record.spec.request_id, None)
         self._waiting_views = None
 
-    def _leave_workers(self, record: _Request, drop: bool = False) -> None:
+    def _leave_workers(self, record: RequestRecord, drop: bool = False) -> None:
         """The request's state leaves every worker holding it (`drop`: tell them to forget it)."""
         rid = record.spec.request_id
         for w in record.workers:
@@ -998,18 +904,18 @@ class RouterCore:
         record.workers = ()
         record.view = None
 
-    def _set_status(self, record: _Request, status: RequestStatus) -> None:
+    def _set_status(self, record: RequestRecord, status: RequestStatus) -> None:
         self._count(record, -1)
         record.status = status
         self._count(record, +1)
         record.view = None
         self._changed_load()
 
-    def _count(self, record: _Request, delta: int) -> None:
+    def _count(self, record: RequestRecord, delta: int) -> None:
         counts = self._counts[record.spec.kind.lane]
         counts[record.status] = counts.get(record.status, 0) + delta
 
-    def _end(self, record: _Request, status: RequestStatus, message: str | None, now: float) -> None:
+    def _end(self, record: RequestRecord, status: RequestStatus, message: str | None, now: float) -> None:
         if record.status in (RequestStatus.QUEUED, RequestStatus.PAUSED):
             self._leave_waiting(record)
         self._leave_workers(record, drop=True)
@@ -1024,7 +930,7 @@ class RouterCore:
         poll answers. Not on every plan or report: that made the ingress poll at every step."""
         self.load_version += 1
 
-    def _predict(self, plan: WorkerPlan, admissions: tuple[Admission, ...]) -> float | None:
+    def _predict(self, plan: WorkerPlan, admissions: tuple[AdmissionRef, ...]) -> float | None:
         """The profile's time for the plan: the prompts it encodes, its forwards (one round per
         step) and any decode it ends with."""
         if self._costs is None or not (plan.groups or plan.finish):
@@ -1040,7 +946,7 @@ class RouterCore:
                 total += self._costs.decode_seconds(spec.model, spec.height, spec.width, spec.num_frames)
         return total
 
-    def _encode_seconds(self, admissions: tuple[Admission, ...]) -> float:
+    def _encode_seconds(self, admissions: tuple[AdmissionRef, ...]) -> float:
         """The profile's time to encode the prompts of the fresh starts a plan admits (a resume
         brings its state), one batch per model as the worker encodes them (its cache may make
         it less)."""
@@ -1050,7 +956,7 @@ class RouterCore:
                 texts[a.spec.model] = texts.get(a.spec.model, 0) + (2 if a.spec.uses_cfg else 1)
         return sum(self._costs.text_encode_seconds(model, n) for model, n in texts.items())
 
-    def _calibrate(self, worker: _Worker, sent: _Sent, now: float, steps_run: int) -> None:
+    def _calibrate(self, worker: WorkerRecord, sent: SentPlan, now: float, steps_run: int) -> None:
         """What the plan cost as the router saw it (from when the worker could start it to its
         report) against the profile's prediction; the difference is the round trip and the
         worker's own overheads, which the scheduler then adds to its predictions."""

@@ -27,7 +27,7 @@ from stepserve.engine.addons.controlnet import control_residuals
 from stepserve.engine.addons.source import AddonKind, controlnet_model, load_addon
 from stepserve.engine.text_encoding import embed
 from stepserve.policies.cost_model import CONTROLNET, DENOISE_ENCODER, LORA, LORA_LOAD, ProfileRow
-from stepserve.profile import PROMPT, Context, first_timestep, forward_inputs, log
+from stepserve.profiling.common import PROMPT, Context, first_timestep, forward_inputs, log
 
 
 def measure_addons(ctx: Context, app: Any, threads: int) -> list[ProfileRow]:

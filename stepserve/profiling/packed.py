@@ -21,7 +21,7 @@ import torch
 from stepserve.engine.text_encoding import embed
 from stepserve.policies.cost_model import DENOISE, ProfiledCostModel, ProfileRow
 from stepserve.policies.patchedserve.packed_profile import packing_report
-from stepserve.profile import PROMPT, Context, first_timestep, forward_inputs, interleaved_times, log
+from stepserve.profiling.common import PROMPT, Context, first_timestep, forward_inputs, interleaved_times, log
 
 PACKED, IN_TURN = "packed", "in turn"
 

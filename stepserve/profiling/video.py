@@ -1,7 +1,7 @@
 """`stepserve profile` for a video model (a family whose `kind` is t2v, i.e. Wan).
 
 What is measured, each the median of interleaved repeats after a warm-up (the machinery of
-`stepserve.profile`):
+`stepserve.profiling.images`):
 
 - denoise: one `family.denoise` forward per (size, frames, rows); rows 1 and 2 are one video
   without and with CFG (a worker steps one video per forward). At SP degree 1 in this process;
@@ -16,10 +16,10 @@ What is measured, each the median of interleaved repeats after a warm-up (the ma
 - text_encode: `family.encode_text` for 1, 2, 4 texts, with the text encoder's threads.
 - round_overhead, fixed, and request_overhead (unless --no-live or --quick): the config's real
   app on a lean local Ray, solo video jobs at the largest (size, frames) with two step counts,
-  each created and long-polled to its end; as for images (`stepserve.profile.live_rows`), what
+  each created and long-polled to its end; as for images (`stepserve.profiling.live.live_rows`), what
   a live step costs beyond the in-process SP-1 step, and the latency intercept minus text
   encoding and decoding. Without the live app, the fixed round overhead is a bare Ray actor
-  round trip carrying a `WorkerPlan` of one request (`stepserve.profile.measure_rpc`).
+  round trip carrying a `WorkerPlan` of one request (`stepserve.profiling.live.measure_rpc`).
 
 Not measured for videos: the per-group round bookkeeping (`Sampler.advance`; counted as 0) and
 the host probe (the image profile of the same host has it).
@@ -53,19 +53,16 @@ from stepserve.policies.cost_model import (
     format_fit_report,
     write_profile,
 )
-from stepserve.profile import (
+from stepserve.profiling.common import (
     Context,
     Stopwatch,
     device_description,
     first_timestep,
-    free_port,
     interleaved_medians,
-    live_rows,
     log,
-    measure_live,
-    measure_rpc,
     set_threads,
 )
+from stepserve.profiling.live import free_port, live_rows, measure_live, measure_rpc
 from stepserve.runtime import CONFIGS
 
 PROMPT = "a red fox runs through the snow"

@@ -1,0 +1,53 @@
+"""What a denoiser worker is built from: the pool's options, one frozen value made once from the
+app config (`deployments.config.WorkersConfig.pool_spec`), and the handles of the services the
+router starts before its workers. A worker reads both in its constructor and changes neither."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from stepserve.actors.activation_store import ActivationStoreSpec
+from stepserve.engine.addons.source import AddonKind, AddonSource
+from stepserve.engine.editing.masked_sd3 import CacheKind
+from stepserve.engine.patch_cache.calibration import PatchCacheSpec
+
+
+@dataclass(frozen=True)
+class WorkerPoolSpec:
+    num_workers: int = 2
+    max_batch_size: int = 8
+    num_cpus: float = 0.5
+    num_gpus: float = 0
+    device: str = "auto"
+    torch_threads: int | None = None
+    pack_resolutions: bool = False  # `workers.pack_resolutions`: a plan's plain groups of a model in one forward
+    decode_images: bool = False  # a finished image leaves its worker as a PNG (`vae_decoder.on_workers`)
+    encode_text: bool = False  # a worker encodes the prompts of what it admits (`text_encoder.on_workers`)
+    text_cache_size: int = 4096  # embeddings each worker keeps when it encodes prompts
+    addons: tuple[AddonSource, ...] = ()  # ControlNets and LoRAs every worker serves (`controlnets`, `loras`)
+    lora_join_by: float = 0.0  # `lora_loading.join_by`
+    lora_store_bytes: int = 8 << 30  # `lora_loading.store_bytes`
+    max_resident_loras: int = 32  # `lora_loading.max_resident`
+    preload_loras: bool = False  # `lora_loading.preload`: every worker loads every LoRA at start, no stores
+    controlnet_stale: bool = False  # `controlnet_service.stale`
+    edit_cache: ActivationStoreSpec | None = None  # `edit_cache` when enabled: each node's activation store
+    edit_cache_kind: CacheKind = CacheKind.KEYS_VALUES  # `edit_cache.cache`: what a template's record holds
+    edit_cache_worker_bytes: int = 4 << 30  # `edit_cache.worker_bytes`: each worker's LRU of records it used
+    patch_cache: PatchCacheSpec | None = None  # `patch_cache` when enabled: each worker calibrates and serves it
+
+    @property
+    def loras(self) -> tuple[AddonSource, ...]:
+        return tuple(a for a in self.addons if a.kind is AddonKind.LORA)
+
+
+@dataclass(frozen=True)
+class WorkerServices:
+    """Handles of what the router started for its workers: LoRA stores and activation stores by
+    node id (`start_lora_stores`, `start_activation_stores`; empty: none), and the ControlNet
+    deployment (None: each worker runs its ControlNets itself)."""
+
+    lora_stores: Mapping[str, Any] = field(default_factory=dict)
+    controlnet_service: Any | None = None
+    activation_stores: Mapping[str, Any] = field(default_factory=dict)
