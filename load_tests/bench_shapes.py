@@ -25,7 +25,7 @@ import numpy as np
 import PIL.Image
 
 from stepserve.engine.shapes import dataset
-from stepserve.engine.shapes.judge import Judge, prompt_accuracy
+from stepserve.engine.shapes.judge import Judge, pixels, prompt_accuracy
 from stepserve.engine.shapes.export import SHIPPED
 from stepserve.policies.types import ControlNetUse, GroupSplit, LoraUse, RequestSpec, StepGroup, WorkerPlan
 from stepserve.runtime import default_config_path, load_serve_config
@@ -73,6 +73,13 @@ def specs_for(prompts: Sequence[str], args: argparse.Namespace, tag: str, **extr
 def in_batches(family, specs, control=(), batch: int = 25) -> np.ndarray:
     control = list(control)
     return np.concatenate([draw(family, specs[i:i + batch], control[i:i + batch]) for i in range(0, len(specs), batch)])
+
+
+def reconstructions(family, pictures: np.ndarray) -> np.ndarray:
+    """`pictures` through the model's VAE and back (posterior means): the judge's score on these
+    is the most any picture the model draws can get."""
+    mean, _ = family.encode_image(pixels(pictures))
+    return (family.decode(family.image_latents(mean)) * 255).round().astype(np.uint8)
 
 
 def shape_mask(pictures: np.ndarray, scenes: Sequence[dataset.Scene]) -> np.ndarray:
@@ -145,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
             "shape_accuracy": float(np.mean([n[0] == s.shape for n, s in zip(named, held_out.scenes)])),
             "colour_accuracy": float(np.mean([n[1] == s.colour for n, s in zip(named, held_out.scenes)])),
             "renders_judged": prompt_accuracy(judge, held_out.pictures(np.arange(args.prompts)), held_out.scenes),
+            "reconstructions_judged": prompt_accuracy(
+                judge, reconstructions(family, held_out.pictures(np.arange(args.prompts))), held_out.scenes),
         }}
         k = min(args.addon_prompts, args.prompts)
         scenes, silhouettes = held_out.scenes[:k], held_out.silhouettes(np.arange(k))
