@@ -37,8 +37,12 @@ def test_quick_profile_writes_a_loadable_csv(tmp_path):
 
     rows = read_profile(out)
     assert {r.model for r in rows} == {"tiny-sd"} and {r.device for r in rows} == {"cpu"}
-    assert all(r.latency_ms > 0 and r.source.startswith("measured ") for r in rows)
     by = lambda component: [r for r in rows if r.component == component]  # noqa: E731
+    assert all(r.source.startswith("measured ") for r in rows)
+    # Every row is a time, except a LoRA's: its extra over the plain forward, a difference of two
+    # timings that a busy host can drive to 0 (measured clamps it there, never below).
+    assert all(r.latency_ms > 0 for r in rows if r.component != LORA)
+    assert all(r.latency_ms >= 0 for r in by(LORA)) and by(LORA)
     # Quick grid: 64 px, batches 1-2 with CFG off/on -> rows 1, 2, 4.
     assert sorted((r.height, r.rows) for r in by(DENOISE)) == [(64, 1), (64, 2), (64, 4)]
     assert sorted(r.rows for r in by(TEXT_ENCODE)) == [1, 2]
