@@ -13,7 +13,7 @@ video's frames.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 from uuid import uuid4
@@ -29,7 +29,8 @@ from stepserve.actors.node_stores import stores_by_node
 from stepserve.actors.sp_world import DEFAULT_TIMEOUT_S, SPWorld, backend_for, rendezvous_address
 from stepserve.actors.worker_options import WorkerPoolSpec, WorkerServices
 from stepserve.engine.addons.source import AddonKind, load_addon
-from stepserve.engine.families import DENOISER, TEXT, VAE, ModelSource, family_class, load_family
+from stepserve.engine.families import DENOISER, TEXT, VAE, DiffusionFamily, ModelSource, family_class, load_family
+from stepserve.engine.forward_modes.base import ModeName
 from stepserve.engine.patch_cache.calibration import calibrate
 from stepserve.engine.sampler import Conditioning
 from stepserve.engine.step_runner import Admission, StepRunner
@@ -69,7 +70,7 @@ def worker_parts(source: ModelSource, decode_images: bool = False, encode_text: 
     family = family_class(source.family)
     if decode_images or family.decode_on_worker or family.edits:
         parts.add(VAE)
-    if encode_text or (patch_cache and family.patch_cached):
+    if encode_text or (patch_cache and ModeName.PATCH_CACHE in family.forward_modes):
         parts.add(TEXT)
     return parts
 
@@ -83,18 +84,14 @@ class DenoiserWorker:
         node's, or any) as requests need them, or, with no store, are all loaded here at start.
         `services.controlnet_service`: the ControlNet deployment, which then runs the ControlNets
         instead of this worker; with `controlnet_stale`, a step may add the residuals of its
-        request's previous step. `services.activation_stores` (`edit_cache`): edits of templates
-        reuse the cached activations (of `edit_cache_kind`) this node's store holds, and record
-        them there when it has none; it keeps those it used last in `edit_cache_worker_bytes` of
-        its own. `pack_resolutions`: a plan's plain groups of one model run as one forward where
-        its family can (`StepRunner`). `patch_cache`: the models whose family has a patch cache
-        reuse their requests' patches across steps, with a predictor calibrated here, now."""
+        request's previous step. `edit_cache` (with `services.activation_stores`), `patch_cache`
+        and `pack_resolutions`: its forward modes (`mode_settings`)."""
         o = options
         if o.torch_threads:
             torch.set_num_threads(o.torch_threads)
         self.device = resolve_device(o.device)
-        calibrates = o.patch_cache is not None
-        families = {m.name: load_family(m, worker_parts(m, o.decode_images, o.encode_text, calibrates), self.device)
+        families = {m.name: load_family(m, worker_parts(m, o.decode_images, o.encode_text, o.patch_cache is not None),
+                                        self.device)
                     for m in models}
         loras = None
         if services.lora_stores:
@@ -113,15 +110,8 @@ class DenoiserWorker:
         self.text = CachedTextEncoder(families, o.text_cache_size) if o.encode_text else None
         # New on every process start: a restarted actor has lost every resident request.
         self.incarnation = uuid4().hex
-        templates = None
-        if services.activation_stores:
-            local = ActivationCache(o.edit_cache_worker_bytes) if o.edit_cache_worker_bytes else None
-            templates = TemplateCache(StoreActivations(node_store(services.activation_stores), local),
-                                      o.edit_cache_kind)
-        patch_reuse = {name: calibrate(family, name, o.patch_cache) for name, family in families.items()
-                       if calibrates and family.patch_cached}
-        self.runner = StepRunner(worker_id, families, self.incarnation, o.decode_images, loras, o.lora_join_by,
-                                 templates, o.pack_resolutions, patch_reuse)
+        self.runner = StepRunner(worker_id, families, self.incarnation, decode_images=o.decode_images, loras=loras,
+                                 lora_join_by=o.lora_join_by, **mode_settings(o, families, services))
         self.sp_world: SPWorld | None = None
         self._interrupted = 0  # the plan id the router last asked to cut short
         self._held_since: float | None = None  # when the last plan ended with requests resident
@@ -218,6 +208,24 @@ class DenoiserWorker:
                                    f"ranks {ranks}")
             return None
         return self.sp_world.group(ranks)
+
+
+def mode_settings(options: WorkerPoolSpec, families: Mapping[str, DiffusionFamily],
+                  services: WorkerServices) -> dict[str, Any]:
+    """The settings of the worker's forward modes (`engine.forward_modes.registry`) from the
+    pool's options: where edits of templates find cached activations (this node's activation
+    store, behind an LRU of the records this worker used last), the patch cache's predictor of
+    each model that has one (calibrated here, now), whether plain groups pack resolutions."""
+    templates = None
+    if services.activation_stores:
+        local = ActivationCache(options.edit_cache_worker_bytes) if options.edit_cache_worker_bytes else None
+        templates = TemplateCache(StoreActivations(node_store(services.activation_stores), local),
+                                  options.edit_cache_kind)
+    patch_reuse = {}
+    if options.patch_cache is not None:
+        patch_reuse = {name: calibrate(family, name, options.patch_cache) for name, family in families.items()
+                       if ModeName.PATCH_CACHE in family.forward_modes}
+    return {"templates": templates, "patch_reuse": patch_reuse, "pack_resolutions": options.pack_resolutions}
 
 
 def _fetch(refs: list[AdmissionRef]) -> dict[str, Any]:

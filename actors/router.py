@@ -30,6 +30,7 @@ from stepserve.actors.metrics import RouterMetrics
 from stepserve.actors.pool import start_lora_stores, start_workers
 from stepserve.actors.worker_options import WorkerPoolSpec
 from stepserve.engine.families import ModelSource, family_class
+from stepserve.engine.forward_modes.base import ModeName
 from stepserve.engine.template_edits import template_key
 from stepserve.engine.text_encoding import text_item
 from stepserve.policies import make_policy, needs_costs
@@ -88,7 +89,7 @@ def router_costs(spec: RouterSpec, models: Sequence[ModelSource], pool: WorkerPo
         return None
     profile = load_profile(*spec.profiles, controlnets=spec.controlnets)
     costs = _edit_costs(profile, models, pool)
-    packing = [m.name for m in models if family_class(m.family).mixed_resolutions]
+    packing = [m.name for m in models if ModeName.PACKED in family_class(m.family).forward_modes]
     if not (pool.pack_resolutions and packing):
         return costs
     return packed(costs, packing, packing_fits(profile, costs))
@@ -104,7 +105,7 @@ def _edit_costs(profile: ProfiledCostModel, models: Sequence[ModelSource], pool:
     dims = {}
     for model in models:
         family = family_class(model.family)
-        if family.cached_edits:
+        if ModeName.TEMPLATE_EDIT in family.forward_modes:
             dims[model.name] = family.dit_dims(model, pool.edit_cache_kind)
             if dims[model.name] is None:
                 logger.warning("model %s: its configs cannot be read here; its cached edits are priced in full",

@@ -208,7 +208,7 @@ class EditCacheConfig(_Strict):
                     "transformer block's output at every step; later edits compute only their masked tokens and take "
                     "the rest from that record. An approximation (`python -m stepserve.load_tests.bench_edit_cache` "
                     "measures its speed and fidelity); off: every edit is exact. Models whose family has "
-                    "`cached_edits` (SD3) only.")
+                    "the template-edit forward mode (SD3) only.")
     cache: CacheKind = Field(
         default=CacheKind.KEYS_VALUES,
         description="What a template's record holds: 'keys_values' (each block's image keys and values: an edit "

@@ -28,9 +28,8 @@ from diffusers.configuration_utils import FrozenDict
 from stepserve.engine.addons import ControlRows, LoraRows, StepAddons
 from stepserve.engine.addons.controlnet import StaleResiduals, control_tensor
 from stepserve.engine.families.base import DiffusionFamily, RowConditioning, TextEmbeddings
+from stepserve.engine.forward_modes.base import ModeName
 from stepserve.engine.inpaint import EditLatents, image_tensor, mask_tensor, start_edit
-from stepserve.engine.patch_cache.cache import PatchCache
-from stepserve.engine.template_edits import TemplateEdit
 from stepserve.policies.types import RequestSpec
 
 
@@ -90,12 +89,11 @@ class Sampler:
         # generator, so a request's result is the same on any device.
         self.generator = torch.Generator("cpu").manual_seed(spec.seed)
         self.edit: EditLatents | None = None
-        # Its use of its template's cached activations, if the runner gave it one (not state:
-        # a resumed edit finds its template again where it resumes).
-        self.template: TemplateEdit | None = None
-        # Its patches' block outputs from its last step, if the runner serves the patch cache
-        # (not state either: a resumed request computes its next step in full and starts anew).
-        self.patch_cache: PatchCache | None = None
+        # The forward mode whose state it holds, and that state (`engine.forward_modes`: its use
+        # of its template's cached activations, its patch cache), if its runner gave it one. Not
+        # exported: where it resumes, that worker's modes give it their state anew.
+        self.mode: ModeName | None = None
+        self.mode_state: Any = None
         if spec.is_edit:
             if conditioning.edit is None:
                 raise ValueError(f"request {spec.request_id}: an edit needs its image and mask")
@@ -124,6 +122,16 @@ class Sampler:
         self._step_kwargs = family.step_kwargs(self.scheduler, self.generator)
         self._noise_image = family.noise_image
         self._timesteps = self.scheduler.timesteps[self.first_step:]
+
+    def enter(self, mode: ModeName, state: Any) -> None:
+        """Hold `state` of forward mode `mode` (a request holds one mode's at most)."""
+        if self.mode is not None:
+            raise ValueError(f"request {self.spec.request_id} already holds the state of forward mode {self.mode.value}")
+        self.mode, self.mode_state = mode, state
+
+    def leave(self) -> None:
+        """Drop its forward mode's state: its next steps run in whatever mode takes them."""
+        self.mode = self.mode_state = None
 
     # ---- where it stands ----------------------------------------------------------------
 
@@ -254,8 +262,8 @@ class Sampler:
         self.loras_joined = dict(state["loras_joined"])
         self.first_step = state["first_step"]
         self.edit = None if state["edit"] is None else EditLatents(**copy_to(state["edit"], family.device))
-        self.template = None
-        self.patch_cache = None
+        self.mode = None
+        self.mode_state = None
         _check_addons(self.spec, family)
         self.stale = _stale_holders(self.spec, family)  # stale residuals stay behind: one step waits
         self.generator = torch.Generator("cpu")

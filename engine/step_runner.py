@@ -3,7 +3,9 @@
 The runner owns the samplers of its resident requests and never decides what runs; the router
 does, one plan per round. A plan runs, in order: drop, admit, one denoiser forward per group
 (sequence-parallel when the group names ranks) `plan.steps` times over, export, checkpoint,
-finish, release. Between two of those steps `stop` may cut the plan short (the router wants the
+finish, release. How a group's forward runs is the first of the runner's forward modes that
+takes it (`engine.forward_modes`: packed resolutions, a CFG split, a template edit, the patch
+cache, else the plain forward); the modes also give admitted requests their per-request state. Between two of those steps `stop` may cut the plan short (the router wants the
 worker back: a request arrived or was cancelled); a request it was to finish then stays resident.
 
 Every failure is confined to the requests it concerns, reported in the `StepReport`, and a
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -26,14 +28,11 @@ import torch
 from stepserve.engine.addons import StepAddons
 from stepserve.engine.addons.lora import LoraLoader
 from stepserve.engine.families.base import DiffusionFamily
-from stepserve.engine.parallel.latent import cfg_split_denoise
-from stepserve.engine.patch_cache.cache import PatchCache
-from stepserve.engine.patch_cache.cached_sd3 import PatchReuse
+from stepserve.engine.forward_modes.base import ForwardBatch, ForwardMode, ModeName
+from stepserve.engine.forward_modes.registry import forward_modes
 from stepserve.engine.png import encode_png
 from stepserve.engine.sampler import Conditioning, Sampler
-from stepserve.engine.template_edits import TemplateCache, attach, finished_record, template_forward
 from stepserve.policies.types import (
-    GroupSplit,
     RequestFailure,
     RequestProgress,
     RequestSpec,
@@ -56,17 +55,14 @@ class Admission:
 class StepRunner:
     def __init__(self, worker_id: str, families: Mapping[str, DiffusionFamily], incarnation: str = "",
                  decode_images: bool = False, loras: LoraLoader | None = None, lora_join_by: float = 0.0,
-                 templates: TemplateCache | None = None, pack_resolutions: bool = False,
-                 patch_reuse: Mapping[str, PatchReuse] | None = None):
+                 **modes: Any):
         """`decode_images`: a finished image leaves as its PNG, decoded by this worker's VAE, not as
         its latents (`vae_decoder.on_workers`). A video always leaves decoded (`decode_on_worker`).
         `loras`: brings LoRAs that are not in the families yet (None: every LoRA a request names
         must be loaded already); `lora_join_by`: the fraction of a request's steps that may run
-        before its LoRAs have arrived (0: none, exact). `templates`: where edits of templates find
-        and keep cached activations, and what they hold (`engine.template_edits`; None: every
-        edit is exact). `pack_resolutions`: a plan's plain groups of one model whose family
-        packs resolutions run as one forward (`_packed`). `patch_reuse`: by model, how its requests
-        reuse their patches across steps (`engine.patch_cache`; a model not named: never)."""
+        before its LoRAs have arrived (0: none, exact). `modes`: the settings of its forward modes
+        (`engine.forward_modes.registry.forward_modes`: `templates`, `patch_reuse`,
+        `pack_resolutions`); none given, only the exact modes run, and groups as planned."""
         if not 0.0 <= lora_join_by < 1.0:
             raise ValueError(f"lora_join_by must be in [0, 1), got {lora_join_by}")
         self.worker_id = worker_id
@@ -75,9 +71,8 @@ class StepRunner:
         self.decode_images = decode_images
         self.loras = loras
         self.lora_join_by = lora_join_by
-        self.templates = templates
-        self.pack_resolutions = pack_resolutions
-        self.patch_reuse = dict(patch_reuse or {})
+        self.modes = forward_modes(**modes)
+        self._packed = self.modes[ModeName.PACKED]
         self.samplers: dict[str, Sampler] = {}
         self._cuda_devices = {f.device for f in self.families.values() if f.device.type == "cuda"}
 
@@ -110,7 +105,7 @@ class StepRunner:
             self.samplers.pop(rid, None)
         for rid in plan.admit:
             run.admit(rid, admissions.get(rid))
-        groups = self._packed(plan.groups) if self.pack_resolutions else plan.groups
+        groups = self._packed.joined(plan.groups, self.samplers, self.families)
         steps_run = 0
         for _ in range(plan.steps):
             if steps_run and stop is not None and stop():
@@ -143,45 +138,6 @@ class StepRunner:
             lora_wait_s=run.lora_wait_s,
         )
         return report, payloads
-
-
-    def _packed(self, groups: tuple[StepGroup, ...]) -> list[StepGroup]:
-        """`groups` with the plain ones of each model whose family packs resolutions joined into
-        one, at the first one's place (PatchedServe §4: one forward however many resolutions the
-        policy's groups hold). Plain: on this worker alone, every member resident, no add-ons, no
-        template edit reusing cached activations, no patch cache. A group whose sizes the family
-        cannot pack with the ones joined so far stays on its own."""
-        out: list[StepGroup] = []
-        packs: dict[str, int] = {}  # model -> the index in `out` of its packed group
-        for group in groups:
-            model = self._plain_model(group)
-            at = packs.get(model) if model is not None else None
-            if at is None:
-                if model is not None:
-                    packs[model] = len(out)
-                out.append(group)
-                continue
-            joined = StepGroup(out[at].request_ids + group.request_ids)
-            if self.families[model].packs([tuple(self.samplers[rid].latents.shape[1:]) for rid in joined.request_ids]):
-                out[at] = joined
-            else:
-                out.append(group)
-        return out
-
-    def _plain_model(self, group: StepGroup) -> str | None:
-        """The model of a group `_packed` may join with others, else None."""
-        samplers = [self.samplers.get(rid) for rid in group.request_ids]
-        if group.ranks or not samplers or any(s is None for s in samplers):
-            return None
-        models = {s.spec.model for s in samplers}
-        model = next(iter(models))
-        family = self.families.get(model)
-        if len(models) > 1 or family is None or not family.mixed_resolutions:
-            return None
-        if any(s.spec.loras or s.spec.controlnets or s.template is not None or s.patch_cache is not None
-               for s in samplers):  # (a patch cache's forward holds one token grid)
-            return None
-        return model
 
 
 class _PlanRun:
@@ -235,10 +191,9 @@ class _PlanRun:
             else:
                 sampler = Sampler(spec, family, admission.conditioning)
             self._bring_loras(sampler, family)
-            if self.runner.templates is not None and spec.template_id is not None and family.cached_edits:
-                attach(sampler, family, self.runner.templates)
-            if spec.model in self.runner.patch_reuse and sampler.template is None:
-                sampler.patch_cache = PatchCache(sampler.rows)
+            for mode in self.runner.modes.values():  # (the first to give it state wins)
+                if sampler.mode is None and mode.serves(family):
+                    mode.admit(sampler, family)
         except Exception as exc:  # one bad admission must not take the worker (or the plan) down
             self.fail(rid, f"admission failed: {type(exc).__name__}: {exc}", lost=False)
             return
@@ -296,21 +251,20 @@ class _PlanRun:
                 self.fail(rid, f"denoising step failed: {type(exc).__name__}: {exc}", lost=False)
         if not members:
             return
-        samplers = [sampler for _, sampler, _ in members]
         try:
-            family = self._group_family(group, samplers, sp_group)
+            batch, mode = self._mode(group, members, sp_group)
         except Exception as exc:
             for rid, _, _ in members:
                 self.fail(rid, f"denoising step refused: {type(exc).__name__}: {exc}", lost=False)
             return
-        inputs = [model_input for _, _, model_input in members]
+        modes = self.runner.modes
         try:
-            if _mixes_sizes(samplers):  # (`_group_family` allowed it: one worker, no add-ons)
-                for sampler in samplers:  # (a record missing this step would be no record)
-                    sampler.template = None
-                outputs = family.denoise_mixed(inputs)
-            else:
-                outputs = self._forward(group, family, samplers, inputs, sp_group).split([s.rows for s in samplers])
+            if group.ranks and sp_group is not None:
+                batch = replace(batch, process_group=sp_group(group.ranks))
+            for sampler in batch.samplers:
+                if sampler.mode is not None and sampler.mode is not mode.name:
+                    modes[sampler.mode].missed(sampler)
+            outputs = mode.forward(batch)
         except Exception as exc:
             # Over ranks, a forward fails mostly because a partner died or never came: the
             # request's state is then only as good as its last checkpoint.
@@ -320,61 +274,30 @@ class _PlanRun:
         for (rid, sampler, _), rows in zip(members, outputs):
             try:
                 sampler.advance(rows)
+                if sampler.mode is not None:
+                    modes[sampler.mode].stepped(sampler)
             except Exception as exc:
                 self.fail(rid, f"denoising step failed: {type(exc).__name__}: {exc}", lost=False)
                 continue
             self.touched[rid] = None
-            record = finished_record(sampler)
-            if record is not None:
-                self.runner.templates.source.put(sampler.template.key, record)
 
-    def _forward(self, group: StepGroup, family: DiffusionFamily, samplers: list[Sampler], inputs: list[tuple],
-                 sp_group: Callable[[tuple[int, ...]], Any] | None) -> torch.Tensor:
-        """The group's noise prediction, its members' rows concatenated (they share one latent size)."""
-        if len(inputs) == 1:
-            sample, timesteps, cond = inputs[0]
-        else:
-            sample, timesteps = (torch.cat([x[i] for x in inputs]) for i in (0, 1))
-            cond = {name: torch.cat([x[2][name] for x in inputs]) for name in inputs[0][2]}
-        process_group = sp_group(group.ranks) if group.ranks and sp_group is not None else None
-        addons = _group_addons(samplers)
-        if group.ranks and group.split is GroupSplit.CFG:
-            return cfg_split_denoise(family, sample, timesteps, cond, process_group, addons)
-        if not group.ranks and not addons and all(s.template is not None for s in samplers):
-            return template_forward(family, samplers, sample, timesteps, cond)
-        if not group.ranks and not addons and all(s.patch_cache is not None for s in samplers):
-            return family.denoise_patch_cached(sample, timesteps, cond, [s.patch_cache for s in samplers],
-                                               self.runner.patch_reuse[samplers[0].spec.model])
-        for sampler in samplers:  # (a record missing this step would be no record)
-            sampler.template = None
-        # Only families that take add-ons take the keyword (admission refused the others' requests).
-        extra = {"addons": addons} if addons else {}
-        return family.denoise(sample, timesteps, cond, sp_group=process_group, **extra)
-
-    def _group_family(self, group: StepGroup, samplers: list[Sampler],
-                      sp_group: Callable[[tuple[int, ...]], Any] | None) -> DiffusionFamily:
-        """The family that runs the group's forward, once the group is known to be runnable."""
+    def _mode(self, group: StepGroup, members: list[tuple[str, Sampler, tuple]],
+              sp_group: Callable[[tuple[int, ...]], Any] | None) -> tuple[ForwardBatch, ForwardMode]:
+        """The group's forward (its process group still to come), and the first of the runner's
+        modes that takes it, once the group is known to be runnable."""
+        samplers = [sampler for _, sampler, _ in members]
         models = sorted({sampler.spec.model for sampler in samplers})
         if len(models) > 1:
             raise ValueError(f"one forward cannot mix models {models}")
-        family = self.family(samplers[0].spec)
-        if _mixes_sizes(samplers):
-            if not family.packs([tuple(s.latents.shape[1:]) for s in samplers]):
-                raise ValueError(f"one forward of model {models[0]!r} cannot mix latent shapes "
-                                 f"{sorted({tuple(s.latents.shape[1:]) for s in samplers})}")
-            if group.ranks or any(s.spec.controlnets or s.spec.loras for s in samplers):
-                raise ValueError("a forward mixing latent shapes runs on one worker, without add-ons")
-        if len(group.ranks) > 1:
-            if len(group.request_ids) != 1:
-                raise ValueError(f"a group split over ranks holds one request, not {len(group.request_ids)}")
-            if group.split is GroupSplit.CFG:
-                if samplers[0].rows != 2:
-                    raise ValueError("a CFG split needs a request that uses classifier-free guidance")
-            elif not family.sequence_parallel:
-                raise ValueError(f"model {models[0]!r} cannot run sequence-parallel")
-            if sp_group is None:
-                raise ValueError(f"worker {self.runner.worker_id} has no process groups (ranks {group.ranks})")
-        return family
+        if len(group.ranks) > 1 and len(group.request_ids) != 1:
+            raise ValueError(f"a group split over ranks holds one request, not {len(group.request_ids)}")
+        batch = ForwardBatch(group, self.family(samplers[0].spec), tuple(samplers),
+                             tuple(model_input for _, _, model_input in members), None, _group_addons(samplers))
+        mode = next(mode for mode in self.runner.modes.values() if mode.takes(batch))
+        mode.check(batch)
+        if len(group.ranks) > 1 and sp_group is None:
+            raise ValueError(f"worker {self.runner.worker_id} has no process groups (ranks {group.ranks})")
+        return batch, mode
 
     def export(self, rid: str) -> dict[str, Any] | None:
         state = self._state(rid, "export")
@@ -415,11 +338,6 @@ class _PlanRun:
             return None
         self.samplers.pop(rid, None)
         return output
-
-
-def _mixes_sizes(samplers: list[Sampler]) -> bool:
-    """Its members' latents differ in shape (images of different resolutions)."""
-    return len({sampler.latents.shape for sampler in samplers}) > 1
 
 
 def _group_addons(samplers: list[Sampler]) -> StepAddons:

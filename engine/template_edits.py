@@ -7,9 +7,9 @@ block and take the other tokens' outputs from that record (`engine.editing.maske
 an approximation (the unmasked tokens' activations are the first edit's, not their own): a switch,
 off by default (`edit_cache.enabled`), its fidelity measured against the exact path.
 
-A request's `TemplateEdit` rides on its `Sampler` (the runner attaches it at admission); records
-go to the node's activation store when the recording request finishes, and come back from it for
-later edits (`ActivationSource`: `actors.activation_store` on a worker, `ActivationCache` in
+A request's `TemplateEdit` is its state in the template-edit forward mode
+(`engine.forward_modes.template_edit`, which gives it one at admission); records go to the node's
+activation store when the recording request finishes, and come back from it for later edits (`ActivationSource`: `actors.activation_store` on a worker, `ActivationCache` in
 tests). What a record holds is the `CacheKind`: each block's outputs (the paper's main design:
 keys and values are recomputed over every token) or each block's keys and values (its Fig. 7
 alternative: twice the bytes, nothing but the masked tokens computed). A forward's record is
@@ -18,13 +18,14 @@ loaded slot by slot beside the computation (`BlockLoader`: pinned copies on a si
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
-from stepserve.engine.editing.block_loader import BlockLoader, pin
-from stepserve.engine.editing.masked_sd3 import CacheKind, MaskedPlan, token_index
+from stepserve.engine.editing.block_loader import BlockLoader
+from stepserve.engine.editing.masked_sd3 import CacheKind, MaskedPlan
 from stepserve.policies.types import RequestSpec
 
 # "<step>.<slot>" -> one slot of one step's record, rows first (`engine.editing.masked_sd3`:
@@ -71,20 +72,17 @@ class TemplateEdit:
         return self.cached is None
 
 
-def attach(sampler: Any, family: Any, templates: TemplateCache) -> None:
-    """Give an admitted edit of a template its `TemplateEdit`: the template's record if the store
-    has one (pinned for asynchronous copies where the family runs on CUDA: once per edit), else
-    it records one."""
-    spec = sampler.spec
-    key = template_key(spec, templates.kind)
-    mask = sampler.edit.mask.expand(spec.rows, -1, -1, -1)
-    record = templates.source.get(key)
-    if record is not None and family.device.type == "cuda":
-        record = pin(record)
-    sampler.template = TemplateEdit(key, templates.kind, token_index(mask, family.patch_size), record)
+@dataclass(frozen=True)
+class EditMember:
+    """What `template_forward` reads of one member: its use of its template, its rows and the
+    step it is at."""
+
+    template: TemplateEdit
+    rows: int
+    step_index: int = 0
 
 
-def template_forward(family: Any, samplers: list[Any], sample: torch.Tensor, timesteps: torch.Tensor,
+def template_forward(family: Any, samplers: Sequence[EditMember], sample: torch.Tensor, timesteps: torch.Tensor,
                      cond: dict[str, torch.Tensor]) -> torch.Tensor:
     """One forward of a group of template edits: masked when every member has its template's
     activations, else exact, recording the block outputs of the members that record."""
@@ -102,15 +100,7 @@ def template_forward(family: Any, samplers: list[Any], sample: torch.Tensor, tim
     return noise_pred
 
 
-def finished_record(sampler: Any) -> Activations | None:
-    """A finished recording edit's whole record (every step, every block), else None."""
-    template = getattr(sampler, "template", None)
-    if template is None or not template.records or not sampler.done:
-        return None
-    return template.recorded
-
-
-def _plan(family: Any, samplers: list[Any], device: torch.device, kind: CacheKind) -> MaskedPlan:
+def _plan(family: Any, samplers: Sequence[EditMember], device: torch.device, kind: CacheKind) -> MaskedPlan:
     """The members' masked tokens, padded to the longest (each row repeats its own first token:
     duplicate queries give identical outputs), and their records at their steps, every slot
     loaded beside the computation (the bubble-free DP picks every block at these mask ratios on

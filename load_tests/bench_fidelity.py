@@ -21,8 +21,8 @@ sets it:
   rows on two ranks of a gloo group, two processes, as two workers run them. Off by default, where
   it is the exact path itself, so only the split is measured.
 
-The patch cache and cached edits run only on families that have them (`patch_cached`,
-`cached_edits`); skip-CFG and step caching are not in the engine yet: those rows say so.
+The patch cache and cached edits run only on families that have them (forward modes
+`patch_cache`, `template_edit`); skip-CFG and step caching are not in the engine yet: those rows say so.
 
 PSNR is over all pictures of a row at once (from their mean squared error: finite unless every
 picture equals its exact one, and not swayed by the few that do); SSIM is the mean over pictures.
@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from stepserve.engine.forward_modes.base import ModeName
 from stepserve.engine.shapes import dataset
 from stepserve.engine.shapes.judge import Judge, prompt_accuracy
 from stepserve.load_tests.bench_shapes import (
@@ -182,14 +183,14 @@ def compare(pictures: np.ndarray, exact: np.ndarray, scenes, judge: Judge, exact
     }
 
 
-def not_applicable(family, flag: str, what: str) -> str:
-    """Why the model's family cannot run `what`: it lacks `flag`; names the families that have it."""
+def not_applicable(family, mode, what: str) -> str:
+    """Why the model's family cannot run `what`: it lacks forward mode `mode`; names the families that have it."""
     from stepserve.engine.families import FAMILIES, family_class
 
-    having = [name for name in FAMILIES if getattr(family_class(name), flag)]
-    if getattr(family, flag):
+    having = [name for name in FAMILIES if mode in family_class(name).forward_modes]
+    if mode in family.forward_modes:
         return f"not measured here on {family.source.family}: this benchmark does not run {what} yet"
-    return f"{family.source.family} has no {what} (family flag {flag}; only {', '.join(having)})"
+    return f"{family.source.family} has no {what} (forward mode {mode.value}; only {', '.join(having)})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -277,9 +278,9 @@ def main(argv: list[str] | None = None) -> int:
 
         rows += [
             {"approximation": "patch cache", "switch": "patch_cache.enabled",
-             "not_applicable": not_applicable(family, "patch_cached", "patch cache")},
+             "not_applicable": not_applicable(family, ModeName.PATCH_CACHE, "patch cache")},
             {"approximation": "cached edits", "switch": "edit_cache.enabled",
-             "not_applicable": not_applicable(family, "cached_edits", "cached-activation edits")},
+             "not_applicable": not_applicable(family, ModeName.TEMPLATE_EDIT, "cached-activation edits")},
             {"approximation": "skip-CFG", "switch": None, "not_applicable": "not in the engine yet"},
             {"approximation": "step caching", "switch": None, "not_applicable": "not in the engine yet"},
         ]

@@ -12,6 +12,7 @@ import diffusers
 import numpy as np
 import torch
 
+from stepserve.engine.forward_modes.base import ModeName
 from stepserve.policies.types import RequestKind, RequestSpec
 
 # Components a process may load; each process loads only what it runs.
@@ -116,16 +117,14 @@ class DiffusionFamily(ABC):
     # denoiser: it has `encode_image`, `image_latents` and `noise_image` (`engine.inpaint`), and
     # its workers load its VAE to encode the images.
     edits: ClassVar[bool] = False
-    # Edits of a template may reuse its cached activations (`engine.template_edits`): it has
-    # `patch_size`, `cache_slots`, `denoise_recording`, `denoise_masked` and `dit_dims`.
-    cached_edits: ClassVar[bool] = False
-    # Requests of different resolutions may share a forward (PatchedServe §4): it has
-    # `denoise_mixed`, which runs each member's (sample, timesteps, cond) of the latent sizes
-    # `packs` accepts in one forward, each member's output as `denoise` gives it alone.
-    mixed_resolutions: ClassVar[bool] = False
-    # Reuses a request's patches across steps (PatchedServe §5, `engine.patch_cache`): it has
-    # `denoise_patch_cached`.
-    patch_cached: ClassVar[bool] = False
+    # The forward modes it has beyond the plain forward and the CFG split (`engine.forward_modes`):
+    # PACKED, requests of different resolutions in one forward (PatchedServe §4: `packs` says
+    # which sizes, `denoise_mixed` runs each member's (sample, timesteps, cond) as `denoise`
+    # gives it alone); TEMPLATE_EDIT, edits of a template reusing its cached activations
+    # (`engine.template_edits`: `patch_size`, `cache_slots`, `denoise_recording`,
+    # `denoise_masked`, `dit_dims`); PATCH_CACHE, a request reusing its patches across steps
+    # (PatchedServe §5, `engine.patch_cache`: `denoise_patch_cached`).
+    forward_modes: ClassVar[frozenset[ModeName]] = frozenset()
 
     source: ModelSource
     device: torch.device
@@ -168,8 +167,8 @@ class DiffusionFamily(ABC):
 
     def packs(self, sizes: Sequence[tuple[int, ...]]) -> bool:
         """Whether latents of these sizes ([C, h, w] of each member) can share one `denoise_mixed`
-        forward: never, unless the family has `mixed_resolutions`."""
-        return self.mixed_resolutions
+        forward: never, unless the family has the packed forward mode."""
+        return ModeName.PACKED in self.forward_modes
 
     @abstractmethod
     def decode(self, latents: torch.Tensor) -> np.ndarray:

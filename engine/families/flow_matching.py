@@ -21,7 +21,7 @@ class FlowMatchingImageFamily(SD15Family):
     size_multiple = 16
     xformers_attention = False  # joint attention has its own processors
     takes_addons = False  # their ControlNets (SD3ControlNetModel, FluxControlNetModel) are not served yet
-    mixed_resolutions = False  # DiTs, not the UNet `engine.patched` cuts: SD3 and Flux pack their tokens instead
+    forward_modes = frozenset()  # DiTs, not the UNet `engine.patched` cuts: SD3 and Flux pack their tokens instead
 
     @classmethod
     def skipped_steps(cls, num_inference_steps: int, strength: float) -> int:

@@ -35,6 +35,7 @@ from stepserve.engine.families.presets import (
     autoencoder_kl, clip_text_config, preset_config, seeded_parts, t5_encoder, vae_geometry,
 )
 from stepserve.engine.families.sdxl import TEXT_2
+from stepserve.engine.forward_modes.base import ModeName
 from stepserve.engine.packing.packed_flux import FluxInputs, packed_forward
 from stepserve.engine.packing.pieces import denoise_by_shape
 from stepserve.engine.tokenizer import (
@@ -134,7 +135,7 @@ class FluxFamily(FlowMatchingImageFamily):
     classifier_free_guidance = False  # guidance-distilled: the scale is a model input
     modules = FlowMatchingImageFamily.modules + (TEXT_2,)
     edits = False  # FluxInpaintPipeline (packed latents) is not replayed yet
-    mixed_resolutions = True
+    forward_modes = frozenset({ModeName.PACKED})
 
     def __init__(self, source: ModelSource, components: dict[str, Any], device: torch.device):
         super().__init__(source, components, device)

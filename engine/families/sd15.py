@@ -34,6 +34,7 @@ from stepserve.engine.families.base import (
 from stepserve.engine.families.presets import (
     autoencoder_kl, clip_text_config, preset_config, seeded_parts, vae_geometry,
 )
+from stepserve.engine.forward_modes.base import ModeName
 from stepserve.engine.patched.layout import patch_side
 from stepserve.engine.patched.unet import patch_multiple, patched_unet_forward
 from stepserve.engine.tokenizer import byte_level_clip_tokenizer, byte_level_vocab
@@ -127,7 +128,7 @@ class SD15Family(DiffusionFamily):
     xformers_attention: ClassVar[bool] = True
     takes_addons = True
     edits = True  # as StableDiffusionInpaintPipeline with this (4-channel) UNet
-    mixed_resolutions = True  # a patched UNet forward (`engine.patched`), exact
+    forward_modes = frozenset({ModeName.PACKED})  # a patched UNet forward (`engine.patched`), exact
 
     def __init__(self, source: ModelSource, components: dict[str, Any], device: torch.device):
         self.source = source
@@ -258,7 +259,7 @@ class SD15Family(DiffusionFamily):
 
     def packs(self, sizes: Sequence[tuple[int, ...]]) -> bool:
         """Their latents tile into square patches the UNet downsamples whole (`engine.patched`)."""
-        if not self.mixed_resolutions:
+        if ModeName.PACKED not in self.forward_modes:
             return False
         try:
             patch_side([size[-2:] for size in sizes], patch_multiple(self.denoiser))

@@ -31,6 +31,7 @@ from stepserve.engine.families.presets import (
     autoencoder_kl, clip_text_config, preset_config, seeded_parts, t5_encoder, vae_geometry,
 )
 from stepserve.engine.families.sdxl import TEXT_2
+from stepserve.engine.forward_modes.base import ModeName
 from stepserve.engine.packing.packed_sd3 import packed_forward
 from stepserve.engine.packing.pieces import denoise_by_shape
 from stepserve.engine.patch_cache.cache import PatchCache
@@ -141,9 +142,7 @@ class SD3Family(FlowMatchingImageFamily):
     # refuses sides that are not multiples of the VAE's 8x times the transformer's patch of 2.
     modules = FlowMatchingImageFamily.modules + (TEXT_2, TEXT_3)
     edits = True  # as StableDiffusion3InpaintPipeline with this (16-channel) transformer
-    cached_edits = True
-    mixed_resolutions = True
-    patch_cached = True
+    forward_modes = frozenset({ModeName.PACKED, ModeName.TEMPLATE_EDIT, ModeName.PATCH_CACHE})
 
     def make_pipeline(self, components: dict[str, Any], scheduler: Any) -> Any:
         return StableDiffusion3Pipeline(

@@ -1,5 +1,5 @@
 """`stepserve profile`'s masked rows (InstGenIE §4.4, Fig. 11): for a model whose family edits
-with cached activations (`cached_edits`), the forward its workers serve for a batch of edits of
+with cached activations (the template-edit forward mode), the forward its workers serve for a batch of edits of
 templates whose records they hold: denoise rows with mask_ratio < 1.
 
 Per size of the denoise grid and number of edits (`ProfileGrid.masked_batches`, CFG's two rows
@@ -16,13 +16,13 @@ rows' source names: a profile prices the kind it was measured with.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from stepserve.engine.editing.block_loader import pin
 from stepserve.engine.editing.masked_sd3 import CacheKind, token_index
-from stepserve.engine.template_edits import TemplateEdit, template_forward
+from stepserve.engine.forward_modes.base import ModeName
+from stepserve.engine.template_edits import EditMember, TemplateEdit, template_forward
 from stepserve.engine.text_encoding import embed
 from stepserve.policies.cost_model import DENOISE, ProfileRow
 from stepserve.policies.instgenie.edit_profile import fitted_edit_models
@@ -31,21 +31,11 @@ from stepserve.profiling.common import PROMPT, Context, first_timestep, forward_
 PROFILE_KEY = "profile"  # the records never leave this process: any key will do
 
 
-@dataclass
-class ProfiledEdit:
-    """What `template_forward` reads of a request's sampler: its use of its template, its rows
-    and the step it is at (every record here is of step 0)."""
-
-    template: TemplateEdit
-    rows: int
-    step_index: int = 0
-
-
 def measure_masked(ctx: Context, kind: CacheKind, threads: int) -> list[ProfileRow]:
     """The masked rows of `ctx`'s model, or none where its family has no cached edits or the grid
     no mask ratios."""
     family, grid = ctx.family, ctx.grid
-    if not family.cached_edits or not grid.mask_ratios:
+    if ModeName.TEMPLATE_EDIT not in family.forward_modes or not grid.mask_ratios:
         return []
     kind = CacheKind(kind)
     per_edit = 2 if family.classifier_free_guidance else 1
@@ -65,7 +55,7 @@ def measure_masked(ctx: Context, kind: CacheKind, threads: int) -> list[ProfileR
                 index, tokens = masked_tokens(family, size, per_edit, ratio)
                 share = index.shape[1] / tokens
                 counts[share] = f"{index.shape[1]} of {tokens} tokens"
-                members = [ProfiledEdit(TemplateEdit(PROFILE_KEY, kind, index, record), per_edit)
+                members = [EditMember(TemplateEdit(PROFILE_KEY, kind, index, record), per_edit)
                            for record in records]
                 cases[share] = (lambda m=members: template_forward(family, m, sample, timesteps, cond))
             medians = interleaved_medians(cases, ctx.watch, grid.warmup, grid.repeats,
@@ -94,7 +84,7 @@ def self_records(family, kind: CacheKind, size: int, inputs: tuple, edits: int,
     """Each edit's record of the forward of `inputs` (sample, timesteps, conditioning), in host
     memory as a worker holds a record it fetched."""
     index, _ = masked_tokens(family, size, per_edit, 1.0)  # unread: a recording forward computes every token
-    members = [ProfiledEdit(TemplateEdit(PROFILE_KEY, kind, index), per_edit) for _ in range(edits)]
+    members = [EditMember(TemplateEdit(PROFILE_KEY, kind, index), per_edit) for _ in range(edits)]
     template_forward(family, members, *inputs)
     return [pin(m.template.recorded) if family.device.type == "cuda" else m.template.recorded for m in members]
 

@@ -1,5 +1,5 @@
 """`stepserve profile`'s packed rows (PatchedServe §4): for a model whose family runs several
-resolutions in one forward (`mixed_resolutions`: SD3's and Flux's tokens packed, SD1.5/SDXL's UNet
+resolutions in one forward (the packed forward mode: SD3's and Flux's tokens packed, SD1.5/SDXL's UNet
 patched), that forward (`family.denoise_mixed`, as a worker with `workers.pack_resolutions`
 serves it) for every mix of two or more of the grid's sizes, with `ProfileGrid.packed_batches`
 requests of each size (CFG's two rows each where the model guides by CFG): denoise rows with
@@ -18,6 +18,7 @@ import statistics
 
 import torch
 
+from stepserve.engine.forward_modes.base import ModeName
 from stepserve.engine.text_encoding import embed
 from stepserve.policies.cost_model import DENOISE, ProfiledCostModel, ProfileRow
 from stepserve.policies.patchedserve.packed_profile import packing_report
@@ -37,7 +38,7 @@ def measure_packed(ctx: Context, threads: int) -> list[ProfileRow]:
     fewer than two sizes."""
     family, grid = ctx.family, ctx.grid
     mixes = size_mixes(grid.sizes)
-    if not family.mixed_resolutions or not mixes or not grid.packed_batches:
+    if ModeName.PACKED not in family.forward_modes or not mixes or not grid.packed_batches:
         return []
     per_request = 2 if family.classifier_free_guidance else 1
     log(f"[denoise, packed] mixes of sizes {list(grid.sizes)}, {list(grid.packed_batches)} request(s) of "

@@ -10,12 +10,12 @@ import torch
 
 from stepserve.engine.editing.masked_sd3 import CacheKind
 from stepserve.engine.families import ALL_PARTS, ModelSource, family_class, load_family
-from stepserve.engine.template_edits import TemplateEdit, template_forward
+from stepserve.engine.template_edits import EditMember, TemplateEdit, template_forward
 from stepserve.engine.text_encoding import embed
 from stepserve.policies.cost_model import DENOISE, BatchShape, ProfiledCostModel, read_profile
 from stepserve.policies.instgenie import MaskAwareCosts, profiled_costs
 from stepserve.profiling.common import PROMPT, QUICK, Context, Stopwatch, choose_grid, first_timestep, forward_inputs
-from stepserve.profiling.edits import ProfiledEdit, masked_tokens, measure_masked, self_records
+from stepserve.profiling.edits import masked_tokens, measure_masked, self_records
 
 GRID = QUICK.__class__(**{**QUICK.__dict__, "repeats": 1, "mask_ratios": (0.25, 0.5)})
 
@@ -34,7 +34,7 @@ def test_the_timed_forward_is_the_masked_one_over_its_own_record(sd3):
         assert len(records) == 2 and len(records[0]) == sd3.cache_slots(kind)
         index, tokens = masked_tokens(sd3, 64, 2, 0.25)
         assert tokens == 16 and index.shape == (2, 4)
-        members = [ProfiledEdit(TemplateEdit("k", kind, index, record), 2) for record in records]
+        members = [EditMember(TemplateEdit("k", kind, index, record), 2) for record in records]
         masked = template_forward(sd3, members, sample, timesteps, cond)
         # Its own record holds what the unmasked tokens would compute: the plain forward's output.
         torch.testing.assert_close(masked, sd3.denoise(sample, timesteps, cond), atol=1e-5, rtol=1e-4)

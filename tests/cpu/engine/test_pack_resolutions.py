@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from stepserve.engine.forward_modes.base import ModeName
 from stepserve.engine.step_runner import StepRunner
 from stepserve.policies.types import LoraUse, StepGroup, WorkerPlan
 
@@ -82,7 +83,7 @@ def test_groups_that_must_stay_apart_do(tiny_family):
     runner.samplers = {s.request_id: _Resident(s) for s in specs}
     groups = (StepGroup(("a",)), StepGroup(("styled",)), StepGroup(("b", "c")), StepGroup(("split",), ranks=(0, 1)),
               StepGroup(("gone",)))
-    assert runner._packed(groups) == [StepGroup(("a", "b", "c")), StepGroup(("styled",)),
+    assert joined(runner, groups) == [StepGroup(("a", "b", "c")), StepGroup(("styled",)),
                                       StepGroup(("split",), ranks=(0, 1)), StepGroup(("gone",))]
 
 
@@ -92,12 +93,12 @@ def test_sizes_a_unet_cannot_patch_stay_apart(tiny_family):
     assert not tiny_family.packs([(4, 8, 8), (4, 9, 9)])
     runner = StepRunner("w0", {"tiny-sd": tiny_family}, pack_resolutions=True)
     runner.samplers = {"a": _Resident(make_spec("a", size=64)), "odd": _Resident(make_spec("odd", size=72))}
-    assert runner._packed((StepGroup(("a",)), StepGroup(("odd",)))) == [StepGroup(("a",)), StepGroup(("odd",))]
+    assert joined(runner, (StepGroup(("a",)), StepGroup(("odd",)))) == [StepGroup(("a",)), StepGroup(("odd",))]
 
 
 def test_a_family_without_mixed_resolutions_refuses_a_mixed_group(tiny_flux, monkeypatch):
     # Every image family packs now; this Flux instance is made one that cannot (video families cannot).
-    monkeypatch.setattr(tiny_flux, "mixed_resolutions", False)
+    monkeypatch.setattr(tiny_flux, "forward_modes", frozenset())
     monkeypatch.setattr(tiny_flux, "packs", lambda sizes: False)
     specs = [make_spec("a", steps=2, size=64, model="tiny-flux"), make_spec("b", steps=2, size=32, model="tiny-flux")]
     runner = StepRunner("w0", {"tiny-flux": tiny_flux}, pack_resolutions=True)
@@ -106,13 +107,18 @@ def test_a_family_without_mixed_resolutions_refuses_a_mixed_group(tiny_flux, mon
                                admissions)
     assert {f.request_id for f in report.failed} == {"a", "b"}
     assert all("cannot mix latent shapes" in f.message for f in report.failed)
-    assert runner._packed((StepGroup(("a",)), StepGroup(("b",)))) == [StepGroup(("a",)), StepGroup(("b",))]
+    assert joined(runner, (StepGroup(("a",)), StepGroup(("b",)))) == [StepGroup(("a",)), StepGroup(("b",))]
+
+
+def joined(runner: StepRunner, groups) -> list[StepGroup]:
+    """The groups the runner steps for a plan's `groups` (its packed mode joins them)."""
+    return runner.modes[ModeName.PACKED].joined(groups, runner.samplers, runner.families)
 
 
 class _Resident:
-    """A resident request as `_packed` reads it: its spec, latents, template and patch cache."""
+    """A resident request as the packed mode's joining reads it: its spec, latents and forward mode."""
 
     def __init__(self, spec):
         self.spec = spec
         self.latents = torch.zeros(1, 4, spec.height // 8, spec.width // 8)
-        self.template = self.patch_cache = None
+        self.mode = None

@@ -11,6 +11,7 @@ from diffusers.models.transformers.transformer_flux import FluxIPAdapterAttnProc
 
 from stepserve.engine.families import DENOISER, load_family
 from stepserve.engine.families.flux import TINY
+from stepserve.engine.forward_modes.base import ModeName
 from stepserve.engine.packing.packed_flux import FluxInputs, packed_forward
 from stepserve.engine.packing.packed_rows import PackedRows
 
@@ -127,7 +128,7 @@ def test_family_runs_members_of_any_sizes_in_their_order(family):
                 "guidance": torch.tensor([2.0 + i])}
         members.append((sample, torch.tensor([900.0 - 150.0 * i]), cond))
     outputs = family.denoise_mixed(members)
-    assert family.mixed_resolutions and family.packs([tuple(m[0].shape[1:]) for m in members])
+    assert ModeName.PACKED in family.forward_modes and family.packs([tuple(m[0].shape[1:]) for m in members])
     assert len(outputs) == len(members)
     for (sample, timesteps, cond), out in zip(members, outputs):
         assert out.shape == sample.shape

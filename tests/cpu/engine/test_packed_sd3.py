@@ -11,6 +11,7 @@ from diffusers import SD3Transformer2DModel
 from stepserve.engine.editing.masked_sd3 import SD3Inputs
 from stepserve.engine.families import DENOISER, FAMILIES, load_family
 from stepserve.engine.families.sd3 import TINY
+from stepserve.engine.forward_modes.base import ModeName
 from stepserve.engine.packing.packed_rows import PackedRows
 from stepserve.engine.packing.packed_sd3 import packed_forward
 
@@ -115,7 +116,7 @@ def test_family_runs_members_of_any_sizes_in_their_order(family):
         torch.testing.assert_close(out, family.denoise(sample, timesteps, cond), **TOL)
 
 
-def test_families_declaring_mixed_resolutions_have_denoise_mixed():
-    mixing = {name for name, cls in FAMILIES.items() if cls.mixed_resolutions}
+def test_families_declaring_the_packed_mode_have_denoise_mixed():
+    mixing = {name for name, cls in FAMILIES.items() if ModeName.PACKED in cls.forward_modes}
     assert {"sd3", "flux"} <= mixing and not mixing & {"wan", "wan-ti2v"}
     assert all(callable(getattr(FAMILIES[name], "denoise_mixed", None)) for name in mixing)

@@ -12,6 +12,7 @@ import pytest
 from stepserve.actors.denoiser import worker_parts
 from stepserve.deployments.config import PatchCacheConfig
 from stepserve.engine.families import TEXT
+from stepserve.engine.forward_modes.base import ModeName
 from stepserve.engine.patch_cache.cached_sd3 import PatchReuse
 from stepserve.engine.patch_cache.calibration import PatchCacheSpec, calibrate
 from stepserve.engine.patch_cache.predictor import ReusePredictor
@@ -40,7 +41,7 @@ def generate(family, specs, reuse: PatchReuse | None, steps: int, groups=None):
         report, payloads = runner.execute(plan, admissions if step == 0 else {})
         assert not report.failed, report.failed
         if step == 0:
-            caches = {rid: s.patch_cache for rid, s in runner.samplers.items()}
+            caches = {rid: s.mode_state for rid, s in runner.samplers.items() if s.mode is ModeName.PATCH_CACHE}
         done.update(zip(finish, payloads))
     return caches, done
 
@@ -91,5 +92,5 @@ def test_a_request_resumed_elsewhere_starts_a_fresh_cache(tiny_sd3):
     report, _ = second.execute(WorkerPlan("w1", admit=("m",), groups=(StepGroup(("m",)),)),
                                {"m": Admission(spec, state=state)})
     assert not report.failed, report.failed
-    cache = second.samplers["m"].patch_cache
-    assert cache is not None and cache.steps == 1  # its step there computed in full, then cached
+    cache = second.samplers["m"].mode_state
+    assert second.samplers["m"].mode is ModeName.PATCH_CACHE and cache.steps == 1  # its step there computed in full, then cached
