@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from stepserve.engine.addons.source import AddonKind, AddonSource
 from stepserve.engine.editing.masked_sd3 import CacheKind
 from stepserve.engine.families import FAMILIES, ModelSource, family_class
+from stepserve.engine.forward_modes.base import ModeName
 from stepserve.engine.patch_cache.calibration import PatchCacheSpec
 from stepserve.policies import needs_costs
 from stepserve.policies.addon_costs import ControlNetPlacement
@@ -103,6 +104,14 @@ class ModelConfig(_Strict):
         description="Latency objective of this model's requests in seconds from arrival; SLO-aware policies "
                     "('genserve') schedule against it (None: best effort, after everything with an SLO).",
     )
+    step_cache: float = Field(
+        default=0.0, ge=0, description="First-Block Cache threshold of this model's requests that give none "
+        "(`step_cache` in the body): a step whose first-block output moved less than this since the request's last "
+        "computed step reuses that step's later blocks. 0: off, every step exact. Families with the step-cache "
+        "forward mode only (SD1.5, SDXL, SD3); README 'Step caching' has the measured speed and fidelity.")
+    max_step_cache: float = Field(
+        default=0.2, ge=0, description="The fidelity floor: the largest threshold a request may ask for (400 above "
+        "it). 0.2 keeps SSIM >= 0.95 against the exact image on the shapes model (docs/results/step-cache).")
     # Video models only (see `is_video`); image models ignore these four.
     default_num_frames: int = Field(
         default=81, ge=1, description="Frames when a video request gives neither seconds nor num_frames."
@@ -126,6 +135,10 @@ class ModelConfig(_Strict):
         if limit is not None and self.max_size > limit:
             raise ValueError(f"max_size {self.max_size} exceeds the {limit} px sides model {self.name!r} can denoise "
                              "(its transformer's positional table)")
+        if self.step_cache > self.max_step_cache:
+            raise ValueError(f"step_cache {self.step_cache} exceeds max_step_cache {self.max_step_cache}")
+        if self.step_cache and ModeName.STEP_CACHE not in family_class(self.family).forward_modes:
+            raise ValueError(f"family {self.family!r} has no step cache; step_cache must be 0")
         if self.default_num_frames > self.max_num_frames or self.default_fps > self.max_fps:
             raise ValueError("default_num_frames/default_fps must not exceed max_num_frames/max_fps")
         low, medium, high = (self.quality_steps(preset) for preset in ("low", "medium", "high"))

@@ -17,7 +17,9 @@ from stepserve.deployments.config import AppConfig, LimitsConfig, check_size
 from stepserve.deployments.errors import invalid
 from stepserve.deployments.image_inputs import decode_base64_image
 from stepserve.deployments.protocol import ImageEditRequest
-from stepserve.deployments.validation import addon_uses, image_settings, parse_body, request_slo, served_model
+from stepserve.deployments.validation import (
+    addon_uses, image_settings, parse_body, request_slo, request_step_cache, served_model,
+)
 from stepserve.engine.families import family_class
 from stepserve.engine.inpaint import edit_pixels, mask_ratio
 from stepserve.engine.sampler import RequestInputs
@@ -60,13 +62,14 @@ def to_edit_specs(payload: object, config: AppConfig, request_id: str,
     ratio = mask_ratio(mask, 8)
     if ratio == 0.0:
         raise invalid("mask", "the mask leaves nothing to edit at this size (no transparent pixel survives resizing)")
+    step_cache = request_step_cache(req, model)
     specs = [
         RequestSpec(
             request_id=request_id if req.n == 1 else f"{request_id}-{i}", model=model.name, prompt=req.prompt,
             negative_prompt=req.negative_prompt or "", width=width, height=height, num_inference_steps=steps,
             guidance_scale=guidance, seed=seed + i, slo_s=request_slo(req, model), cfg=family.classifier_free_guidance,
             loras=loras, kind=RequestKind.EDIT, strength=req.strength, skip_steps=skip, mask_ratio=ratio,
-            template_id=req.template_id,
+            template_id=req.template_id, step_cache=step_cache,
         )
         for i in range(req.n)
     ]

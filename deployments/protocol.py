@@ -87,6 +87,11 @@ class ImageGenerationRequest(ImageOptions):
     controlnets: list[ControlNetInput] | None = Field(
         default=None, description="ControlNets conditioning the image; their residuals are summed in this order.")
     loras: list[LoraInput] | None = Field(default=None, description="LoRAs styling the image.")
+    step_cache: float | None = Field(
+        default=None, description="This request's First-Block Cache threshold: a step whose first-block output "
+        "moved less than this (relative mean change) since the request's last computed step reuses that step's "
+        "later blocks, inside the same batch as requests that do not. 0 turns it off (exact); omitted: the "
+        "model's `step_cache`; above the model's `max_step_cache`, or on a model without it, refused (400).")
 
 
 class ImageData(BaseModel):
@@ -135,6 +140,11 @@ class ImageEditRequest(ImageOptions):
                                                               "(letters, digits, '.', '_', '-'): edits of one template "
                                                               "may reuse its cached activations where the server "
                                                               "enables them.")
+    step_cache: float | None = Field(
+        default=None, description="This request's First-Block Cache threshold: a step whose first-block output "
+        "moved less than this (relative mean change) since the request's last computed step reuses that step's "
+        "later blocks, inside the same batch as requests that do not. 0 turns it off (exact); omitted: the "
+        "model's `step_cache`; above the model's `max_step_cache`, or on a model without it, refused (400).")
     input_fidelity: Literal["high", "low"] | None = Field(
         default=None, description="How closely OpenAI's models keep the input's features: accepted and recorded "
                                   "(logged, counted); changes nothing here (the unmasked area is kept as it is).")

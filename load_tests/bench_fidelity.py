@@ -21,8 +21,11 @@ sets it:
   rows on two ranks of a gloo group, two processes, as two workers run them. Off by default, where
   it is the exact path itself, so only the split is measured.
 
+- step caching (First-Block Cache, `step_cache`): every request at the model's default (0: off)
+  and at `--step-cache`; bench_step_cache measures its speed and more thresholds.
+
 The patch cache and cached edits run only on families that have them (forward modes
-`patch_cache`, `template_edit`); skip-CFG and step caching are not in the engine yet: those rows say so.
+`patch_cache`, `template_edit`); skip-CFG is not in the engine yet: its row says so.
 
 PSNR is over all pictures of a row at once (from their mean squared error: finite unless every
 picture equals its exact one, and not swayed by the few that do); SSIM is the mean over pictures.
@@ -35,6 +38,7 @@ Writes fidelity.json and fidelity.png.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -203,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--join-by", type=float, default=0.4,
                         help="the aggressive lora_loading.join_by (default: %(default)s, SwiftDiffusion's bound: "
                              "step 20 of 50)")
+    parser.add_argument("--step-cache", type=float, default=0.2,
+                        help="the aggressive step_cache threshold (default: %(default)s, max_step_cache's default)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (each CFG rank gets half)")
     parser.add_argument("--out", type=Path, default=Path("results/fidelity"))
     args = parser.parse_args(argv)
@@ -272,6 +278,12 @@ def main(argv: list[str] | None = None) -> int:
                 row("late LoRA join", "lora_loading.join_by", f"{join_by:g} (joins at step {joins} of {args.steps})",
                     join_by == 0.0, pictures, exact[reference], reference)
 
+        for threshold in (0.0, args.step_cache):
+            cached = [dataclasses.replace(spec, step_cache=threshold) for spec in plain]
+            row("step caching", "step_cache", f"{threshold:g} (First-Block Cache)", threshold == 0.0,
+                timed(f"step cache {threshold:g}", lambda: in_batches(family, cached, batch=BATCH)), exact["exact"],
+                "exact")
+
         split, ranks_agree = timed("cfg split", lambda: cfg_split(args, plain))
         row("CFG parallel", "router.policy", "latent_parallel (rows on 2 ranks)", False,
             split, exact["exact"], "exact", ranks_agree=ranks_agree)
@@ -282,7 +294,6 @@ def main(argv: list[str] | None = None) -> int:
             {"approximation": "cached edits", "switch": "edit_cache.enabled",
              "not_applicable": not_applicable(family, ModeName.TEMPLATE_EDIT, "cached-activation edits")},
             {"approximation": "skip-CFG", "switch": None, "not_applicable": "not in the engine yet"},
-            {"approximation": "step caching", "switch": None, "not_applicable": "not in the engine yet"},
         ]
     report = {"benchmark": "fidelity",
               "setup": {**vars(args), "config": str(args.config), "out": str(args.out), "batch": BATCH,

@@ -547,3 +547,26 @@ def plot_fidelity(rows: Sequence[Mapping], title: str, path: Path) -> None:
         fig.supxlabel(textwrap.fill("not run: " + "; ".join(f"{r['approximation']} ({r['not_applicable']})"
                                                             for r in skipped), 200), fontsize=7)
     fig.savefig(path, dpi=110)
+
+
+def plot_step_cache(report: Mapping, title: str, path: Path) -> None:
+    """Per threshold: a request's speed-up (its denoising steps, and end to end) and its pictures'
+    SSIM against exact, with every request of the batch caching and with half of them, and the
+    issue's bars (1.5x, SSIM 0.95)."""
+    fig = _figure(11, 4.2)
+    speed, ssim = fig.subplots(1, 2)
+    fig.suptitle(title, fontsize=9)
+    for batch, color in (("all", "C0"), ("half", "C1")):
+        rows = [r for r in report["rows"] if r["batch"] == batch]
+        label = "every request caching" if batch == "all" else "half caching, half exact"
+        speed.plot([r["threshold"] for r in rows], [r["denoise_speedup"] for r in rows], "o-", color=color,
+                   label=f"{label}: denoising")
+        speed.plot([r["threshold"] for r in rows], [r["speedup"] for r in rows], "s--", color=color,
+                   label=f"{label}: end to end")
+        ssim.plot([r["threshold"] for r in rows], [r["ssim"] for r in rows], "o-", color=color, label=label)
+    speed.axhline(1.5, color="0.4", linestyle="--", linewidth=1)
+    speed.set(xlabel="step_cache threshold", ylabel="speed-up vs exact (batch times)")
+    ssim.axhline(0.95, color="0.4", linestyle="--", linewidth=1)
+    ssim.set(xlabel="step_cache threshold", ylabel="SSIM of the caching requests vs exact", ylim=(0.8, 1.01))
+    speed.legend(fontsize=7)
+    fig.savefig(path, dpi=110)

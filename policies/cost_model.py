@@ -77,6 +77,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from stepserve.policies.addon_costs import ControlNetPlacement, forward_seconds
+from stepserve.policies.step_cache_costs import cached_forward_share, expected_skip_share
 from stepserve.policies.types import GroupSplit
 
 if TYPE_CHECKING:
@@ -155,6 +156,9 @@ class BatchShape:
     # forward of half the rows, add-ons included, and they swap their outputs.
     cfg_split: bool = False
     mask_ratio: float = 1.0
+    # The expected share of its rows that skip the later blocks (step caching, row-weighted
+    # `step_cache_costs.expected_skip_share` of each member); a forward with add-ons never skips.
+    skip_share: float = 0.0
 
     def __post_init__(self) -> None:
         for field in ("height", "width", "rows", "frames", "sp_degree"):
@@ -162,8 +166,10 @@ class BatchShape:
         for rows in self.controlnet_rows:
             _check_int("controlnet_rows", rows, 1)
         _check_int("lora_rows", self.lora_rows, 0)
-        if isinstance(self.mask_ratio, bool) or not 0.0 <= self.mask_ratio <= 1.0:
-            raise ValueError(f"BatchShape.mask_ratio must be in [0, 1], got {self.mask_ratio!r}")
+        for field in ("mask_ratio", "skip_share"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not 0.0 <= value <= 1.0:
+                raise ValueError(f"BatchShape.{field} must be in [0, 1], got {value!r}")
         if self.cfg_split and (self.rows != 2 or self.sp_degree != 1):
             raise ValueError(f"a CFG split is one request's 2 rows at sp_degree 1, got {self.rows} at "
                              f"{self.sp_degree}")
@@ -181,9 +187,11 @@ class BatchShape:
         split = group is not None and bool(group.ranks) and group.split is GroupSplit.CFG
         degree = 1 if group is None or split else max(1, len(group.ranks))
         rows = sum(s.rows for s in specs)
-        return cls(head.model, head.height, head.width, rows, head.num_frames, degree,
-                   tuple(calls.values()), sum(s.rows * len(s.loras) for s in specs), split,
-                   sum(s.rows * computed_share(s) for s in specs) / rows)
+        lora_rows = sum(s.rows * len(s.loras) for s in specs)
+        plain = not (calls or lora_rows or (group is not None and group.ranks))  # (only plain groups cache steps)
+        skip = sum(s.rows * expected_skip_share(s.step_cache) for s in specs) / rows if plain else 0.0
+        return cls(head.model, head.height, head.width, rows, head.num_frames, degree, tuple(calls.values()),
+                   lora_rows, split, sum(s.rows * computed_share(s) for s in specs) / rows, skip)
 
     def half(self) -> "BatchShape":
         """What each worker of a CFG split runs: one of the two rows, with its share of the add-ons."""
@@ -766,7 +774,8 @@ class ProfiledCostModel:
             return self.denoise_seconds(batch.half()) + self._costs(batch.model).addon(CFG_EXCHANGE, batch.pixels,
                                                                                       batch.rows)
         if not (batch.controlnet_rows or batch.lora_rows):
-            return self._costs(batch.model).denoise(batch.pixels, batch.rows, batch.sp_degree)
+            full = self._costs(batch.model).denoise(batch.pixels, batch.rows, batch.sp_degree)
+            return full * cached_forward_share(batch.skip_share) if batch.skip_share else full
         return forward_seconds(*self.forward_parts(batch), self.controlnets)
 
     def forward_parts(self, batch: BatchShape) -> tuple[float, float, list[tuple[float, float]], float]:

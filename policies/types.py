@@ -119,6 +119,9 @@ class RequestSpec:
     skip_steps: int = 0
     mask_ratio: float = 1.0
     template_id: str | None = None
+    # Its First-Block Cache threshold (`engine.step_cache`): a step whose first-block output moved
+    # less than this since its last computed step reuses that step's later blocks. 0: off, exact.
+    step_cache: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, RequestKind):
@@ -139,6 +142,9 @@ class RequestSpec:
         names = [use.name for use in self.loras]
         if len(set(names)) != len(names):  # (one ControlNet twice, with two images, is fine)
             raise ValueError(f"request {self.request_id!r}: a LoRA is named twice in {names}")
+        if not 0.0 <= self.step_cache < float("inf"):
+            raise ValueError(f"request {self.request_id!r}: step_cache must be a finite threshold >= 0, "
+                             f"got {self.step_cache!r}")
         if not 0 <= self.skip_steps < self.num_inference_steps:
             raise ValueError(f"request {self.request_id!r}: skip_steps must leave at least one of its "
                              f"{self.num_inference_steps} steps, got {self.skip_steps}")

@@ -87,6 +87,25 @@ def run_continuous_batch(family, arrivals: dict[int, list], rounds: int = 100, a
     return done
 
 
+def run_together(runner: StepRunner, family, specs, steps: int, groups=None) -> tuple[dict, dict]:
+    """`specs` admitted together and stepped to the end by `runner`, in one group each unless
+    `groups` says: the finished payloads, and the forward-mode state each request got at
+    admission (`Sampler.mode_state`; they outlive the requests), by id."""
+    admissions = {s.request_id: admission_for(family, s) for s in specs}
+    groups = groups or tuple(StepGroup((s.request_id,)) for s in specs)
+    done, states = {}, {}
+    for step in range(steps):
+        finish = tuple(admissions) if step == steps - 1 else ()
+        plan = WorkerPlan(runner.worker_id, admit=tuple(admissions) if step == 0 else (), groups=groups,
+                          finish=finish, plan_id=step)
+        report, payloads = runner.execute(plan, admissions if step == 0 else {})
+        assert not report.failed, report.failed
+        if step == 0:
+            states = {rid: s.mode_state for rid, s in runner.samplers.items() if s.mode is not None}
+        done.update(zip(finish, payloads))
+    return done, states
+
+
 def control_image(seed: int, size: int = 64) -> PIL.Image.Image:
     """A random RGB image, deterministic by seed (what a ControlNet is conditioned on in tests)."""
     pixels = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)

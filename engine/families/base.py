@@ -123,7 +123,8 @@ class DiffusionFamily(ABC):
     # gives it alone); TEMPLATE_EDIT, edits of a template reusing its cached activations
     # (`engine.template_edits`: `patch_size`, `cache_slots`, `denoise_recording`,
     # `denoise_masked`, `dit_dims`); PATCH_CACHE, a request reusing its patches across steps
-    # (PatchedServe §5, `engine.patch_cache`: `denoise_patch_cached`).
+    # (PatchedServe §5, `engine.patch_cache`: `denoise_patch_cached`); STEP_CACHE, a request
+    # reusing its last step's later blocks (`engine.step_cache`: `denoise_first_block_cached`).
     forward_modes: ClassVar[frozenset[ModeName]] = frozenset()
 
     source: ModelSource

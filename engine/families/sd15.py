@@ -37,6 +37,8 @@ from stepserve.engine.families.presets import (
 from stepserve.engine.forward_modes.base import ModeName
 from stepserve.engine.patched.layout import patch_side
 from stepserve.engine.patched.unet import patch_multiple, patched_unet_forward
+from stepserve.engine.step_cache.first_block import FirstBlockCache, first_block_cached
+from stepserve.engine.step_cache.split_unet import split_unet
 from stepserve.engine.tokenizer import byte_level_clip_tokenizer, byte_level_vocab
 from stepserve.policies.types import RequestKind, RequestSpec
 
@@ -128,7 +130,9 @@ class SD15Family(DiffusionFamily):
     xformers_attention: ClassVar[bool] = True
     takes_addons = True
     edits = True  # as StableDiffusionInpaintPipeline with this (4-channel) UNet
-    forward_modes = frozenset({ModeName.PACKED})  # a patched UNet forward (`engine.patched`), exact
+    # Packed: a patched UNet forward (`engine.patched`), exact. Step cache: the UNet cut after
+    # its first down block (`engine.step_cache.split_unet`).
+    forward_modes = frozenset({ModeName.PACKED, ModeName.STEP_CACHE})
 
     def __init__(self, source: ModelSource, components: dict[str, Any], device: torch.device):
         self.source = source
@@ -282,6 +286,13 @@ class SD15Family(DiffusionFamily):
             torch.cat([c["encoder_hidden_states"] for c in conds]),
             {name: torch.cat([a[name] for a in added]) for name in added[0]} if added else None,
         )
+
+    @torch.inference_mode()
+    def denoise_first_block_cached(self, sample: torch.Tensor, timesteps: torch.Tensor, cond: RowConditioning,
+                                   caches: Sequence[FirstBlockCache]) -> torch.Tensor:
+        """`denoise` where each request's rows run the later blocks or reuse its cached step, as
+        its First-Block Cache decides (`engine.step_cache`); `caches`: the requests', rows in order."""
+        return first_block_cached(split_unet(self.denoiser, sample, timesteps, **self.denoiser_inputs(cond)), caches)
 
     def _service_residuals(self, sample: torch.Tensor, timesteps: torch.Tensor, inputs: dict[str, Any],
                            addons: StepAddons) -> Callable[[], Residuals]:

@@ -36,6 +36,8 @@ from stepserve.engine.packing.packed_sd3 import packed_forward
 from stepserve.engine.packing.pieces import denoise_by_shape
 from stepserve.engine.patch_cache.cache import PatchCache
 from stepserve.engine.patch_cache.cached_sd3 import PatchReuse, patch_cached_forward
+from stepserve.engine.step_cache.first_block import FirstBlockCache, first_block_cached
+from stepserve.engine.step_cache.split_sd3 import split_sd3
 from stepserve.engine.tokenizer import byte_level_clip_tokenizer, byte_level_vocab, character_t5_tokenizer, \
     t5_character_vocab
 from stepserve.policies.instgenie.edit_costs import DiTDims
@@ -142,7 +144,7 @@ class SD3Family(FlowMatchingImageFamily):
     # refuses sides that are not multiples of the VAE's 8x times the transformer's patch of 2.
     modules = FlowMatchingImageFamily.modules + (TEXT_2, TEXT_3)
     edits = True  # as StableDiffusion3InpaintPipeline with this (16-channel) transformer
-    forward_modes = frozenset({ModeName.PACKED, ModeName.TEMPLATE_EDIT, ModeName.PATCH_CACHE})
+    forward_modes = frozenset({ModeName.PACKED, ModeName.TEMPLATE_EDIT, ModeName.PATCH_CACHE, ModeName.STEP_CACHE})
 
     def make_pipeline(self, components: dict[str, Any], scheduler: Any) -> Any:
         return StableDiffusion3Pipeline(
@@ -272,3 +274,12 @@ class SD3Family(FlowMatchingImageFamily):
         """`denoise` reusing each request's patches from its previous step where `reuse`'s
         predictor allows (`engine.patch_cache`); `caches`: the requests' own, rows in order."""
         return patch_cached_forward(self.denoiser, self._inputs(sample, timesteps, cond), caches, reuse)
+
+    # ---- step caching (`engine.step_cache`) -------------------------------------------------
+
+    @torch.inference_mode()
+    def denoise_first_block_cached(self, sample: torch.Tensor, timesteps: torch.Tensor, cond: RowConditioning,
+                                   caches: Sequence[FirstBlockCache]) -> torch.Tensor:
+        """`denoise` where each request's rows run the later blocks or reuse its cached residual,
+        as its First-Block Cache decides; `caches`: the requests', rows in order."""
+        return first_block_cached(split_sd3(self.denoiser, self._inputs(sample, timesteps, cond)), caches)

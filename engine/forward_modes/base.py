@@ -2,7 +2,8 @@
 
 A forward mode is one way to compute a group's noise prediction (diffusers' cache hooks and
 SGLang's `DiffusionCache` are the models): the plain batched forward, a CFG split over two
-ranks, one forward over several resolutions, a template edit's masked forward, the patch cache.
+ranks, one forward over several resolutions, a template edit's masked forward, the patch cache,
+step caching.
 A mode says which families serve it (a family names the modes it has beyond the plain forward
 and the CFG split in `DiffusionFamily.forward_modes`), gives an admitted request its own state
 for it (`admit`), takes a group or leaves it to the next mode (`takes`), refuses a group it took
@@ -37,6 +38,7 @@ class ModeName(str, Enum):
     PACKED = "packed"  # PatchedServe §4: members of different resolutions in one forward
     TEMPLATE_EDIT = "template_edit"  # InstGenIE: edits of a template reuse its cached activations
     PATCH_CACHE = "patch_cache"  # PatchedServe §5: a request reuses its patches across steps
+    STEP_CACHE = "step_cache"  # First-Block Cache: a request reuses its last step's later blocks
 
 
 @dataclass(frozen=True)

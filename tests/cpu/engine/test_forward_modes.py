@@ -21,16 +21,18 @@ NEEDS = {
     ModeName.PACKED: ("packs", "denoise_mixed"),
     ModeName.TEMPLATE_EDIT: ("patch_size", "cache_slots", "denoise_recording", "denoise_masked", "dit_dims"),
     ModeName.PATCH_CACHE: ("denoise_patch_cached",),
+    ModeName.STEP_CACHE: ("denoise_first_block_cached",),
 }
 
 
 def test_exact_modes_are_always_there_and_approximations_only_when_set():
-    assert list(forward_modes()) == [ModeName.PACKED, ModeName.CFG_SPLIT, ModeName.PLAIN]
+    # Step caching too: a request asks for it itself.
+    assert list(forward_modes()) == [ModeName.PACKED, ModeName.CFG_SPLIT, ModeName.STEP_CACHE, ModeName.PLAIN]
     templates = TemplateCache(ActivationCache(memory_bytes=1 << 20))
     modes = forward_modes(templates=templates, patch_reuse={"m": object()}, pack_resolutions=True)
     # The plain forward last: it takes every group; a template edit's state before the patch cache's.
     assert list(modes) == [ModeName.PACKED, ModeName.CFG_SPLIT, ModeName.TEMPLATE_EDIT, ModeName.PATCH_CACHE,
-                           ModeName.PLAIN]
+                           ModeName.STEP_CACHE, ModeName.PLAIN]
     assert modes[ModeName.PACKED].join and not forward_modes()[ModeName.PACKED].join
 
 

@@ -12,9 +12,11 @@ def test_bench_fidelity_writes_its_report(tmp_path):
     rows = {(r["approximation"], r.get("setting")): r for r in report["rows"]}
     measured = [r for r in rows.values() if "not_applicable" not in r]
     assert {r["approximation"] for r in measured} == {"patch statistics", "stale ControlNet", "late LoRA join",
-                                                        "CFG parallel"}
+                                                        "CFG parallel", "step caching"}
     assert {a for a, _ in rows} - {r["approximation"] for r in measured} == {"patch cache", "cached edits",
-                                                                             "skip-CFG", "step caching"}
+                                                                             "skip-CFG"}
+    off = rows[("step caching", "0 (First-Block Cache)")]  # off: the exact pictures themselves
+    assert off["default"] and off["identical"] == 1.0
     exact_join = rows[("late LoRA join", "0 (joins at step 0 of 2)")]  # the LoRA waited for at step 0: exact
     assert exact_join["psnr_db"] is None and exact_join["ssim"] == 1.0 and exact_join["identical"] == 1.0
     assert exact_join["accuracy_change_points"] == 0 and exact_join["meets_rule"]

@@ -19,7 +19,7 @@ from stepserve.engine.patch_cache.predictor import ReusePredictor
 from stepserve.engine.step_runner import Admission, StepRunner
 from stepserve.policies.types import StepGroup, WorkerPlan
 
-from tests.tiny import TINY, TINY_SD3, admission_for, make_spec
+from tests.tiny import TINY, TINY_SD3, admission_for, make_spec, run_together
 
 
 def rule(family, bias: float) -> PatchReuse:
@@ -27,22 +27,11 @@ def rule(family, bias: float) -> PatchReuse:
 
 
 def generate(family, specs, reuse: PatchReuse | None, steps: int, groups=None):
-    """`specs` admitted together and stepped to the end, one group each unless `groups` says;
-    the runner and the finished latents by id."""
+    """`specs` admitted together and stepped to the end, one group each unless `groups` says:
+    their patch caches and the finished latents by id."""
     runner = StepRunner("w0", {"tiny-sd3": family}, pack_resolutions=True,
                         patch_reuse={"tiny-sd3": reuse} if reuse is not None else None)
-    admissions = {s.request_id: admission_for(family, s) for s in specs}
-    groups = groups or tuple(StepGroup((s.request_id,)) for s in specs)
-    done = {}
-    for step in range(steps):
-        finish = tuple(admissions) if step == steps - 1 else ()
-        plan = WorkerPlan("w0", admit=tuple(admissions) if step == 0 else (), groups=groups, finish=finish,
-                          plan_id=step)
-        report, payloads = runner.execute(plan, admissions if step == 0 else {})
-        assert not report.failed, report.failed
-        if step == 0:
-            caches = {rid: s.mode_state for rid, s in runner.samplers.items() if s.mode is ModeName.PATCH_CACHE}
-        done.update(zip(finish, payloads))
+    done, caches = run_together(runner, family, specs, steps, groups)
     return caches, done
 
 
@@ -93,4 +82,5 @@ def test_a_request_resumed_elsewhere_starts_a_fresh_cache(tiny_sd3):
                                {"m": Admission(spec, state=state)})
     assert not report.failed, report.failed
     cache = second.samplers["m"].mode_state
-    assert second.samplers["m"].mode is ModeName.PATCH_CACHE and cache.steps == 1  # its step there computed in full, then cached
+    # Its step there computed in full, then cached.
+    assert second.samplers["m"].mode is ModeName.PATCH_CACHE and cache.steps == 1

@@ -1,0 +1,108 @@
+"""First-Block Cache (FBCache, as in diffusers' `FirstBlockCacheConfig` and ParaAttention), one
+decision per request per step, inside one batched forward.
+
+Every row runs the model's first block. A request whose first-block output moved, since its last
+computed step, by less than its threshold (mean absolute change over mean absolute value) skips
+the later blocks: its rows leave the batch, which runs those blocks only for the rows that
+compute (a smaller batch, not a masked one), and it takes what the later blocks gave it at its
+last computed step. On a DiT that is their residual (last hidden state minus first), added to this
+step's first-block output before the output layer; on a UNet, whose skip connections leave no
+single residual stream, it is the whole noise prediction. A request's first step, and any step
+after one it did not run here (`reset`), computes in full; a threshold of 0 never skips, and its
+forward is the model's own.
+
+The state is the request's own, never its batch's (requests join and leave batches at every
+step), and is not exported: a request resumed elsewhere computes its next step in full.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class FirstBlockCache:
+    """One request's cache: its threshold and rows, its first block's output at its last computed
+    step and what the later blocks gave it then, and how many of its steps computed or skipped here."""
+
+    threshold: float
+    rows: int
+    first: torch.Tensor | None = None
+    cached: torch.Tensor | None = None
+    computed: int = 0
+    skipped: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.threshold >= 0:
+            raise ValueError(f"a step-cache threshold is >= 0, got {self.threshold}")
+
+    def skips(self, first: torch.Tensor) -> bool:
+        """It may reuse its cached step, its first block now giving `first` (its rows)."""
+        if self.first is None or self.threshold == 0:
+            return False
+        change = (first - self.first).abs().mean() / self.first.abs().mean().clamp_min(1e-12)
+        return bool(change < self.threshold)
+
+    def reset(self) -> None:
+        """A step ran elsewhere: what is cached is a step behind, so its next step computes."""
+        self.first = self.cached = None
+
+
+@dataclass(frozen=True)
+class SplitForward:
+    """A model's forward cut after its first block: `head` runs it for every row and returns the
+    first block's output and what the rest needs (batch-first tensors, nested in tuples); `body`
+    runs the later blocks for some rows' share of that; `foot` makes the output from the last
+    hidden state (and the whole batch's carry). `residual`: a skipping row reuses the later
+    blocks' residual (DiT) rather than their output (UNet: `foot` is then the identity)."""
+
+    head: Callable[[], tuple[torch.Tensor, Any]]
+    body: Callable[[Any], torch.Tensor]
+    foot: Callable[[torch.Tensor, Any], torch.Tensor]
+    residual: bool
+
+
+def first_block_cached(split: SplitForward, caches: Sequence[FirstBlockCache]) -> torch.Tensor:
+    """The batch's output; `caches`: its requests', in row order (each request's `rows` rows)."""
+    first, carry = split.head()
+    bounds = _bounds([cache.rows for cache in caches])
+    skips = [cache.skips(first[a:b]) for cache, (a, b) in zip(caches, bounds)]
+    compute = [row for (a, b), skip in zip(bounds, skips) if not skip for row in range(a, b)]
+    done = None
+    if compute:
+        everyone = len(compute) == first.shape[0]
+        done = split.body(carry if everyone else take(carry, torch.tensor(compute, device=first.device)))
+    later, at = [], 0  # each request's last hidden state (DiT) or output (UNet)
+    for cache, (a, b), skip in zip(caches, bounds, skips):
+        if skip:
+            cache.skipped += 1
+            later.append(first[a:b] + cache.cached if split.residual else cache.cached)
+            continue
+        mine = done[at:at + b - a]
+        at += b - a
+        cache.computed += 1
+        if cache.threshold:  # (one that never skips keeps nothing)
+            cache.first = first[a:b].clone()
+            cache.cached = (mine - first[a:b] if split.residual else mine).clone()
+        later.append(mine)
+    joined = later[0] if len(later) == 1 else torch.cat(later)
+    return split.foot(joined, carry) if split.residual else joined
+
+
+def take(carry: Any, index: torch.Tensor) -> Any:
+    """The rows `index` of every tensor in `carry` (a tensor, or tuples of them nested)."""
+    if isinstance(carry, tuple):
+        return tuple(take(item, index) for item in carry)
+    return carry.index_select(0, index)
+
+
+def _bounds(sizes: Sequence[int]) -> list[tuple[int, int]]:
+    out, at = [], 0
+    for size in sizes:
+        out.append((at, at + size))
+        at += size
+    return out

@@ -1,0 +1,18 @@
+"""bench_step_cache measures step caching's speed and fidelity per threshold, with every request
+caching and with half of them, and writes its JSON and plot; exact partners stay exact."""
+
+import json
+
+from stepserve.load_tests import bench_step_cache
+
+
+def test_bench_step_cache_writes_its_report(tmp_path):
+    assert bench_step_cache.main(["--prompts", "2", "--steps", "4", "--batch", "2", "--repeats", "1",
+                                  "--thresholds", "0.3", "--threads", "1", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "step_cache.json").read_text())
+    rows = {row["batch"]: row for row in report["rows"]}
+    assert set(rows) == {"all", "half"} and rows["half"]["caching_share"] == 0.5
+    assert rows["half"]["partners_max_pixel_difference"] == 0  # the exact partner of a caching request
+    assert all(0 < row["speedup"] and 0 <= row["skipped_step_share"] < 1 and 0 < row["ssim"] <= 1
+               for row in rows.values())
+    assert (tmp_path / "step_cache.png").stat().st_size > 0
