@@ -20,7 +20,7 @@ from stepserve.engine.patch_cache.calibration import PatchCacheSpec
 from stepserve.policies import needs_costs
 from stepserve.policies.addon_costs import ControlNetPlacement
 from stepserve.policies.registry import validate_policy
-from stepserve.policies.types import LoraBatching, RequestKind
+from stepserve.policies.types import LoraBatching, RequestKind, StepCacheMethod
 
 
 if TYPE_CHECKING:
@@ -109,6 +109,10 @@ class ModelConfig(_Strict):
         "(`step_cache` in the body): a step whose first-block output moved less than this since the request's last "
         "computed step reuses that step's later blocks. 0: off, every step exact. Families with the step-cache "
         "forward mode only (SD1.5, SDXL, SD3); README 'Step caching' has the measured speed and fidelity.")
+    step_cache_method: StepCacheMethod = Field(
+        default=StepCacheMethod.FIRST_BLOCK, description="What a step the cache skips takes when the request does "
+        "not say: 'first_block' (the later blocks' last result as it was) or 'taylorseer' (extrapolated to first "
+        "order from the last two computed steps).")
     max_step_cache: float = Field(
         default=0.2, ge=0, description="The fidelity floor: the largest threshold a request may ask for (400 above "
         "it). 0.2 keeps SSIM >= 0.95 against the exact image on the shapes model (docs/results/step-cache).")

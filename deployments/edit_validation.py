@@ -62,14 +62,14 @@ def to_edit_specs(payload: object, config: AppConfig, request_id: str,
     ratio = mask_ratio(mask, 8)
     if ratio == 0.0:
         raise invalid("mask", "the mask leaves nothing to edit at this size (no transparent pixel survives resizing)")
-    step_cache = request_step_cache(req, model)
+    step_cache, step_cache_method = request_step_cache(req, model)
     specs = [
         RequestSpec(
             request_id=request_id if req.n == 1 else f"{request_id}-{i}", model=model.name, prompt=req.prompt,
             negative_prompt=req.negative_prompt or "", width=width, height=height, num_inference_steps=steps,
             guidance_scale=guidance, seed=seed + i, slo_s=request_slo(req, model), cfg=family.classifier_free_guidance,
             loras=loras, kind=RequestKind.EDIT, strength=req.strength, skip_steps=skip, mask_ratio=ratio,
-            template_id=req.template_id, step_cache=step_cache,
+            template_id=req.template_id, step_cache=step_cache, step_cache_method=step_cache_method,
         )
         for i in range(req.n)
     ]

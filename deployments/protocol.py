@@ -61,7 +61,21 @@ class LoraInput(BaseModel):
     scale: float = Field(default=1.0, description="Its adapter weight (diffusers' set_adapters weight).")
 
 
-class ImageGenerationRequest(ImageOptions):
+class StepCacheOptions(BaseModel):
+    """The step cache a generation or an edit asks for (stepserve's extension, README 'Step caching')."""
+
+    step_cache: float | None = Field(
+        default=None, description="This request's First-Block Cache threshold: a step whose first-block output "
+        "moved less than this (relative mean change) since the request's last computed step reuses that step's "
+        "later blocks, inside the same batch as requests that do not. 0 turns it off (exact); omitted: the "
+        "model's `step_cache`; above the model's `max_step_cache`, or on a model without it, refused (400).")
+    step_cache_method: Literal["first_block", "taylorseer"] | None = Field(
+        default=None, description="What a step the cache skips takes: 'first_block', the later blocks' result at "
+        "the request's last computed step as it was; 'taylorseer', that result extrapolated to first order from its "
+        "last two computed steps. Omitted: the model's `step_cache_method`.")
+
+
+class ImageGenerationRequest(ImageOptions, StepCacheOptions):
     # Unknown fields are an error, not silently ignored: a typo must not change the image.
     model_config = ConfigDict(extra="forbid")
 
@@ -87,11 +101,6 @@ class ImageGenerationRequest(ImageOptions):
     controlnets: list[ControlNetInput] | None = Field(
         default=None, description="ControlNets conditioning the image; their residuals are summed in this order.")
     loras: list[LoraInput] | None = Field(default=None, description="LoRAs styling the image.")
-    step_cache: float | None = Field(
-        default=None, description="This request's First-Block Cache threshold: a step whose first-block output "
-        "moved less than this (relative mean change) since the request's last computed step reuses that step's "
-        "later blocks, inside the same batch as requests that do not. 0 turns it off (exact); omitted: the "
-        "model's `step_cache`; above the model's `max_step_cache`, or on a model without it, refused (400).")
 
 
 class ImageData(BaseModel):
@@ -109,7 +118,7 @@ class ImagesResponse(BaseModel):
     background: Literal["opaque"] = Field(description="Always 'opaque': no served model draws an alpha channel.")
 
 
-class ImageEditRequest(ImageOptions):
+class ImageEditRequest(ImageOptions, StepCacheOptions):
     """POST /v1/images/edits: repaint the masked part of an image. OpenAI's clients send it as
     multipart/form-data (file parts `image` and `mask`); JSON bodies and handle callers give both
     as base64 instead."""
@@ -140,11 +149,6 @@ class ImageEditRequest(ImageOptions):
                                                               "(letters, digits, '.', '_', '-'): edits of one template "
                                                               "may reuse its cached activations where the server "
                                                               "enables them.")
-    step_cache: float | None = Field(
-        default=None, description="This request's First-Block Cache threshold: a step whose first-block output "
-        "moved less than this (relative mean change) since the request's last computed step reuses that step's "
-        "later blocks, inside the same batch as requests that do not. 0 turns it off (exact); omitted: the "
-        "model's `step_cache`; above the model's `max_step_cache`, or on a model without it, refused (400).")
     input_fidelity: Literal["high", "low"] | None = Field(
         default=None, description="How closely OpenAI's models keep the input's features: accepted and recorded "
                                   "(logged, counted); changes nothing here (the unmasked area is kept as it is).")

@@ -18,7 +18,7 @@ from stepserve.deployments.protocol import ControlNetInput, ImageGenerationReque
 from stepserve.engine.addons.source import AddonKind
 from stepserve.engine.families import family_class
 from stepserve.engine.forward_modes.base import ModeName
-from stepserve.policies.types import ControlNetUse, LoraUse, RequestSpec
+from stepserve.policies.types import ControlNetUse, LoraUse, RequestSpec, StepCacheMethod
 
 MAX_SEED = 2**63 - 1
 MAX_SLO_S = 24 * 3600.0  # a day: beyond it an objective schedules nothing differently from none
@@ -133,18 +133,19 @@ def request_slo(req: Any, model: ModelConfig) -> float | None:
     return req.slo_s
 
 
-def request_step_cache(req: Any, model: ModelConfig) -> float:
-    """The request's First-Block Cache threshold or, without one, the model's; within the model's
-    fidelity floor, and only where its family has the step cache."""
+def request_step_cache(req: Any, model: ModelConfig) -> tuple[float, StepCacheMethod]:
+    """The request's step-cache threshold and method or, without them, the model's; the threshold
+    within the model's fidelity floor, and only where its family has the step cache."""
+    method = model.step_cache_method if req.step_cache_method is None else StepCacheMethod(req.step_cache_method)
     if req.step_cache is None:
-        return model.step_cache
+        return model.step_cache, method
     if not 0 <= req.step_cache <= model.max_step_cache:  # also rejects NaN and infinities
         raise invalid("step_cache", f"step_cache must be in [0, {model.max_step_cache:g}] for model {model.name} "
                                     "(its max_step_cache)")
     if req.step_cache and ModeName.STEP_CACHE not in family_class(model.family).forward_modes:
         raise invalid("step_cache", f"model {model.name} ({model.family}) has no step cache; send 0 or omit it",
                       code="unsupported_value")
-    return req.step_cache
+    return req.step_cache, method
 
 
 def served_model(config: AppConfig, name: str | None, default: Callable[[ModelConfig], bool],
@@ -193,13 +194,13 @@ def to_specs(payload: object, config: AppConfig, request_id: str, default_seed: 
     width, height = parse_size(req.size, model, family.size_multiple)
     controlnets, loras = addon_uses(req.controlnets or [], req.loras or [], model, config)
     slo = request_slo(req, model)
-    step_cache = request_step_cache(req, model)
+    step_cache, step_cache_method = request_step_cache(req, model)
     return [
         RequestSpec(
             request_id=request_id if req.n == 1 else f"{request_id}-{i}", model=model.name, prompt=req.prompt,
             negative_prompt=req.negative_prompt or "", width=width, height=height, num_inference_steps=steps,
             guidance_scale=guidance, seed=seed + i, slo_s=slo, cfg=family.classifier_free_guidance,
-            controlnets=controlnets, loras=loras, step_cache=step_cache,
+            controlnets=controlnets, loras=loras, step_cache=step_cache, step_cache_method=step_cache_method,
         )
         for i in range(req.n)
     ]

@@ -1,5 +1,6 @@
 """Step caching per request (`RequestSpec.step_cache`, the First-Block Cache of
-`engine.step_cache`) on the shapes model: for each threshold, the speed-up of a request and its
+`engine.step_cache`, with each `step_cache_method`: reuse as it was, or TaylorSeer's first-order
+extrapolation) on the shapes model: for each method and threshold, the speed-up of a request and its
 pictures' fidelity to the exact ones (PSNR, SSIM, prompt accuracy), with every request of the
 batch caching and with half of them caching beside exact partners (who must stay exact).
 
@@ -32,6 +33,7 @@ from stepserve.engine.shapes import dataset
 from stepserve.engine.shapes.judge import prompt_accuracy
 from stepserve.load_tests.bench_fidelity import compare
 from stepserve.load_tests.bench_shapes import HELD_OUT_SEED, add_drawing_arguments, draw, load_served, specs_for
+from stepserve.policies.types import StepCacheMethod
 
 RULE_SSIM, RULE_SPEEDUP = 0.95, 1.5  # the issue's bar: >= 1.5x a request at SSIM >= 0.95
 
@@ -95,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     add_drawing_arguments(parser, prompts=50)
     parser.add_argument("--thresholds", default="0.05,0.1,0.15,0.2,0.3",
                         help="step_cache thresholds to measure, comma-separated (default: %(default)s)")
+    parser.add_argument("--methods", default="first_block,taylorseer",
+                        help="step_cache_method values to measure, comma-separated (default: %(default)s)")
     parser.add_argument("--batch", type=int, default=25, help="requests denoised together (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved timing rounds (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
@@ -109,20 +113,24 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     thresholds = [float(t) for t in args.thresholds.split(",")]
+    methods = [StepCacheMethod(m) for m in args.methods.split(",")]
     started = time.perf_counter()
     with quiet_libraries():
         _, _, family, judge = load_served(args)
         scenes = dataset.Renders(HELD_OUT_SEED, args.prompts).scenes
         plain = specs_for([s.caption for s in scenes], args, "r")
 
-        def variant(threshold: float, every: int) -> list:
+        def variant(method: StepCacheMethod, threshold: float, every: int) -> list:
             """`plain` with every `every`-th request (from the first) caching at `threshold`."""
-            return [dataclasses.replace(s, step_cache=threshold) if i % every == 0 else s for i, s in enumerate(plain)]
+            return [dataclasses.replace(s, step_cache=threshold, step_cache_method=method) if i % every == 0 else s
+                    for i, s in enumerate(plain)]
 
-        variants = {("exact", 0.0): plain}
-        for t in thresholds:
-            variants[("all", t)] = variant(t, 1)
-            variants[("half", t)] = variant(t, 2)
+        exact_key = (None, "exact", 0.0)
+        variants = {exact_key: plain}
+        for method in methods:
+            for t in thresholds:
+                variants[(method, "all", t)] = variant(method, t, 1)
+                variants[(method, "half", t)] = variant(method, t, 2)
         times: dict = {key: [] for key in variants}
         step_times: dict = {key: [] for key in variants}
         pictures, skips = {}, {}
@@ -135,32 +143,34 @@ def main(argv: list[str] | None = None) -> int:
                 times[key].append(time.perf_counter() - start)
                 step_times[key].append(counted.step_s)
                 pictures[key], skips[key] = drawn, counted.skip_share()
-            log(f"round {rnd + 1}/{args.repeats}: " + ", ".join(f"{k[0]} {k[1]:g} {v[-1]:.2f} s"
-                                                               for k, v in times.items()))
-        exact, exact_s = pictures[("exact", 0.0)], statistics.median(times[("exact", 0.0)])
-        exact_step_s = statistics.median(step_times[("exact", 0.0)])
+            log(f"round {rnd + 1}/{args.repeats}: " + ", ".join(
+                f"{k[0].value if k[0] else ''} {k[1]} {k[2]:g} {v[-1]:.2f} s" for k, v in times.items()))
+        exact, exact_s = pictures[exact_key], statistics.median(times[exact_key])
+        exact_step_s = statistics.median(step_times[exact_key])
         head = head_share(family, 2 * args.batch, args.size)
         accuracy = prompt_accuracy(judge, exact, scenes)
         rows = []
-        for (batch, t), specs in variants.items():
-            if batch == "exact":
+        for key, specs in variants.items():
+            method, batch, t = key
+            if method is None:
                 continue
             caching = np.array([s.step_cache > 0 for s in specs])
-            seconds = statistics.median(times[(batch, t)])
-            step_s = statistics.median(step_times[(batch, t)])
-            row = {"threshold": t, "batch": batch, "caching_share": float(caching.mean()), "seconds": seconds,
+            seconds = statistics.median(times[key])
+            step_s = statistics.median(step_times[key])
+            row = {"method": method.value, "threshold": t, "batch": batch, "caching_share": float(caching.mean()),
+                   "seconds": seconds,
                    "speedup": exact_s / seconds, "denoise_speedup": exact_step_s / step_s,
-                   "skipped_step_share": skips[(batch, t)],
-                   **compare(pictures[(batch, t)][caching], exact[caching], [s for s, c in zip(scenes, caching) if c],
+                   "skipped_step_share": skips[key],
+                   **compare(pictures[key][caching], exact[caching], [s for s, c in zip(scenes, caching) if c],
                              judge, prompt_accuracy(judge, exact[caching], [s for s, c in zip(scenes, caching) if c]))}
             if not caching.all():  # its exact partners: the same pictures as alone
-                others = pictures[(batch, t)][~caching].astype(int) - exact[~caching].astype(int)
+                others = pictures[key][~caching].astype(int) - exact[~caching].astype(int)
                 row["partners_max_pixel_difference"] = int(np.abs(others).max())
             row["meets_rule"] = row["ssim"] >= RULE_SSIM and row["denoise_speedup"] >= RULE_SPEEDUP
             rows.append(row)
-            log(f"{batch} {t:g}: {row['speedup']:.2f}x, skipped {row['skipped_step_share']:.2f}, "
+            log(f"{method.value} {batch} {t:g}: {row['speedup']:.2f}x, skipped {row['skipped_step_share']:.2f}, "
                 f"SSIM {row['ssim']:.3f}, accuracy {row['prompt_accuracy']:.3f}")
-    report = {"benchmark": "step_cache", "method": "first_block",
+    report = {"benchmark": "step_cache",
               "setup": {**vars(args), "config": str(args.config), "out": str(args.out), "torch": torch.__version__},
               "rule": {"ssim_at_least": RULE_SSIM, "speedup_at_least": RULE_SPEEDUP},
               "exact": {"seconds": exact_s, "denoise_seconds": exact_step_s, "prompt_accuracy": accuracy},
@@ -168,10 +178,10 @@ def main(argv: list[str] | None = None) -> int:
               "wall_s": round(time.perf_counter() - started, 1)}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "step_cache.json").write_text(json.dumps(report, indent=1) + "\n")
-    plot_step_cache(report, f"First-Block Cache per request, {args.model}: {args.prompts} held-out prompts, "
+    plot_step_cache(report, f"step caching per request, {args.model}: {args.prompts} held-out prompts, "
                             f"{args.steps} steps, batches of {args.batch}", args.out / "step_cache.png")
     for r in rows:
-        print(f"{r['batch']} caching, threshold {r['threshold']:g}: {r['speedup']:.2f}x end to end, "
+        print(f"{r['method']}, {r['batch']} caching, threshold {r['threshold']:g}: {r['speedup']:.2f}x end to end, "
               f"{r['denoise_speedup']:.2f}x denoising, skipped "
               f"{r['skipped_step_share']:.0%} of steps, SSIM {r['ssim']:.3f}, accuracy {r['prompt_accuracy']:.3f} "
               f"(exact {r['exact_prompt_accuracy']:.3f})"

@@ -32,6 +32,13 @@ class LoraBatching(str, Enum):
     PER_ADAPTER = "per_adapter"  # a forward takes requests with one LoRA set only
 
 
+class StepCacheMethod(str, Enum):
+    """What a step a request's step cache skips takes (`engine.step_cache`)."""
+
+    FIRST_BLOCK = "first_block"  # the later blocks' result at its last computed step, as it was
+    TAYLORSEER = "taylorseer"  # that result extrapolated to first order from its last two computed steps
+
+
 @dataclass(frozen=True, order=True)
 class ShapeKey:
     """Requests with equal keys can share one denoiser forward (rows are independent)."""
@@ -122,6 +129,7 @@ class RequestSpec:
     # Its First-Block Cache threshold (`engine.step_cache`): a step whose first-block output moved
     # less than this since its last computed step reuses that step's later blocks. 0: off, exact.
     step_cache: float = 0.0
+    step_cache_method: StepCacheMethod = StepCacheMethod.FIRST_BLOCK
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, RequestKind):
@@ -142,6 +150,9 @@ class RequestSpec:
         names = [use.name for use in self.loras]
         if len(set(names)) != len(names):  # (one ControlNet twice, with two images, is fine)
             raise ValueError(f"request {self.request_id!r}: a LoRA is named twice in {names}")
+        if not isinstance(self.step_cache_method, StepCacheMethod):
+            raise ValueError(f"request {self.request_id!r}: step_cache_method must be a StepCacheMethod, "
+                             f"got {self.step_cache_method!r}")
         if not 0.0 <= self.step_cache < float("inf"):
             raise ValueError(f"request {self.request_id!r}: step_cache must be a finite threshold >= 0, "
                              f"got {self.step_cache!r}")

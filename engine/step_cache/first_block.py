@@ -11,6 +11,10 @@ single residual stream, it is the whole noise prediction. A request's first step
 after one it did not run here (`reset`), computes in full; a threshold of 0 never skips, and its
 forward is the model's own.
 
+With `order` 1 a skipping request does not take that result as it was but extrapolates it, to
+first order, from its last two computed steps (TaylorSeer, Liu et al. 2025, as cache-dit uses it
+to calibrate its block cache): result(k) = result(k1) + (k - k1) (result(k1) - result(k0)) / (k1 - k0).
+
 The state is the request's own, never its batch's (requests join and leave batches at every
 step), and is not exported: a request resumed elsewhere computes its next step in full.
 """
@@ -26,19 +30,26 @@ import torch
 
 @dataclass
 class FirstBlockCache:
-    """One request's cache: its threshold and rows, its first block's output at its last computed
-    step and what the later blocks gave it then, and how many of its steps computed or skipped here."""
+    """One request's cache: its threshold, rows and order (0: reuse; 1: TaylorSeer), its first
+    block's output at its last computed step and what the later blocks gave it then (and at the
+    computed step before, for `order` 1), and how many of its steps computed or skipped here."""
 
     threshold: float
     rows: int
+    order: int = 0
     first: torch.Tensor | None = None
     cached: torch.Tensor | None = None
+    cached_at: int = 0  # the step (counted here) `cached` is of
+    before: torch.Tensor | None = None  # `order` 1: the computed step's before that
+    before_at: int = 0
     computed: int = 0
     skipped: int = 0
 
     def __post_init__(self) -> None:
         if not self.threshold >= 0:
             raise ValueError(f"a step-cache threshold is >= 0, got {self.threshold}")
+        if self.order not in (0, 1):
+            raise ValueError(f"a step cache reuses (order 0) or extrapolates to first order (1), got {self.order}")
 
     def skips(self, first: torch.Tensor) -> bool:
         """It may reuse its cached step, its first block now giving `first` (its rows)."""
@@ -49,7 +60,23 @@ class FirstBlockCache:
 
     def reset(self) -> None:
         """A step ran elsewhere: what is cached is a step behind, so its next step computes."""
-        self.first = self.cached = None
+        self.first = self.cached = self.before = None
+
+    def reused(self) -> torch.Tensor:
+        """What a skipped step takes: the cached result, or its first-order extrapolation."""
+        if self.order == 0 or self.before is None:
+            return self.cached
+        step = self.computed + self.skipped
+        slope = (self.cached - self.before) / (self.cached_at - self.before_at)
+        return self.cached + (step - self.cached_at) * slope
+
+    def keep(self, first: torch.Tensor, result: torch.Tensor) -> None:
+        """A computed step's first-block output and later-blocks result (copies: the batch's
+        tensors must not stay alive with the request)."""
+        if self.order:
+            self.before, self.before_at = self.cached, self.cached_at
+        self.first, self.cached = first.clone(), result.clone()
+        self.cached_at = self.computed + self.skipped
 
 
 @dataclass(frozen=True)
@@ -79,15 +106,15 @@ def first_block_cached(split: SplitForward, caches: Sequence[FirstBlockCache]) -
     later, at = [], 0  # each request's last hidden state (DiT) or output (UNet)
     for cache, (a, b), skip in zip(caches, bounds, skips):
         if skip:
+            reused = cache.reused()
             cache.skipped += 1
-            later.append(first[a:b] + cache.cached if split.residual else cache.cached)
+            later.append(first[a:b] + reused if split.residual else reused)
             continue
         mine = done[at:at + b - a]
         at += b - a
-        cache.computed += 1
         if cache.threshold:  # (one that never skips keeps nothing)
-            cache.first = first[a:b].clone()
-            cache.cached = (mine - first[a:b] if split.residual else mine).clone()
+            cache.keep(first[a:b], mine - first[a:b] if split.residual else mine)
+        cache.computed += 1
         later.append(mine)
     joined = later[0] if len(later) == 1 else torch.cat(later)
     return split.foot(joined, carry) if split.residual else joined

@@ -9,6 +9,7 @@ from pydantic import ValidationError
 from stepserve.deployments.config import AppConfig, ModelConfig
 from stepserve.deployments.errors import APIError
 from stepserve.deployments.validation import to_specs
+from stepserve.policies.types import StepCacheMethod
 
 CONFIG = AppConfig.model_validate({"models": [
     {"name": "sd", "preset": "tiny", "default_size": "64x64", "step_cache": 0.1, "max_step_cache": 0.3},
@@ -21,10 +22,26 @@ def threshold(**body) -> float:
     return spec.step_cache
 
 
+def method(**body) -> StepCacheMethod:
+    (spec,) = to_specs({"prompt": "a cat", "model": "sd", **body}, CONFIG, "r")
+    return spec.step_cache_method
+
+
 def test_the_requests_own_or_else_the_models():
     assert threshold() == 0.1
     assert threshold(step_cache=0.25) == 0.25
     assert threshold(step_cache=0) == 0.0  # a request may always ask to be exact
+
+
+def test_the_method_is_the_requests_or_else_the_models():
+    assert method() is StepCacheMethod.FIRST_BLOCK
+    assert method(step_cache_method="taylorseer") is StepCacheMethod.TAYLORSEER
+    taylor = AppConfig.model_validate({"models": [{"name": "sd", "preset": "tiny", "default_size": "64x64",
+                                                   "step_cache_method": "taylorseer"}]})
+    assert to_specs({"prompt": "a cat"}, taylor, "r")[0].step_cache_method is StepCacheMethod.TAYLORSEER
+    with pytest.raises(APIError) as info:
+        method(step_cache_method="magic")
+    assert info.value.status == 400
 
 
 @pytest.mark.parametrize("value", [-0.1, 0.31, math.nan, math.inf])

@@ -10,9 +10,11 @@ def test_bench_step_cache_writes_its_report(tmp_path):
     assert bench_step_cache.main(["--prompts", "2", "--steps", "4", "--batch", "2", "--repeats", "1",
                                   "--thresholds", "0.3", "--threads", "1", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "step_cache.json").read_text())
-    rows = {row["batch"]: row for row in report["rows"]}
-    assert set(rows) == {"all", "half"} and rows["half"]["caching_share"] == 0.5
-    assert rows["half"]["partners_max_pixel_difference"] == 0  # the exact partner of a caching request
+    rows = {(row["method"], row["batch"]): row for row in report["rows"]}
+    assert set(rows) == {(method, batch) for method in ("first_block", "taylorseer") for batch in ("all", "half")}
+    for method in ("first_block", "taylorseer"):
+        assert rows[method, "half"]["caching_share"] == 0.5
+        assert rows[method, "half"]["partners_max_pixel_difference"] == 0  # the exact partner of a caching request
     assert all(0 < row["speedup"] and 0 <= row["skipped_step_share"] < 1 and 0 < row["ssim"] <= 1
                for row in rows.values())
     assert (tmp_path / "step_cache.png").stat().st_size > 0

@@ -120,3 +120,28 @@ def test_an_unchanged_first_block_reuses_its_step_exactly(tiny_sd3):
 def test_a_threshold_is_not_negative():
     with pytest.raises(ValueError, match=">= 0"):
         FirstBlockCache(threshold=-0.1, rows=1)
+
+
+def scripted(firsts, results):
+    """A split whose head gives `firsts[k]` and whose body gives `results[k]` at call k (one row)."""
+    calls = iter(range(len(firsts)))
+
+    def head():
+        k = next(calls)
+        return torch.full((1, 2), float(firsts[k])), torch.tensor([k])
+
+    return SplitForward(head, lambda carry: torch.full((1, 2), float(results[int(carry[0])])),
+                        lambda last, carry: last, residual=False)
+
+
+@pytest.mark.parametrize("order,expected", [(0, 10.0), (1, 20.0)])
+def test_taylorseer_extrapolates_what_a_skipped_step_takes(order, expected):
+    """Computed at steps 0 and 1 (results 0 and 10); step 2's first block has not moved, so it
+    skips: reuse takes 10, TaylorSeer's first order 10 + (2 - 1) * (10 - 0) / (1 - 0) = 20."""
+    cache = FirstBlockCache(threshold=0.1, rows=1, order=order)
+    split = scripted(firsts=[1.0, 2.0, 2.0], results=[0.0, 10.0, 99.0])
+    out = [first_block_cached(split, [cache]) for _ in range(3)]
+    assert (cache.computed, cache.skipped) == (2, 1)
+    assert [float(o[0, 0]) for o in out] == [0.0, 10.0, expected]
+    with pytest.raises(ValueError, match="first order"):
+        FirstBlockCache(threshold=0.1, rows=1, order=2)

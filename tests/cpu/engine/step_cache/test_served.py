@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from stepserve.engine.step_runner import StepRunner
-from stepserve.policies.types import StepGroup, WorkerPlan
+from stepserve.policies.types import StepCacheMethod, StepGroup, WorkerPlan
 
 from tests.tiny import admission_for, make_spec, run_together
 
@@ -38,3 +38,10 @@ def test_a_threshold_of_zero_holds_no_cache(tiny_family):
     spec = make_spec("a", steps=2)
     runner.execute(WorkerPlan("w0", admit=("a",)), {"a": admission_for(tiny_family, spec)})
     assert runner.samplers["a"].mode is None
+
+
+def test_a_taylorseer_request_extrapolates(tiny_family):
+    runner = StepRunner("w0", {"tiny-sd": tiny_family})
+    spec = dataclasses.replace(make_spec("a", steps=2), step_cache=0.2, step_cache_method=StepCacheMethod.TAYLORSEER)
+    runner.execute(WorkerPlan("w0", admit=("a",)), {"a": admission_for(tiny_family, spec)})
+    assert runner.samplers["a"].mode_state.order == 1
