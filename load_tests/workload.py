@@ -205,9 +205,14 @@ class RequestClass:
     slo_scale: float | None = None  # overrides the workload's σ for this class
     num_frames: int | None = None  # set: a text-to-video class (POST /v1/videos); None: images
     fps: int = 16  # videos only
+    step_cache: float = 0.0  # each request's step-cache threshold (`step_cache` in the body); 0: exact
 
     def __post_init__(self) -> None:
         where = f"classes[{self.name}]"
+        if not (math.isfinite(self.step_cache) and self.step_cache >= 0):
+            raise WorkloadError(f"{where}.step_cache must be a finite threshold >= 0, got {self.step_cache!r}")
+        if self.step_cache and self.num_frames is not None:
+            raise WorkloadError(f"{where}.step_cache: videos have no step cache")
         if self.num_frames is not None and (isinstance(self.num_frames, bool) or self.num_frames < 1):
             raise WorkloadError(f"{where}.num_frames must be a positive int, got {self.num_frames!r}")
         if not self.sizes:
@@ -314,6 +319,7 @@ class ScheduledRequest:
     fps: int = 16
     controlnets: tuple[str, ...] = ()  # ControlNet names (`addon_mix.with_addons`), each with a control image
     loras: tuple[str, ...] = ()  # LoRA names
+    step_cache: float = 0.0  # its step-cache threshold (0: exact)
 
     @property
     def uses_cfg(self) -> bool:
@@ -344,6 +350,8 @@ class ScheduledRequest:
                                    for name in self.controlnets]
         if self.loras:
             body["loras"] = [{"name": name} for name in self.loras]
+        if self.step_cache:
+            body["step_cache"] = self.step_cache
         return body
 
 
@@ -409,7 +417,7 @@ def generate(workload: WorkloadSpec | PoissonWorkload, cost: SoloCost | None = N
         values: dict[str, Any] = dict(
             model=request_class.model, width=size.width, height=size.height, num_inference_steps=steps,
             guidance_scale=request_class.guidance_scale, prompt=prompt,
-            negative_prompt=request_class.negative_prompt,
+            negative_prompt=request_class.negative_prompt, step_cache=request_class.step_cache,
         )
         if request_class.num_frames is not None:
             values.update(num_frames=request_class.num_frames, fps=request_class.fps)
@@ -536,6 +544,7 @@ class _ClassYaml(_Strict):
     slo_scale: float | None = Field(default=None, gt=0)
     num_frames: int | None = Field(default=None, ge=1)
     fps: int = Field(default=16, ge=1)
+    step_cache: float = Field(default=0.0, ge=0, allow_inf_nan=False)
 
 
 class _WorkloadYaml(_Strict):
@@ -659,7 +668,7 @@ def parse_workload(data: Any, base_dir: str | os.PathLike = ".", name: str = "wo
             sizes=tuple(parse_size(s, f"classes[{c.name}].sizes") for s in c.sizes),
             steps=parse_steps(c.steps, f"classes[{c.name}].steps"), guidance_scale=c.guidance_scale,
             prompt=c.prompt, negative_prompt=c.negative_prompt, unique_prompts=c.unique_prompts,
-            slo_scale=c.slo_scale, num_frames=c.num_frames, fps=c.fps,
+            slo_scale=c.slo_scale, num_frames=c.num_frames, fps=c.fps, step_cache=c.step_cache,
         )
         for c in raw.classes
     )

@@ -604,7 +604,7 @@ def _spec_of(request: ScheduledRequest, rid: str, slo_s: float | None) -> Reques
         num_frames=request.num_frames if video else 1, fps=request.fps,
         slo_s=None if slo_s is None else max(slo_s, 1e-9),
         controlnets=tuple(ControlNetUse(name) for name in request.controlnets),
-        loras=tuple(LoraUse(name) for name in request.loras))
+        loras=tuple(LoraUse(name) for name in request.loras), step_cache=request.step_cache)
     if isinstance(request, ScheduledEdit):
         spec = replace(spec, kind=RequestKind.EDIT, mask_ratio=request.mask_ratio, template_id=request.template_id)
     return spec
