@@ -28,6 +28,7 @@ from stepserve.actors.lora_store import StoreLoras
 from stepserve.actors.node_stores import stores_by_node
 from stepserve.actors.sp_world import DEFAULT_TIMEOUT_S, SPWorld, backend_for, rendezvous_address
 from stepserve.actors.worker_options import WorkerPoolSpec, WorkerServices
+from stepserve.engine.addons.controlnet import RemoteControlNets
 from stepserve.engine.addons.source import AddonKind, load_addon
 from stepserve.engine.families import DENOISER, TEXT, VAE, DiffusionFamily, ModelSource, family_class, load_family
 from stepserve.engine.forward_modes.base import ModeName
@@ -90,23 +91,21 @@ class DenoiserWorker:
         if o.torch_threads:
             torch.set_num_threads(o.torch_threads)
         self.device = resolve_device(o.device)
+        controlnets = services.controlnet_service
+        # One client of the ControlNet service, handed to each family that takes add-ons as it is built.
+        remote = None if controlnets is None else RemoteControlNets(ServiceControlNets(controlnets),
+                                                                     o.controlnet_stale)
         families = {m.name: load_family(m, worker_parts(m, o.decode_images, o.encode_text, o.patch_cache is not None),
-                                        self.device)
+                                        self.device, remote if family_class(m.family).takes_addons else None)
                     for m in models}
         loras = None
         if services.lora_stores:
             store = stores_by_node(services.lora_stores, ray.get_runtime_context().get_node_id())
             loras = StoreLoras(store, families, o.max_resident_loras)
-        controlnets = services.controlnet_service
         for addon in o.addons:
             here = loras is None if addon.kind is AddonKind.LORA else controlnets is None
             if here:
                 load_addon(addon, families[addon.model])
-        if controlnets is not None:
-            for family in families.values():
-                if family.takes_addons:
-                    family.controlnet_service = ServiceControlNets(controlnets)
-                    family.controlnet_stale = o.controlnet_stale
         self.text = CachedTextEncoder(families, o.text_cache_size) if o.encode_text else None
         # New on every process start: a restarted actor has lost every resident request.
         self.incarnation = uuid4().hex

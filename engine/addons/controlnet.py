@@ -149,6 +149,16 @@ class ControlNetService(Protocol):
               inputs: Mapping[str, Any], group: Sequence[ControlRows]) -> Callable[[], list[Residuals]]: ...
 
 
+@dataclass(frozen=True)
+class RemoteControlNets:
+    """Where a family's ControlNets run when not on its worker (given when the family is built):
+    the service, and whether a step may add its request's previous step's residuals
+    (`controlnet_service.stale`)."""
+
+    service: ControlNetService
+    stale: bool = False
+
+
 def control_pixels(image: PIL.Image.Image, height: int, width: int) -> np.ndarray:
     """The first half of the ControlNet pipelines' `prepare_image` (`VaeImageProcessor.preprocess`
     of a PIL image, as they configure it): resized to the output size, then RGB. uint8 [height,

@@ -7,6 +7,7 @@ from collections.abc import Collection, Iterator, Mapping
 
 import torch
 
+from stepserve.engine.addons.controlnet import RemoteControlNets
 from stepserve.engine.families.base import ALL_PARTS, DENOISER, TEXT, VAE, DiffusionFamily, ModelSource
 
 # name -> (module, class). A family's module is imported when the family is first looked up:
@@ -46,10 +47,18 @@ def family_class(name: str) -> type[DiffusionFamily]:
         raise ValueError(f"unknown model family {name!r}; known: {sorted(FAMILIES)}") from None
 
 
-def load_family(source: ModelSource, parts: Collection[str], device: str | torch.device = "cpu") -> DiffusionFamily:
+def load_family(source: ModelSource, parts: Collection[str], device: str | torch.device = "cpu",
+                remote: RemoteControlNets | None = None) -> DiffusionFamily:
+    """`remote`: where the family's ControlNets run when not on this worker (families that take
+    add-ons only)."""
     if source.family not in FAMILIES:
         raise ValueError(f"model {source.name!r}: unknown family {source.family!r}; known: {sorted(FAMILIES)}")
-    return FAMILIES[source.family].load(source, parts, device)
+    cls = FAMILIES[source.family]
+    if remote is None:
+        return cls.load(source, parts, device)
+    if not cls.takes_addons:
+        raise ValueError(f"model {source.name!r} ({source.family}) takes no ControlNets")
+    return cls.load(source, parts, device, remote)
 
 
 __all__ = [

@@ -28,6 +28,7 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_tim
 from diffusers.utils.torch_utils import randn_tensor
 from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5Tokenizer
 
+from stepserve.engine.addons.controlnet import RemoteControlNets
 from stepserve.engine.families import sd15
 from stepserve.engine.families.base import DENOISER, TEXT, VAE, ModelSource, RowConditioning, TextEmbeddings
 from stepserve.engine.families.flow_matching import FlowMatchingImageFamily
@@ -137,8 +138,9 @@ class FluxFamily(FlowMatchingImageFamily):
     edits = False  # FluxInpaintPipeline (packed latents) is not replayed yet
     forward_modes = frozenset({ModeName.PACKED})
 
-    def __init__(self, source: ModelSource, components: dict[str, Any], device: torch.device):
-        super().__init__(source, components, device)
+    def __init__(self, source: ModelSource, components: dict[str, Any], device: torch.device,
+                 remote: RemoteControlNets | None = None):
+        super().__init__(source, components, device, remote)
         if self.vae_scale_factor * 2 != self.size_multiple:
             raise ValueError(f"model {source.name!r}: VAE {self.vae_scale_factor}x times the 2x2 packing is not "
                              f"the flux family's size multiple {self.size_multiple}")

@@ -23,7 +23,7 @@ from transformers import CLIPTextModel, CLIPTokenizer, PreTrainedTokenizerBase
 
 from stepserve.engine.addons import StepAddons
 from stepserve.engine.addons.controlnet import (
-    ControlNetService, Residuals, active_uses, by_controlnet, control_residuals, sum_residuals,
+    ControlNetService, RemoteControlNets, Residuals, active_uses, by_controlnet, control_residuals, sum_residuals,
 )
 from stepserve.engine.addons.overlap import late_residuals
 from stepserve.engine.addons.lora import LoraWeights, lora_rows
@@ -134,7 +134,8 @@ class SD15Family(DiffusionFamily):
     # its first down block (`engine.step_cache.split_unet`).
     forward_modes = frozenset({ModeName.PACKED, ModeName.STEP_CACHE})
 
-    def __init__(self, source: ModelSource, components: dict[str, Any], device: torch.device):
+    def __init__(self, source: ModelSource, components: dict[str, Any], device: torch.device,
+                 remote: RemoteControlNets | None = None):
         self.source = source
         self.device = device
         self.dtype = source.torch_dtype
@@ -152,8 +153,8 @@ class SD15Family(DiffusionFamily):
         self.controlnets: dict[str, ControlNetModel] = {}
         # Where the ControlNets run when not here (SwiftDiffusion's ControlNet-as-a-Service), and
         # whether their residuals may be one step stale (`controlnet_service.stale`).
-        self.controlnet_service: ControlNetService | None = None
-        self.controlnet_stale = False
+        self.controlnet_service: ControlNetService | None = None if remote is None else remote.service
+        self.controlnet_stale = remote is not None and remote.stale
         self.loras: dict[str, LoraWeights] = {}
         if self.denoiser is not None and device.type == "cuda" and self.xformers_attention \
                 and importlib.util.find_spec("xformers"):
@@ -172,7 +173,9 @@ class SD15Family(DiffusionFamily):
         )
 
     @classmethod
-    def load(cls, source: ModelSource, parts: Collection[str], device: str | torch.device) -> "SD15Family":
+    def load(cls, source: ModelSource, parts: Collection[str], device: str | torch.device,
+             remote: RemoteControlNets | None = None) -> "SD15Family":
+        """`remote`: where its ControlNets run, when not on this worker."""
         unknown = set(parts) - ALL_PARTS
         if unknown:
             raise ValueError(f"unknown parts {sorted(unknown)}")
@@ -181,7 +184,7 @@ class SD15Family(DiffusionFamily):
             components = cls.preset_components(source.preset, source.seed, parts, device, source.torch_dtype)
         else:
             components = cls.folder_components(source.path, parts)
-        return cls(source, components, device)
+        return cls(source, components, device, remote)
 
     # Where `load` gets its components; a family built on this one names its own.
     preset_components = staticmethod(build_preset_components)

@@ -16,6 +16,7 @@ import torch
 from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
 from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
+from stepserve.engine.addons.controlnet import RemoteControlNets
 from stepserve.engine.families.base import DENOISER, TEXT, VAE, RowConditioning, TextEmbeddings
 from stepserve.engine.families import sd15
 from stepserve.engine.families.presets import (
@@ -110,9 +111,10 @@ class SDXLFamily(SD15Family):
     modules = SD15Family.modules + (TEXT_2,)
     edits = False  # StableDiffusionXLInpaintPipeline (its upcast VAE encode, denoising_start) is not replayed yet
 
-    def __init__(self, source, components: dict[str, Any], device: torch.device):
+    def __init__(self, source, components: dict[str, Any], device: torch.device,
+                 remote: RemoteControlNets | None = None):
         self.force_zeros_for_empty_prompt = components.get("force_zeros_for_empty_prompt", True)
-        super().__init__(source, components, device)
+        super().__init__(source, components, device, remote)
         if self.vae is not None and self.vae.config.force_upcast:
             # The pipeline upcasts a half-precision VAE for every decode (it overflows in fp16):
             # keep it in float32 here instead.

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from stepserve.engine.addons.controlnet import RemoteControlNets
 from stepserve.engine.families import ALL_PARTS, DENOISER, FAMILIES, TEXT, VAE, ModelSource, load_family
 from stepserve.engine.text_encoding import CachedTextEncoder
 
@@ -89,3 +90,15 @@ def test_full_presets_are_created_in_the_serving_dtype(name):
             assert param.device.type == "meta"
             assert param.dtype == (torch.float32 if fp32 else torch.bfloat16), (key, param_name)
     assert torch.get_default_dtype() == torch.float32  # restored after each part
+
+
+def test_a_family_is_built_with_where_its_controlnets_run():
+    """The ControlNet service is given when the family is built (a worker changes no family after)."""
+    service = object()
+    family = load_family(ModelSource("tiny-sd", "sd15", preset="tiny"), {DENOISER}, "cpu",
+                         RemoteControlNets(service, stale=True))
+    assert family.controlnet_service is service and family.controlnet_stale
+    plain = load_family(ModelSource("tiny-sd", "sd15", preset="tiny"), {DENOISER}, "cpu")
+    assert plain.controlnet_service is None and not plain.controlnet_stale
+    with pytest.raises(ValueError, match="takes no ControlNets"):
+        load_family(ModelSource("tiny-wan", "wan", preset="tiny"), {DENOISER}, "cpu", RemoteControlNets(service))
