@@ -51,12 +51,14 @@ class FirstBlockCache:
         if self.order not in (0, 1):
             raise ValueError(f"a step cache reuses (order 0) or extrapolates to first order (1), got {self.order}")
 
-    def skips(self, first: torch.Tensor) -> bool:
-        """It may reuse its cached step, its first block now giving `first` (its rows)."""
-        if self.first is None or self.threshold == 0:
-            return False
-        change = (first - self.first).abs().mean() / self.first.abs().mean().clamp_min(1e-12)
-        return bool(change < self.threshold)
+    @property
+    def may_skip(self) -> bool:
+        return self.first is not None and self.threshold > 0
+
+    def change(self, first: torch.Tensor) -> torch.Tensor:
+        """How far its first block's output (now `first`, its rows) moved since its last computed
+        step: mean absolute change over mean absolute value (a 0-d tensor, on the device)."""
+        return (first - self.first).abs().mean() / self.first.abs().mean().clamp_min(1e-12)
 
     def reset(self) -> None:
         """A step ran elsewhere: what is cached is a step behind, so its next step computes."""
@@ -97,7 +99,7 @@ def first_block_cached(split: SplitForward, caches: Sequence[FirstBlockCache]) -
     """The batch's output; `caches`: its requests', in row order (each request's `rows` rows)."""
     first, carry = split.head()
     bounds = _bounds([cache.rows for cache in caches])
-    skips = [cache.skips(first[a:b]) for cache, (a, b) in zip(caches, bounds)]
+    skips = _skips(first, caches, bounds)
     compute = [row for (a, b), skip in zip(bounds, skips) if not skip for row in range(a, b)]
     done = None
     if compute:
@@ -118,6 +120,18 @@ def first_block_cached(split: SplitForward, caches: Sequence[FirstBlockCache]) -
         later.append(mine)
     joined = later[0] if len(later) == 1 else torch.cat(later)
     return split.foot(joined, carry) if split.residual else joined
+
+
+def _skips(first: torch.Tensor, caches: Sequence[FirstBlockCache], bounds: list[tuple[int, int]]) -> list[bool]:
+    """Which requests skip: their changes measured on the device and read back at once (one
+    device sync a forward, not one a request)."""
+    asking = [i for i, cache in enumerate(caches) if cache.may_skip]
+    skips = [False] * len(caches)
+    if asking:
+        changes = torch.stack([caches[i].change(first[slice(*bounds[i])]) for i in asking]).tolist()
+        for i, change in zip(asking, changes):
+            skips[i] = change < caches[i].threshold
+    return skips
 
 
 def take(carry: Any, index: torch.Tensor) -> Any:

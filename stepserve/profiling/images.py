@@ -41,7 +41,7 @@ from stepserve.profiling.common import (
     set_threads,
 )
 from stepserve.profiling.edits import masked_fit_report, measure_masked
-from stepserve.profiling.live import live_rows, measure_live, measure_rpc
+from stepserve.profiling.live import live_rows, measure_live, measure_on_ray
 from stepserve.profiling.packed import measure_packed, packed_fit_report
 from stepserve.runtime import CONFIGS, load_serve_config
 
@@ -257,12 +257,9 @@ def measure_vae_decode(ctx: Context, threads: int) -> list[ProfileRow]:
 
 
 def run_profile(args: argparse.Namespace) -> int:
-    import ray
-
     from stepserve.actors.denoiser import resolve_device
     from stepserve.deployments.config import AppConfig
     from stepserve.engine.families import ALL_PARTS, load_family
-    from stepserve.runtime import start_local_ray
 
     started = time.perf_counter()
     serve_config = load_serve_config(args.config)
@@ -314,19 +311,9 @@ def run_profile(args: argparse.Namespace) -> int:
     # The live requests guide by CFG (2 rows, 2 texts) unless the model is guidance-distilled.
     cfg = ctx.family.classifier_free_guidance
     request_rows, guided = (2, "CFG") if cfg else (1, "one guided row")
-    live_result = None
-    start_local_ray(args.num_cpus)
-    try:
-        echo = measure_rpc(ctx, app.workers.max_batch_size)
-        if live:
-            live_result = measure_live(ctx, serve_config, min(grid.sizes), what=guided,
-                                       model_work=image_model_work(ctx.family, min(grid.sizes), request_rows))
-    finally:
-        from ray import serve
-
-        serve.shutdown()
-        ray.shutdown()
-
+    echo, live_result = measure_on_ray(ctx, args.num_cpus, app.workers.max_batch_size, None if not live else (
+        lambda: measure_live(ctx, serve_config, min(grid.sizes), what=guided,
+                             model_work=image_model_work(ctx.family, min(grid.sizes), request_rows))))
     if live_result is None:
         rows.append(echo)
     else:

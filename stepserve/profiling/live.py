@@ -60,6 +60,23 @@ def measure_rpc(ctx: Context, batch: int) -> ProfileRow:
     return ctx.row(ROUND_OVERHEAD, value, len(times), note=f"Ray actor round trip, WorkerPlan of {batch}")
 
 
+def measure_on_ray(ctx: Context, num_cpus: int | None, batch: int,
+                   live: Callable[[], LiveResult] | None) -> tuple[ProfileRow, LiveResult | None]:
+    """On a lean local Ray started here and shut down after: the actor round trip of a plan of
+    `batch` requests (`measure_rpc`), and `live()` (a `measure_live` call) unless it is None."""
+    import ray
+    from ray import serve
+
+    from stepserve.runtime import start_local_ray
+
+    start_local_ray(num_cpus)
+    try:
+        return measure_rpc(ctx, batch), None if live is None else live()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

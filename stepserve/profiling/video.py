@@ -62,7 +62,7 @@ from stepserve.profiling.common import (
     log,
     set_threads,
 )
-from stepserve.profiling.live import free_port, live_rows, measure_live, measure_rpc
+from stepserve.profiling.live import free_port, live_rows, measure_live, measure_on_ray
 from stepserve.runtime import CONFIGS
 
 PROMPT = "a red fox runs through the snow"
@@ -352,11 +352,8 @@ def send_video(frames: int):
 
 def run_video_profile(args: argparse.Namespace, serve_config: dict, app, model_config) -> int:
     """`stepserve profile` for a video model; `app` is `serve_config`'s validated `AppConfig`."""
-    import ray
-
     from stepserve.actors.denoiser import resolve_device
     from stepserve.engine.families import ALL_PARTS, load_family
-    from stepserve.runtime import start_local_ray
 
     started = time.perf_counter()
     device = resolve_device(args.device)
@@ -382,18 +379,10 @@ def run_video_profile(args: argparse.Namespace, serve_config: dict, app, model_c
     set_threads(app.workers.torch_threads)
 
     h, w, f = max(video_points(family, grid))
-    live_result = None
-    start_local_ray(args.num_cpus)
-    try:
-        echo = measure_rpc(ctx, 1)  # a video step names one video
-        if live:
-            live_result = measure_live(ctx, serve_config, h, send_video(f), what=f"{f}-frame CFG",
-                                       model_work=video_model_work(family, (h, w, f)))
-    finally:
-        from ray import serve
-
-        serve.shutdown()
-        ray.shutdown()
+    # (a video step names one video)
+    echo, live_result = measure_on_ray(ctx, args.num_cpus, 1, None if not live else (
+        lambda: measure_live(ctx, serve_config, h, send_video(f), what=f"{f}-frame CFG",
+                             model_work=video_model_work(family, (h, w, f)))))
     if live_result is None:
         rows.append(echo)
     else:
