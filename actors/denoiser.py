@@ -4,7 +4,8 @@ A plain class; `actors.pool` turns it into an addressable Ray actor. The router 
 `WorkerPlan` per round (`execute`), images and videos alike; a video's forward may run
 sequence-parallel with other workers of the same `SPWorld`. `interrupt` runs in a concurrency
 group of its own (`CONTROL`), beside a running plan, so the router can cut a plan of several
-steps short at its next step boundary. Latents stay on the worker between
+steps short at its next step boundary; `decoded` in another (`DECODE`), where a chunked decode
+(`vae_decoder.chunks`) runs beside the plans. Latents stay on the worker between
 steps: they leave only as an exported or checkpointed state (host memory, handed on as an
 object ref), a finished image's latents (its PNG when the worker decodes images), or a finished
 video's frames.
@@ -30,9 +31,11 @@ from stepserve.actors.sp_world import DEFAULT_TIMEOUT_S, SPWorld, backend_for, r
 from stepserve.actors.worker_options import WorkerPoolSpec, WorkerServices
 from stepserve.engine.addons.controlnet import RemoteControlNets
 from stepserve.engine.addons.source import AddonKind, load_addon
+from stepserve.engine.decode_lane import DecodeLane, PendingDecode
 from stepserve.engine.families import DENOISER, TEXT, VAE, DiffusionFamily, ModelSource, family_class, load_family
 from stepserve.engine.forward_modes.base import ModeName
 from stepserve.engine.patch_cache.calibration import calibrate
+from stepserve.engine.round_sequencer import RoundSequencer
 from stepserve.engine.sampler import Conditioning
 from stepserve.engine.step_runner import Admission, StepRunner
 from stepserve.engine.template_edits import TemplateCache
@@ -41,6 +44,7 @@ from stepserve.policies.types import RequestFailure, RequestSpec, StepReport, Wo
 from stepserve.routing.core import AdmissionRef
 
 CONTROL = "control"  # the concurrency group of the calls that must not wait for a running plan
+DECODE = "decode"  # the concurrency group in which images decode in chunks beside the plans
 
 # Errors that mean an input's producer (a worker, the text encoder, or the ref's owner) died:
 # the request is resumed from its last checkpoint, not failed.
@@ -109,8 +113,12 @@ class DenoiserWorker:
         self.text = CachedTextEncoder(families, o.text_cache_size) if o.encode_text else None
         # New on every process start: a restarted actor has lost every resident request.
         self.incarnation = uuid4().hex
+        chunked = o.decode_images and (o.decode_chunks > 1 or o.sequencer is not None)
+        self.lane = DecodeLane(o.decode_chunks) if chunked else None
+        sequencer = None if o.sequencer is None or self.lane is None else RoundSequencer(*o.sequencer)
         self.runner = StepRunner(worker_id, families, self.incarnation, decode_images=o.decode_images, loras=loras,
-                                 lora_join_by=o.lora_join_by, **mode_settings(o, families, services))
+                                 lora_join_by=o.lora_join_by, decode_lane=self.lane, sequencer=sequencer,
+                                 **mode_settings(o, families, services))
         self.sp_world: SPWorld | None = None
         self._interrupted = 0  # the plan id the router last asked to cut short
         self._held_since: float | None = None  # when the last plan ended with requests resident
@@ -133,7 +141,15 @@ class DenoiserWorker:
         failed = tuple(unresolved.get(f.request_id, f) for f in report.failed) if unresolved else report.failed
         report = replace(report, failed=failed, waited_s=waited)
         self._held_since = time.perf_counter() if self.runner.resident else None
+        if self.lane is not None:  # the router awaits the decode's own call for the PNG
+            me = ray.get_runtime_context().current_actor
+            payloads = [me.decoded.remote(p.request_id) if isinstance(p, PendingDecode) else p for p in payloads]
         return (report, *payloads) if plan.outputs else report
+
+    @ray.method(concurrency_group=DECODE)
+    def decoded(self, rid: str) -> bytes:
+        """The PNG of image `rid`, which a plan finished and left decoding in chunks (`PendingDecode`)."""
+        return self.lane.wait(rid)
 
     @ray.method(concurrency_group=CONTROL)
     def interrupt(self, plan_id: int) -> None:
@@ -214,7 +230,8 @@ def mode_settings(options: WorkerPoolSpec, families: Mapping[str, DiffusionFamil
     """The settings of the worker's forward modes (`engine.forward_modes.registry`) from the
     pool's options: where edits of templates find cached activations (this node's activation
     store, behind an LRU of the records this worker used last), the patch cache's predictor of
-    each model that has one (calibrated here, now), whether plain groups pack resolutions."""
+    each model that has one (calibrated here, now), whether plain groups pack resolutions, how
+    each model's requests skip CFG."""
     templates = None
     if services.activation_stores:
         local = ActivationCache(options.edit_cache_worker_bytes) if options.edit_cache_worker_bytes else None
@@ -224,7 +241,8 @@ def mode_settings(options: WorkerPoolSpec, families: Mapping[str, DiffusionFamil
     if options.patch_cache is not None:
         patch_reuse = {name: calibrate(family, name, options.patch_cache) for name, family in families.items()
                        if ModeName.PATCH_CACHE in family.forward_modes}
-    return {"templates": templates, "patch_reuse": patch_reuse, "pack_resolutions": options.pack_resolutions}
+    return {"templates": templates, "patch_reuse": patch_reuse, "pack_resolutions": options.pack_resolutions,
+            "skip_cfg": dict(options.skip_cfg)}
 
 
 def _fetch(refs: list[AdmissionRef]) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 import ray
 
-from stepserve.actors.denoiser import CONTROL, DenoiserWorker
+from stepserve.actors.denoiser import CONTROL, DECODE, DenoiserWorker
 from stepserve.actors.lora_store import LoraStore
 from stepserve.actors.node_stores import start_per_node
 from stepserve.actors.worker_options import WorkerPoolSpec, WorkerServices
@@ -35,8 +35,9 @@ def start_workers(spec: WorkerPoolSpec, models: Sequence[ModelSource], name_pref
     Each is a named actor, `<prefix>-w<i>-<token>`, so an operator can find it with `ray list
     actors`; the token keeps a restarted router's workers apart from the ones its predecessor is
     still tearing down."""
-    # One plan at a time; an interrupt runs beside it (Ray takes concurrency groups only here).
-    remote_cls = ray.remote(concurrency_groups={CONTROL: 1})(DenoiserWorker)
+    # One plan at a time; an interrupt, and a chunked decode, run beside it (Ray takes concurrency
+    # groups only here).
+    remote_cls = ray.remote(concurrency_groups={CONTROL: 1, DECODE: 1})(DenoiserWorker)
     services = WorkerServices(lora_stores or {}, controlnet_service, activation_stores or {})
     token = uuid.uuid4().hex[:8]
     workers, names = {}, {}

@@ -477,7 +477,9 @@ class Router:
     @staticmethod
     async def _fetch_png(rid: str, png: ray.ObjectRef) -> bytes | None:
         try:
-            return await png
+            png = await png
+            # Decoded in chunks (`vae_decoder.chunks`): the plan gave the ref of the worker's decode call.
+            return await png if isinstance(png, ray.ObjectRef) else png
         except Exception:  # its worker died before the PNG could be fetched
             logger.exception("fetching the decoded image of %s failed", rid)
             return None

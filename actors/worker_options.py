@@ -1,5 +1,5 @@
 """What a denoiser worker is built from: the pool's options, one frozen value made once from the
-app config (`deployments.config.WorkersConfig.pool_spec`), and the handles of the services the
+app config (`deployments.config.AppConfig.pool_spec`), and the handles of the services the
 router starts before its workers. A worker reads both in its constructor and changes neither."""
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ from typing import Any
 from stepserve.actors.activation_store import ActivationStoreSpec
 from stepserve.engine.addons.source import AddonKind, AddonSource
 from stepserve.engine.editing.masked_sd3 import CacheKind
+from stepserve.engine.forward_modes.skip_cfg import SkipCfg
 from stepserve.engine.patch_cache.calibration import PatchCacheSpec
+from stepserve.policies.synerdiff.types import ConcurrencyTable
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,9 @@ class WorkerPoolSpec:
     torch_threads: int | None = None
     pack_resolutions: bool = False  # `workers.pack_resolutions`: a plan's plain groups of a model in one forward
     decode_images: bool = False  # a finished image leaves its worker as a PNG (`vae_decoder.on_workers`)
+    decode_chunks: int = 1  # `vae_decoder.chunks`: above 1, images decode in chunks beside the rounds
+    # `vae_decoder.sequencer_profile`, `sequencer_alpha`: SynerDiff's sequencer's table and slack (None: none)
+    sequencer: tuple[ConcurrencyTable, float] | None = None
     encode_text: bool = False  # a worker encodes the prompts of what it admits (`text_encoder.on_workers`)
     text_cache_size: int = 4096  # embeddings each worker keeps when it encodes prompts
     addons: tuple[AddonSource, ...] = ()  # ControlNets and LoRAs every worker serves (`controlnets`, `loras`)
@@ -36,6 +41,7 @@ class WorkerPoolSpec:
     edit_cache_kind: CacheKind = CacheKind.KEYS_VALUES  # `edit_cache.cache`: what a template's record holds
     edit_cache_worker_bytes: int = 4 << 30  # `edit_cache.worker_bytes`: each worker's LRU of records it used
     patch_cache: PatchCacheSpec | None = None  # `patch_cache` when enabled: each worker calibrates and serves it
+    skip_cfg: tuple[tuple[str, SkipCfg], ...] = ()  # by model, where its `skip_cfg_quality` < 1
 
     @property
     def loras(self) -> tuple[AddonSource, ...]:

@@ -90,13 +90,7 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
                    lora_batches=config.lora_loading.batches, lora_resident=config.lora_loading.max_resident,
                    cached_edits=config.edit_cache.enabled)
     spec = RouterSpec(rc.policy, config.policy_options(), tuple(rc.profiles), core, cs.placement)
-    pool = replace(config.workers.to_spec(), decode_images=vd.on_workers, encode_text=te.on_workers,
-                   text_cache_size=te.cache_size, addons=config.addon_sources(),
-                   lora_join_by=config.lora_loading.join_by, lora_store_bytes=config.lora_loading.store_bytes,
-                   max_resident_loras=config.lora_loading.max_resident, preload_loras=config.lora_loading.preload,
-                   controlnet_stale=config.controlnet_service.stale, edit_cache=config.edit_cache.store_spec(),
-                   edit_cache_kind=config.edit_cache.cache, edit_cache_worker_bytes=config.edit_cache.worker_bytes,
-                   patch_cache=config.patch_cache.spec())
+    pool = config.pool_spec()
     router = serve.deployment(Router, name="Router").options(
         num_replicas=1, max_ongoing_requests=LONG_CALLS, ray_actor_options=actor_options(config, 0),
         logging_config=INTERNAL_LOGGING,

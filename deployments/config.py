@@ -5,8 +5,10 @@ Pydantic lives here, at the edge; everything below receives plain frozen datacla
 
 from __future__ import annotations
 
+import csv
 import os
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -16,10 +18,13 @@ from stepserve.engine.addons.source import AddonKind, AddonSource
 from stepserve.engine.editing.masked_sd3 import CacheKind
 from stepserve.engine.families import FAMILIES, ModelSource, family_class
 from stepserve.engine.forward_modes.base import ModeName
+from stepserve.engine.forward_modes.skip_cfg import SkipCfg
 from stepserve.engine.patch_cache.calibration import PatchCacheSpec
 from stepserve.policies import needs_costs
 from stepserve.policies.addon_costs import ControlNetPlacement
 from stepserve.policies.registry import validate_policy
+from stepserve.policies.synerdiff.skip_cfg import SkipCfgCurve
+from stepserve.policies.synerdiff.types import ConcurrencyTable
 from stepserve.policies.types import LoraBatching, RequestKind, StepCacheMethod
 
 
@@ -116,6 +121,15 @@ class ModelConfig(_Strict):
     max_step_cache: float = Field(
         default=0.2, ge=0, description="The fidelity floor: the largest threshold a request may ask for (400 above "
         "it). 0.2 keeps SSIM >= 0.95 against the exact image on the shapes model (docs/results/step-cache).")
+    skip_cfg_quality: float = Field(
+        default=1.0, gt=0, le=1, description="SynerDiff's adaptive skip-CFG: the quality threshold S. A request "
+        "runs without its unconditional row from the first step from which, by `skip_cfg_curve`, skipping to the end "
+        "keeps its picture at least this similar (SSIM) to the exact one. 1: off, every step guided (exact). Models "
+        "that guide by CFG only; README 'Skip-CFG' has the measured speed and fidelity.")
+    skip_cfg_curve: list[tuple[float, float]] = Field(
+        default_factory=list, description="The model's measured skip-CFG curve (needed when skip_cfg_quality < 1): "
+        "points (fraction of the steps from which requests skip CFG, their pictures' mean SSIM against exact), as "
+        "`python -m stepserve.load_tests.bench_skip_cfg` prints them.")
     # Video models only (see `is_video`); image models ignore these four.
     default_num_frames: int = Field(
         default=81, ge=1, description="Frames when a video request gives neither seconds nor num_frames."
@@ -143,6 +157,12 @@ class ModelConfig(_Strict):
             raise ValueError(f"step_cache {self.step_cache} exceeds max_step_cache {self.max_step_cache}")
         if self.step_cache and ModeName.STEP_CACHE not in family_class(self.family).forward_modes:
             raise ValueError(f"family {self.family!r} has no step cache; step_cache must be 0")
+        if self.skip_cfg_quality < 1 and not self.skip_cfg_curve:
+            raise ValueError("skip_cfg_quality < 1 needs the model's measured skip_cfg_curve")
+        if self.skip_cfg_quality < 1 and not family_class(self.family).classifier_free_guidance:
+            raise ValueError(f"family {self.family!r} does not guide by CFG; skip_cfg_quality must be 1")
+        if self.skip_cfg_curve:
+            SkipCfgCurve(tuple(tuple(point) for point in self.skip_cfg_curve))  # points in [0, 1], f increasing
         if self.default_num_frames > self.max_num_frames or self.default_fps > self.max_fps:
             raise ValueError("default_num_frames/default_fps must not exceed max_num_frames/max_fps")
         low, medium, high = (self.quality_steps(preset) for preset in ("low", "medium", "high"))
@@ -150,6 +170,12 @@ class ModelConfig(_Strict):
             raise ValueError(f"need 1 <= low_quality_steps ({low}) <= default_steps ({medium}) <= high_quality_steps "
                              f"({high}) <= max_steps ({self.max_steps})")
         return self
+
+    def skip_cfg(self) -> SkipCfg | None:
+        """How its requests skip CFG on the workers, or None where they never do."""
+        if self.skip_cfg_quality == 1:
+            return None
+        return SkipCfg(SkipCfgCurve(tuple(tuple(point) for point in self.skip_cfg_curve)), self.skip_cfg_quality)
 
     def quality_steps(self, preset: str) -> int:
         """The denoising steps of an image request's quality preset ('low', 'medium' or 'high')."""
@@ -430,6 +456,57 @@ class VAEDecoderConfig(ComponentConfig):
                     "every process shares the same cores. Off (a decoder deployment), a decode never holds up "
                     "the batch's steps: the right trade on GPUs, where a large image's decode and PNG take "
                     "hundreds of ms.")
+    chunks: int = Field(
+        default=1, ge=1, le=64,
+        description="With `on_workers`: SynerDiff's VAE chunking. Above 1, a finished image's decode runs as this "
+                    "many sub-blocks (cut at the decoder's ResNet blocks), one per denoising round of its worker, "
+                    "beside the round's forward and never inside the step loop, instead of whole inside its last "
+                    "plan; the PNG is the same bit for bit. 1: whole, as before. At most the decoder's blocks "
+                    "(18 for SD's VAE).")
+
+    sequencer_profile: str | None = Field(
+        default=None,
+        description="With `on_workers`: SynerDiff's sequencer on each worker (decodes then run beside the rounds, "
+                    "in `chunks` sub-blocks, 1 included). The concurrency "
+                    "profile `stepserve profile-concurrency` measured (its concurrency.csv; a relative path missing "
+                    "from the working directory is looked up under stepserve's configs folder): each round, a "
+                    "group's step is split into the sub-rounds the 3D-DP picks on that table, each with its share "
+                    "of the pending decodes and of the requests past their skip-CFG step. Its chunking must be "
+                    "`chunks`. None: one round beside every pending decode.")
+    sequencer_alpha: float = Field(
+        default=0.1, ge=0, le=1,
+        description="The sequencer's throughput slack alpha (Eq. 3f): its sub-rounds may take this much longer "
+                    "than the group's step in one round beside every decode (the paper's 0.1).")
+
+    @model_validator(mode="after")
+    def _check_chunks(self) -> "VAEDecoderConfig":
+        if self.chunks > 1 and not self.on_workers:
+            raise ValueError("vae_decoder.chunks > 1 decodes on the workers: it needs vae_decoder.on_workers")
+        if self.sequencer_profile is not None:
+            if not self.on_workers:
+                raise ValueError("vae_decoder.sequencer_profile orders decodes on the workers: it needs on_workers")
+            table = self.sequencer_table()
+            if table.chunks != self.chunks:
+                raise ValueError(f"vae_decoder.sequencer_profile was measured at {table.chunks} chunks, "
+                                 f"vae_decoder.chunks is {self.chunks}")
+        return self
+
+    def sequencer_table(self) -> "ConcurrencyTable | None":
+        """The sequencer's concurrency table, read from `sequencer_profile` (None without one)."""
+        if self.sequencer_profile is None:
+            return None
+        path = local_path(self.sequencer_profile)
+        try:
+            with open(path, newline="") as f:
+                rows = list(csv.DictReader(f))
+            chunks = {int(r["chunks"]) for r in rows}
+            if len(chunks) != 1:
+                raise ValueError(f"one chunking per profile, found {sorted(chunks)}")
+            table_rows = [(int(r["unet"]), int(r["vae"]), int(r["skip"]), float(r["tau_s"]), float(r["delta_s"]))
+                          for r in rows]
+            return ConcurrencyTable.from_rows(table_rows, chunks.pop(), max(r[0] for r in table_rows))
+        except (OSError, KeyError, ValueError) as exc:
+            raise ValueError(f"vae_decoder.sequencer_profile {path!r}: {exc}") from None
 
 
 class ControlNetServiceConfig(ComponentConfig):
@@ -563,6 +640,21 @@ class AppConfig(_Strict):
     def addon_sources(self) -> tuple[AddonSource, ...]:
         return tuple([a.to_source(AddonKind.CONTROLNET) for a in self.controlnets]
                      + [a.to_source(AddonKind.LORA) for a in self.loras])
+
+    def pool_spec(self) -> "WorkerPoolSpec":
+        """What every denoiser worker is built from, made once: the pool's own settings and what the
+        other components' settings ask of a worker (decoding, encoding, add-ons, approximations)."""
+        vd, te = self.vae_decoder, self.text_encoder
+        return replace(
+            self.workers.to_spec(), decode_images=vd.on_workers, decode_chunks=vd.chunks,
+            sequencer=None if vd.sequencer_profile is None else (vd.sequencer_table(), vd.sequencer_alpha),
+            encode_text=te.on_workers,
+            text_cache_size=te.cache_size, addons=self.addon_sources(), lora_join_by=self.lora_loading.join_by,
+            lora_store_bytes=self.lora_loading.store_bytes, max_resident_loras=self.lora_loading.max_resident,
+            preload_loras=self.lora_loading.preload, controlnet_stale=self.controlnet_service.stale,
+            edit_cache=self.edit_cache.store_spec(), edit_cache_kind=self.edit_cache.cache,
+            edit_cache_worker_bytes=self.edit_cache.worker_bytes, patch_cache=self.patch_cache.spec(),
+            skip_cfg=tuple((m.name, m.skip_cfg()) for m in self.models if m.skip_cfg() is not None))
 
     def addon(self, kind: AddonKind, model: str, name: str) -> AddonConfig | None:
         addons = self.controlnets if kind is AddonKind.CONTROLNET else self.loras

@@ -27,10 +27,12 @@ import torch
 
 from stepserve.engine.addons import StepAddons
 from stepserve.engine.addons.lora import LoraLoader
+from stepserve.engine.decode_lane import DecodeLane, PendingDecode
 from stepserve.engine.families.base import DiffusionFamily
 from stepserve.engine.forward_modes.base import ForwardBatch, ForwardMode, ModeName
 from stepserve.engine.forward_modes.registry import forward_modes
 from stepserve.engine.png import encode_png
+from stepserve.engine.round_sequencer import RoundSequencer
 from stepserve.engine.sampler import Conditioning, Sampler
 from stepserve.policies.types import (
     RequestFailure,
@@ -55,9 +57,13 @@ class Admission:
 class StepRunner:
     def __init__(self, worker_id: str, families: Mapping[str, DiffusionFamily], incarnation: str = "",
                  decode_images: bool = False, loras: LoraLoader | None = None, lora_join_by: float = 0.0,
-                 **modes: Any):
+                 decode_lane: DecodeLane | None = None, sequencer: RoundSequencer | None = None, **modes: Any):
         """`decode_images`: a finished image leaves as its PNG, decoded by this worker's VAE, not as
-        its latents (`vae_decoder.on_workers`). A video always leaves decoded (`decode_on_worker`).
+        its latents (`vae_decoder.on_workers`); with a `decode_lane`, as a `PendingDecode` whose PNG
+        the lane decodes in chunks beside the next rounds (SynerDiff's VAE chunking). A video
+        always leaves decoded (`decode_on_worker`). `sequencer` (with a lane): SynerDiff's, which
+        splits each step of a group into sub-rounds, each with its share of the lane's decodes
+        and its choice of skip-CFG (`engine.round_sequencer`).
         `loras`: brings LoRAs that are not in the families yet (None: every LoRA a request names
         must be loaded already); `lora_join_by`: the fraction of a request's steps that may run
         before its LoRAs have arrived (0: none, exact). `modes`: the settings of its forward modes
@@ -68,7 +74,13 @@ class StepRunner:
         self.worker_id = worker_id
         self.families = dict(families)
         self.incarnation = incarnation
+        if decode_lane is not None and not decode_images:
+            raise ValueError("a decode lane decodes images on the worker: it needs decode_images")
         self.decode_images = decode_images
+        if sequencer is not None and decode_lane is None:
+            raise ValueError("a sequencer orders a decode lane's chunks: it needs a decode_lane")
+        self.decode_lane = decode_lane
+        self.sequencer = sequencer
         self.loras = loras
         self.lora_join_by = lora_join_by
         self.modes = forward_modes(**modes)
@@ -97,7 +109,7 @@ class StepRunner:
         or a checkpoint's state (host-memory copies), a finished image's latents (float32
         [1, C, h, w]) or a finished video's frames (uint8 [F, H, W, 3]); None where it failed,
         or where the plan was cut short before the request's last step. A finished image is its
-        PNG instead of its latents when the runner decodes images.
+        PNG instead of its latents when the runner decodes images (a `PendingDecode` with a lane).
         """
         start = time.perf_counter()
         run = _PlanRun(self)
@@ -110,8 +122,13 @@ class StepRunner:
         for _ in range(plan.steps):
             if steps_run and stop is not None and stop():
                 break
-            for group in groups:
-                run.step(group, sp_group)
+            if self.sequencer is not None:
+                self._sequenced_step(run, groups, sp_group)
+            else:
+                if self.decode_lane is not None and groups:
+                    self.decode_lane.round()
+                for group in groups:
+                    run.step(group, sp_group)
             steps_run += 1
         cut = steps_run < plan.steps
         # What stepped (or was admitted) stands here now, also for those that leave below.
@@ -138,6 +155,18 @@ class StepRunner:
             lora_wait_s=run.lora_wait_s,
         )
         return report, payloads
+
+
+    def _sequenced_step(self, run: _PlanRun, groups, sp_group) -> None:
+        """One step of every group, each as its sequencer's sub-rounds; the lane's decodes ride
+        with the first group's."""
+        decodes = len(self.decode_lane.pending)
+        for group in groups:
+            for sub in self.sequencer.sub_rounds(group, self.samplers, decodes):
+                self.sequencer.choose(sub, self.samplers)
+                self.decode_lane.round(sub.decodes)
+                run.step(sub.group, sp_group)
+            decodes = 0
 
 
 class _PlanRun:
@@ -317,7 +346,7 @@ class _PlanRun:
             self.fail(rid, f"{op} failed: {type(exc).__name__}: {exc}", lost=False)
             return None
 
-    def finish(self, rid: str, cut: bool) -> np.ndarray | None:
+    def finish(self, rid: str, cut: bool) -> np.ndarray | bytes | PendingDecode | None:
         """Its output, and it leaves; if the plan was `cut` short before its last step, it stays."""
         sampler = self.resident(rid)
         if sampler is None or (cut and not sampler.done):
@@ -329,6 +358,9 @@ class _PlanRun:
             family = self.family(sampler.spec)
             if family.decode_on_worker:
                 output = _decode_video(family, sampler.latents)
+            elif self.runner.decode_lane is not None:
+                _check_vae(family)
+                output = self.runner.decode_lane.start(rid, family, sampler.latents)
             elif self.runner.decode_images:
                 output = _decode_png(family, sampler.latents)
             else:

@@ -572,3 +572,66 @@ def plot_step_cache(report: Mapping, title: str, path: Path) -> None:
     speed.legend(fontsize=6)
     ssim.legend(fontsize=6)
     fig.savefig(path, dpi=110)
+
+
+def plot_skip_cfg(report: Mapping, title: str, path: Path) -> None:
+    """Against the fraction of the steps from which requests skip CFG: a request's speed-up (its
+    denoising steps, and end to end) and its pictures' SSIM against exact (the model's skip-CFG
+    curve), with every request of the batch skipping and with half of them, and the issue's bars."""
+    fig = _figure(12, 4.6)
+    speed, ssim = fig.subplots(1, 2)
+    fig.suptitle(title, fontsize=9)
+    for batch, color in (("all", "C0"), ("half", "C1")):
+        rows = [r for r in report["rows"] if r["batch"] == batch]
+        label = "every request" if batch == "all" else "half the batch"
+        starts = [r["start"] for r in rows]
+        speed.plot(starts, [r["denoise_speedup"] for r in rows], "o-", color=color, label=f"{label}: denoising")
+        speed.plot(starts, [r["speedup"] for r in rows], "s--", color=color, label=f"{label}: end to end")
+        ssim.plot(starts, [r["ssim"] for r in rows], "o-", color=color, label=f"{label} skipping")
+    speed.axhline(report["rule"]["speedup_at_least"], color="0.4", linestyle="--", linewidth=1)
+    speed.set(xlabel="skips CFG from this fraction of its steps", ylabel="speed-up vs exact (batch times)")
+    ssim.axhline(report["rule"]["ssim_at_least"], color="0.4", linestyle="--", linewidth=1)
+    ssim.set(xlabel="skips CFG from this fraction of its steps", ylabel="SSIM of the skipping requests vs exact")
+    speed.legend(fontsize=6)
+    ssim.legend(fontsize=6)
+    fig.savefig(path, dpi=110)
+
+
+def plot_synerdiff(report: Mapping, title: str, path: Path) -> None:
+    """Per load point: each variant's throughput and P99 latency (the full stack, naive continuous
+    batching, the serial decode and one ablation row per component)."""
+    loads = report["loads"]
+    fig = _figure(6 * len(loads), 4.8)
+    fig.suptitle(title, fontsize=9)
+    axes = fig.subplots(2, len(loads), squeeze=False)
+    for column, load in enumerate(loads):
+        names = list(load["rows"])
+        colors = ["C2" if n == "SynerDiff" else "C3" if n.startswith("naive") else "0.6" for n in names]
+        throughput, tail = axes[0][column], axes[1][column]
+        throughput.barh(names, [load["rows"][n]["throughput_rps"] for n in names], color=colors)
+        throughput.set(title=f"base rate {load['base_rate']:g} req/s (offered {load['offered_rps']:.2f})",
+                       xlabel="throughput, req/s")
+        tail.barh(names, [load["rows"][n]["latency_p99_s"] for n in names], color=colors)
+        tail.set(xlabel="P99 latency, s")
+        for ax in (throughput, tail):
+            ax.invert_yaxis()
+            ax.tick_params(labelsize=7)
+    fig.savefig(path, dpi=110)
+
+
+def plot_concurrency(report: Mapping, rows: Sequence[tuple], title: str, path: Path) -> None:
+    """SynerDiff's offline profile: L(c) against the chunking c, and each round's time against its
+    step's batch, by the decode chunks beside it (no skip-CFG), with the step alone."""
+    fig = _figure(12, 4.6)
+    cost, rounds = fig.subplots(1, 2)
+    fig.suptitle(title, fontsize=9)
+    timings = report["chunk_timings"]
+    cost.plot([t["chunks"] for t in timings], [t["cost"] for t in timings], "o-")
+    cost.axvline(report["chunks"], color="0.4", linestyle="--", linewidth=1)
+    cost.set(xlabel="VAE chunks c", ylabel="L(c): weighted overhead vs alone (Eq. 1)")
+    for n in sorted({r[2] for r in rows if r[1] and not r[3]}):
+        points = sorted((r[1], r[4]) for r in rows if r[2] == n and r[1] and not r[3])
+        rounds.plot([m for m, _ in points], [tau * 1000 for _, tau in points], "o-", label=f"{n} chunk(s) beside")
+    rounds.set(xlabel="requests stepping (m)", ylabel="round, ms (tau)")
+    rounds.legend(fontsize=7)
+    fig.savefig(path, dpi=110)

@@ -134,6 +134,8 @@ PASS_THROUGH = (
      "train the shipped shapes models from scratch on this machine (see --help)"),
     ("lora-bound", "stepserve.load_tests.bench_lora_bound",
      "how late a LoRA may join, and the fidelity of joining late (see --help)"),
+    ("profile-concurrency", "stepserve.profiling.synerdiff",
+     "SynerDiff's offline profiler: concurrent step + VAE-chunk rounds, c by L(c), B_max (see --help)"),
 )
 
 

@@ -175,6 +175,12 @@ class DiffusionFamily(ABC):
     def decode(self, latents: torch.Tensor) -> np.ndarray:
         """Latents [B, C, ...] → float pixels in [0, 1]: images [B, H, W, 3], videos [B, F, H, W, 3]."""
 
+    def decode_in_chunks(self, latents: torch.Tensor, chunks: int) -> Any:
+        """`decode` as an `engine.vae_chunking.ChunkedDecode` of `chunks` sub-blocks, whose result
+        `decoded_pixels` turns into what `decode` returns: the image families' (their VAE is an
+        `AutoencoderKL`); the others raise."""
+        raise ValueError(f"model {self.source.name!r} ({type(self).__name__}) cannot decode in chunks")
+
     # ---- how its pipeline samples (the `Sampler` hooks) ---------------------------------
 
     @abstractmethod

@@ -42,9 +42,9 @@ class FlowMatchingImageFamily(SD15Family):
     def step_kwargs(self, scheduler: Any, generator: torch.Generator) -> dict[str, Any]:
         return {}
 
-    @torch.inference_mode()
-    def decode(self, latents: torch.Tensor) -> np.ndarray:
-        latents = latents.to(device=self.device, dtype=self.vae.dtype)
+    def vae_input(self, latents: torch.Tensor) -> torch.Tensor:
         config = self.vae.config
-        image = self.vae.decode(latents / config.scaling_factor + config.shift_factor, return_dict=False)[0]
+        return latents.to(device=self.device, dtype=self.vae.dtype) / config.scaling_factor + config.shift_factor
+
+    def decoded_pixels(self, image: torch.Tensor) -> np.ndarray:
         return self.pipe.image_processor.postprocess(image, output_type="np")

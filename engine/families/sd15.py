@@ -40,6 +40,7 @@ from stepserve.engine.patched.unet import patch_multiple, patched_unet_forward
 from stepserve.engine.step_cache.first_block import FirstBlockCache, first_block_cached
 from stepserve.engine.step_cache.split_unet import split_unet
 from stepserve.engine.tokenizer import byte_level_clip_tokenizer, byte_level_vocab
+from stepserve.engine.vae_chunking import ChunkedDecode
 from stepserve.policies.types import RequestKind, RequestSpec
 
 # SD1.5's noise schedule; presets step it with Euler (steps == num_inference_steps exactly).
@@ -337,11 +338,20 @@ class SD15Family(DiffusionFamily):
 
     @torch.inference_mode()
     def decode(self, latents: torch.Tensor) -> np.ndarray:
-        latents = latents.to(device=self.device, dtype=self.vae.dtype)
-        image = self.vae.decode(latents / self.vae.config.scaling_factor, return_dict=False)[0]
-        return self.pipe.image_processor.postprocess(
-            image, output_type="np", do_denormalize=[True] * image.shape[0]
-        )
+        return self.decoded_pixels(self.vae.decode(self.vae_input(latents), return_dict=False)[0])
+
+    def decode_in_chunks(self, latents: torch.Tensor, chunks: int) -> ChunkedDecode:
+        """`decode` as `chunks` sub-blocks run one at a time (SynerDiff's VAE chunking): once done,
+        `decoded_pixels(result)` is `decode(latents)` bit for bit."""
+        return ChunkedDecode(self.vae, self.vae_input(latents), chunks)
+
+    def vae_input(self, latents: torch.Tensor) -> torch.Tensor:
+        """What the pipeline hands `vae.decode`: the latents unscaled, in the VAE's dtype."""
+        return latents.to(device=self.device, dtype=self.vae.dtype) / self.vae.config.scaling_factor
+
+    def decoded_pixels(self, image: torch.Tensor) -> np.ndarray:
+        """The VAE's output as the pipeline post-processes it: float pixels [B, H, W, 3] in [0, 1]."""
+        return self.pipe.image_processor.postprocess(image, output_type="np", do_denormalize=[True] * image.shape[0])
 
 
 def _has_submodule(module: torch.nn.Module, name: str) -> bool:

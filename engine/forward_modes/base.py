@@ -39,6 +39,7 @@ class ModeName(str, Enum):
     TEMPLATE_EDIT = "template_edit"  # InstGenIE: edits of a template reuse its cached activations
     PATCH_CACHE = "patch_cache"  # PatchedServe §5: a request reuses its patches across steps
     STEP_CACHE = "step_cache"  # First-Block Cache: a request reuses its last step's later blocks
+    SKIP_CFG = "skip_cfg"  # SynerDiff §III-B: a request's late steps run without its unconditional row
 
 
 @dataclass(frozen=True)

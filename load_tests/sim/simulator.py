@@ -56,6 +56,7 @@ from stepserve.load_tests.records import RequestRecord, record_of
 from stepserve.load_tests.sim.events import EventQueue
 from stepserve.load_tests.sim.host import SharedHost
 from stepserve.load_tests.sim.services import DecoderService, TextCache, TextEncoderService, TextEncoderSpec
+from stepserve.load_tests.sim.synerdiff import SynerDiffSim, WorkerSequencer
 from stepserve.load_tests.sim.worker import SimAdmission, SimWorker
 from stepserve.load_tests.workload import ScheduledRequest
 from stepserve.policies import make_policy, needs_costs
@@ -91,6 +92,10 @@ class SimConfig:
     # Whether a forward may mix requests with different LoRAs (CoreConfig.lora_batches).
     lora_batches: LoraBatching = LoraBatching.MIXED
     lora_resident: int = 32  # LoRAs each worker keeps (lora_loading.max_resident)
+    # SynerDiff's worker-level mechanisms (`sim.synerdiff`): images decode on their worker (needs
+    # decoders 0) beside its rounds, chunked, with skip-CFG, the sequence planner and the
+    # controller as switched; None: a worker decodes what it finishes after its plan's last step.
+    synerdiff: SynerDiffSim | None = None
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -101,6 +106,8 @@ class SimConfig:
             raise ValueError(f"decoders must be >= 0, got {self.decoders}")
         if not 0.0 <= self.submit_overhead_share <= 1.0:
             raise ValueError(f"submit_overhead_share must be in [0, 1], got {self.submit_overhead_share}")
+        if self.synerdiff is not None and self.decoders:
+            raise ValueError("synerdiff decodes images on the workers: it needs decoders=0")
         if self.host_cpus is not None and not self.host_cpus > 0:
             raise ValueError(f"host_cpus must be > 0 or None, got {self.host_cpus}")
 
@@ -108,6 +115,7 @@ class SimConfig:
         out = asdict(self)
         out["policy_options"] = dict(self.policy_options)
         out["lora_batches"] = self.lora_batches.value
+        out["synerdiff"] = None if self.synerdiff is None else self.synerdiff.describe()
         return out
 
 
@@ -286,7 +294,7 @@ class Simulation:
         self.lanes = {wid: _Lane(SimWorker(wid, self._round_seconds, self._worker_decode_seconds,
                                            encode_cost=None if self.encoder else self._encoding_on_worker(),
                                            lora_load_cost=getattr(cost, "lora_load_seconds", None),
-                                           lora_resident=config.lora_resident))
+                                           lora_resident=config.lora_resident, sequencer=self._sequencer()))
                       for wid in worker_ids}
         self.decoder = (DecoderService(config.decoders, self.events, self._run_work, self._on_decoded)
                         if config.decoders else None)
@@ -322,13 +330,20 @@ class Simulation:
             seconds = self._round_cache[shapes] = self.cost.round_seconds(list(shapes))
         return seconds
 
+    def _sequencer(self) -> WorkerSequencer | None:
+        if self.config.synerdiff is None:
+            return None
+        return WorkerSequencer(self.config.synerdiff, self.cost, self.config.max_batch_size,
+                               lambda: self.core.queue_length(RequestKind.T2I))
+
     def _decoded_on_worker(self, spec: RequestSpec) -> bool:
         """A video always; an image when there is no decoder (`vae_decoder.on_workers`)."""
         return spec.is_video or self.decoder is None
 
     def _worker_decode_seconds(self, spec: RequestSpec) -> float:
-        """What a worker spends decoding a request it finishes: 0 for an image the decoder takes."""
-        if not self._decoded_on_worker(spec):
+        """What a worker spends decoding a request it finishes after its plan: 0 for an image the
+        decoder takes, or that decodes in its worker's SynerDiff lane."""
+        if not self._decoded_on_worker(spec) or (self.config.synerdiff is not None and not spec.is_video):
             return 0.0
         return self.cost.decode_seconds(spec.model, spec.height, spec.width, spec.num_frames)
 
@@ -508,6 +523,8 @@ class Simulation:
         lane.tokens += 1
         current = lane.executing = _Executing(queued, running, self.events.now, steps, lane.tokens)
         seconds = running.head_s + running.step_s * steps + (running.tail_s if steps == plan.steps else 0.0)
+        for rid, offset in running.decodes:  # SynerDiff: decodes that end beside its rounds
+            self.events.at(self.events.now + running.head_s + offset, self._on_decoded, rid, self.events.now)
         if self.host is None:
             self.events.at(self.events.now + seconds, self._report, lane, current.token)
         else:
@@ -534,7 +551,9 @@ class Simulation:
             entry = self.pending[rid]
             entry.finish_s = now
             spec = entry.spec
-            if self._decoded_on_worker(spec):  # already decoded: stored at once
+            if self.config.synerdiff is not None and not spec.is_video:
+                pass  # decoding in its worker's lane: stored when its last chunk ends
+            elif self._decoded_on_worker(spec):  # already decoded: stored at once
                 self._stored(entry)
             else:
                 self.decoder.submit(rid, self.cost.decode_seconds(spec.model, spec.height, spec.width))
@@ -545,6 +564,14 @@ class Simulation:
         for other in list(self._blocked):  # a state or a gang member it waited for may be there now
             self._try_start(other)
         self._request_decision()
+        if lane.worker.sequencer is not None:  # once the round's decision is made (events at one time run in order)
+            self.events.at(now, self._drain_if_idle, lane)
+
+    def _drain_if_idle(self, lane: _Lane) -> None:
+        """SynerDiff: a worker that got no plan runs its decodes alone."""
+        if lane.executing is None and lane.worker.sequencer.decodes:
+            for rid, offset in lane.worker.sequencer.drain():
+                self._delay(offset, self._on_decoded, rid, self.events.now)
 
     # -- running -----------------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from stepserve.load_tests.sim.synerdiff import WorkerSequencer
 from stepserve.policies.cost_model import BatchShape
 from stepserve.policies.types import RequestFailure, RequestProgress, RequestSpec, StepReport, WorkerPlan
 from stepserve.routing.lora_residency import LoraResidency
@@ -58,7 +59,7 @@ class _Running:
     """A plan between its start (drops and admissions done, the forwards' shapes known) and its
     end (steps counted, outputs and report made)."""
 
-    __slots__ = ("plan", "failed", "touched", "groups", "shapes", "head_s", "step_s", "tail_s")
+    __slots__ = ("plan", "failed", "touched", "groups", "shapes", "head_s", "step_s", "tail_s", "decodes")
 
     def __init__(self, plan: WorkerPlan) -> None:
         self.plan = plan
@@ -69,19 +70,26 @@ class _Running:
         self.head_s = 0.0  # before its first step: encoding the prompts of what it admits
         self.step_s = 0.0  # one step's seconds: the cost of its forwards
         self.tail_s = 0.0  # after its last step: the decode of what it finishes here
+        # With a SynerDiff sequencer: the decodes that end during its steps (request id, seconds
+        # from the first step's start).
+        self.decodes: list[tuple[str, float]] = []
 
 
 class SimWorker:
     def __init__(self, worker_id: str, round_cost: RoundCost, decode_cost: DecodeCost,
                  incarnation: str = "sim", encode_cost: EncodeCost | None = None,
-                 lora_load_cost: Callable[[str], float] | None = None, lora_resident: int = 32) -> None:
+                 lora_load_cost: Callable[[str], float] | None = None, lora_resident: int = 32,
+                 sequencer: WorkerSequencer | None = None) -> None:
         """`encode_cost`: None, prompts come encoded (the text encoder deployment).
-        `lora_load_cost(model)`: bringing one LoRA it lacks into its memory (None: free)."""
+        `lora_load_cost(model)`: bringing one LoRA it lacks into its memory (None: free).
+        `sequencer`: SynerDiff's (`sim.synerdiff`): the images it finishes decode in its lane,
+        beside its later rounds, which it prices (`decode_cost` is then 0 for an image)."""
         self.worker_id = worker_id
         self.round_cost = round_cost
         self.decode_cost = decode_cost
         self.encode_cost = encode_cost
         self.lora_load_cost = lora_load_cost
+        self.sequencer = sequencer
         self.loras = LoraResidency(lora_resident)
         self.lora_loads = 0  # LoRAs brought in
         self.incarnation = incarnation
@@ -127,6 +135,10 @@ class SimWorker:
             running.groups.append(members)
         running.shapes = tuple(shapes)
         running.step_s = self.round_cost(running.shapes) if shapes else 0.0
+        if self.sequencer is not None and shapes:
+            self.sequencer.observe_queue()
+            times, running.decodes = self.sequencer.rounds([m for g in running.groups for m in g], plan.steps)
+            running.step_s = sum(times) / len(times)
         running.tail_s = sum(self.decode_cost(self.resident[rid].spec) for rid in plan.finish
                              if rid in self.resident and rid not in failed)
         return running
@@ -171,6 +183,8 @@ class SimWorker:
                     outputs.append(None)
                 else:
                     seconds += self.decode_cost(resident.spec)
+                    if self.sequencer is not None and not resident.spec.is_video:
+                        self.sequencer.enqueue(rid, resident.spec)
                     outputs.append(rid)
             else:
                 outputs.append(SimState(rid, resident.done))

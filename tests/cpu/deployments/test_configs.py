@@ -76,3 +76,34 @@ def test_a_relative_weights_path_resolves_from_here_else_under_configs(tmp_path,
     assert ModelConfig(name="m", family="sd15", path="mine").to_source().path == str(tmp_path / "mine")
     # Nowhere: left as given, for loading to say it does not exist.
     assert ModelConfig(name="m", family="sd15", path="nowhere").to_source().path == "nowhere"
+
+
+def test_skip_cfg_needs_a_measured_curve_and_a_cfg_model():
+    curve = [[0.5, 0.93], [0.7, 0.955], [0.9, 0.985]]
+    model = ModelConfig(name="sd", preset="tiny", default_size="64x64", skip_cfg_quality=0.95, skip_cfg_curve=curve)
+    setting = model.skip_cfg()
+    assert setting.quality == 0.95 and setting.curve.first_step(0.95, 20) == 14
+    assert ModelConfig(name="sd", preset="tiny", default_size="64x64", skip_cfg_curve=curve).skip_cfg() is None
+    with pytest.raises(ValueError, match="needs the model's measured skip_cfg_curve"):
+        ModelConfig(name="sd", preset="tiny", default_size="64x64", skip_cfg_quality=0.95)
+    with pytest.raises(ValueError, match="does not guide by CFG"):
+        ModelConfig(name="f", family="flux", preset="tiny", default_size="64x64", skip_cfg_quality=0.95,
+                    skip_cfg_curve=curve)
+    with pytest.raises(ValueError):  # fractions must increase
+        ModelConfig(name="sd", preset="tiny", default_size="64x64", skip_cfg_curve=[[0.7, 0.9], [0.5, 0.95]])
+
+
+def test_skip_cfg_reaches_the_workers_of_its_model_only():
+    curve = [[0.7, 0.955]]
+    config = AppConfig.model_validate({"models": [
+        {"name": "a", "preset": "tiny", "default_size": "64x64", "skip_cfg_quality": 0.95, "skip_cfg_curve": curve},
+        {"name": "b", "preset": "tiny", "default_size": "64x64"}]})
+    assert [name for name, _ in config.pool_spec().skip_cfg] == ["a"]
+
+
+def test_chunked_decodes_run_on_the_workers():
+    with pytest.raises(ValueError, match="needs vae_decoder.on_workers"):
+        AppConfig.model_validate({"models": [{"name": "a", "preset": "tiny"}], "vae_decoder": {"chunks": 3}})
+    config = AppConfig.model_validate({"models": [{"name": "a", "preset": "tiny"}],
+                                       "vae_decoder": {"on_workers": True, "chunks": 3}})
+    assert config.pool_spec().decode_chunks == 3

@@ -1,0 +1,93 @@
+"""SynerDiff's adaptive skip-CFG (§III-B, Fig. 9): late in its denoising a request's
+unconditional row adds little, so from its step s_min on a request runs its conditional row only
+and takes that prediction as its guided one. s_min is where skipping from on keeps the picture
+at least as similar to the exact one as the quality threshold S asks, read off the model's
+measured curve (`policies.synerdiff.skip_cfg.SkipCfgCurve`: what skipping from each fraction of
+the steps costs, measured by `load_tests.bench_skip_cfg`). Approximate, off by default (S = 1).
+
+Every family that guides by CFG serves it. A group in which some member skips runs one forward
+of the members' rows less the skipping members' unconditional rows; the others' rows, and their
+results, are those of the plain forward. A skipping member's prediction [cond, cond] makes its
+sampler's guidance `uncond + g * (cond - uncond)` exactly `cond`. Groups with add-ons (their
+residuals and LoRA rows are laid out for whole requests) or over ranks run plainly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from stepserve.engine.forward_modes.base import ForwardBatch, ForwardMode, ModeName
+from stepserve.policies.synerdiff.skip_cfg import SkipCfgCurve
+
+
+@dataclass(frozen=True)
+class SkipCfg:
+    """How a model's requests skip CFG: its measured curve and the quality threshold S (the
+    similarity to the exact picture skipping must keep; 1: never skip)."""
+
+    curve: SkipCfgCurve
+    quality: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.quality <= 1.0:
+            raise ValueError(f"skip-CFG quality must be in (0, 1], got {self.quality!r}")
+
+
+@dataclass
+class CfgSkip:
+    """A request's skip-CFG state: the first of its steps that may run without its unconditional
+    row, and whether its next step does (a worker's sequencer may keep it guided for a step:
+    `engine.round_sequencer`)."""
+
+    first_step: int
+    chosen: bool = True
+
+
+class CfgSkipping(ForwardMode):
+    name = ModeName.SKIP_CFG
+
+    def __init__(self, by_model: Mapping[str, SkipCfg]):
+        self.by_model = dict(by_model)
+
+    def serves(self, family) -> bool:
+        return family.classifier_free_guidance
+
+    def admit(self, sampler, family) -> None:
+        setting = self.by_model.get(sampler.spec.model)
+        if setting is None or not sampler.uses_cfg:
+            return
+        first = setting.curve.first_step(setting.quality, sampler.steps_total)
+        if first is not None:
+            sampler.enter(self.name, CfgSkip(first))
+
+    def takes(self, batch: ForwardBatch) -> bool:
+        modes = {sampler.mode for sampler in batch.samplers}
+        return (not batch.group.ranks and not batch.addons and modes <= {self.name, None}
+                and any(_skips(sampler) for sampler in batch.samplers))
+
+    def forward(self, batch: ForwardBatch) -> list[torch.Tensor]:
+        skips = [_skips(sampler) for sampler in batch.samplers]
+        inputs = [_conditional(x) if skip else x for x, skip in zip(batch.inputs, skips)]
+        sample, timesteps = (torch.cat([x[i] for x in inputs]) for i in (0, 1))
+        cond = {name: torch.cat([x[2][name] for x in inputs]) for name in inputs[0][2]}
+        rows = batch.family.denoise(sample, timesteps, cond, sp_group=None)
+        outputs = rows.split([x[0].shape[0] for x in inputs])
+        return [torch.cat([out, out]) if skip else out for out, skip in zip(outputs, skips)]
+
+
+def past_first_step(sampler) -> bool:
+    """The request may skip CFG at its next step."""
+    return sampler.mode is ModeName.SKIP_CFG and sampler.step_index >= sampler.mode_state.first_step
+
+
+def _skips(sampler) -> bool:
+    return past_first_step(sampler) and sampler.mode_state.chosen
+
+
+def _conditional(model_input: tuple) -> tuple:
+    """A CFG request's (sample, timesteps, conditioning) less its unconditional (first) row."""
+    sample, timesteps, cond = model_input
+    return sample[1:], timesteps[1:], {name: value[1:] for name, value in cond.items()}

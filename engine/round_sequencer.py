@@ -1,0 +1,73 @@
+"""SynerDiff's threshold-aware sequencer on a worker (§III-D), for a worker whose images decode
+in chunks beside its rounds (`engine.decode_lane`): each round, a group's M stepping requests,
+the lane's N pending decodes and the K requests past their skip-CFG step are split into the
+sub-rounds `policies.synerdiff.plan_sequence` picks on the worker's measured concurrency table
+(`stepserve profile-concurrency`): a sub-round runs its members' forward beside its share of the
+decodes' chunks, and the members the plan picks skip CFG in it. Which request goes where is the
+plan's task mapping (`assign`): decodes oldest first, skippers among the eligible in admission
+order.
+
+It composes with the router's pool-level decision: the router still chooses what each worker
+steps; the sequencer only orders a group's step into sub-rounds and says how many decodes ride
+along, so every request still takes exactly one step a round. Splitting a group changes only
+batch composition (each request's rows are its own), and skip-CFG is the approximation its
+curve and threshold allow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from stepserve.engine.forward_modes.skip_cfg import past_first_step
+from stepserve.engine.sampler import Sampler
+from stepserve.policies.synerdiff import ConcurrencyTable, assign, plan_sequence
+from stepserve.policies.types import StepGroup
+
+
+@dataclass(frozen=True)
+class SubRound:
+    """One sub-round: the members that step, those of them that skip CFG, and how many of the
+    lane's decodes (oldest first) run a chunk beside it."""
+
+    group: StepGroup
+    skipping: frozenset[str]
+    decodes: int
+
+
+class RoundSequencer:
+    def __init__(self, table: ConcurrencyTable, alpha: float = 0.1):
+        if alpha < 0:
+            raise ValueError(f"alpha must be >= 0, got {alpha}")
+        self.table = table
+        self.alpha = alpha
+        self._plans: dict[tuple[int, int, int], tuple] = {}
+
+    def sub_rounds(self, group: StepGroup, samplers: Mapping[str, Sampler], decodes: int) -> list[SubRound]:
+        """The group's round as sub-rounds. A group over ranks, larger than the table's B_max or
+        with more decodes than members runs as one round beside every decode."""
+        members = [rid for rid in group.request_ids if rid in samplers]
+        if group.ranks or not members or len(members) > self.table.max_batch:
+            return [SubRound(group, frozenset(), decodes)]
+        eligible = [rid for rid in members if past_first_step(samplers[rid])]
+        m, n, k = len(members), min(decodes, len(members)), len(eligible)
+        key = (m, n, k)
+        if key not in self._plans:
+            self._plans[key] = plan_sequence(m, n, k, self.table, self.alpha)
+        plan = self._plans[key]
+        decode_ids = [str(i) for i in range(n)]
+        rounds = [SubRound(StepGroup(tuple(ids)), frozenset(skips), len(vae))
+                  for ids, skips, vae in assign(plan, members, eligible, decode_ids)]
+        if decodes > n:  # more decodes than members (Eq. 3d): the rest ride with the last sub-round
+            last = rounds[-1]
+            rounds[-1] = SubRound(last.group, last.skipping, last.decodes + decodes - n)
+        return rounds
+
+
+    @staticmethod
+    def choose(sub: SubRound, samplers: Mapping[str, Sampler]) -> None:
+        """Before a sub-round's forward: its members past their skip-CFG step skip as it says."""
+        for rid in sub.group.request_ids:
+            sampler = samplers.get(rid)
+            if sampler is not None and past_first_step(sampler):
+                sampler.mode_state.chosen = rid in sub.skipping

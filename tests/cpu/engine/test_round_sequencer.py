@@ -1,0 +1,96 @@
+"""SynerDiff's sequencer on a worker (`engine.round_sequencer`): a group's step split into the
+planner's sub-rounds, each member stepping once, the decodes and skip-CFG shared out as the plan
+says; exact where nothing skips, and the decodes' PNGs the whole decodes'."""
+
+import dataclasses
+
+import pytest
+
+from stepserve.engine.decode_lane import DecodeLane
+from stepserve.engine.forward_modes.skip_cfg import SkipCfg
+from stepserve.engine.round_sequencer import RoundSequencer
+from stepserve.engine.step_runner import StepRunner
+from stepserve.policies.synerdiff import ConcurrencyTable, Round
+from stepserve.policies.synerdiff.contention import concurrency_table
+from stepserve.policies.synerdiff.skip_cfg import SkipCfgCurve
+from stepserve.policies.types import StepGroup
+
+from tests.tiny import make_spec, run_together
+
+# Splitting finishes the decodes sooner (0.05 and 0.25 s against 0.25 and 0.25 s) but takes longer
+# (0.4 s against 0.3 s): the throughput slack alpha decides.
+SPLITTING = ConcurrencyTable({
+    Round(1, 0, 0): (0.1, 0.0), Round(2, 0, 0): (0.12, 0.0), Round(1, 1, 0): (0.2, 0.05),
+    Round(2, 1, 0): (0.15, 0.1), Round(2, 2, 0): (0.3, 0.25), Round(0, 1, 0): (0.05, 0.05),
+    Round(0, 2, 0): (0.1, 0.1)}, chunks=2, max_batch=2)
+
+
+class Resident:  # what the sequencer reads of a resident request
+    mode = None
+    step_index = 0
+
+
+def test_a_step_splits_into_sub_rounds_that_share_the_decodes():
+    sequencer = RoundSequencer(SPLITTING, alpha=1.0)
+    subs = sequencer.sub_rounds(StepGroup(("a", "b")), {"a": Resident(), "b": Resident()}, decodes=2)
+    assert [s.group.request_ids for s in subs] == [("a",), ("b",)] and [s.decodes for s in subs] == [1, 1]
+    tight = RoundSequencer(SPLITTING, alpha=0.2)  # too little slack: the one coarse round
+    (one,) = tight.sub_rounds(StepGroup(("a", "b")), {"a": Resident(), "b": Resident()}, decodes=2)
+    assert one.group.request_ids == ("a", "b") and one.decodes == 2
+    (lone,) = sequencer.sub_rounds(StepGroup(("a",)), {"a": Resident()}, decodes=3)
+    assert lone.decodes == 3  # more decodes than members ride along
+    (over,) = sequencer.sub_rounds(StepGroup(("a", "b", "c")), dict.fromkeys("abc", Resident()), decodes=1)
+    assert over.group.request_ids == ("a", "b", "c")  # beyond the table's B_max: unsplit
+
+
+def derived(chunks: int, batch: int = 4) -> ConcurrencyTable:
+    return concurrency_table(lambda m, k: 0.01 * (2 * m - k) + 0.02, 0.03, chunks, batch, batch)
+
+
+def test_sequenced_steps_are_the_plain_steps_and_decodes_are_whole(tiny_family):
+    specs = [make_spec(r, steps=3, seed=i) for i, r in enumerate("abc")]
+    lane = DecodeLane(chunks=2, idle_s=0.0)
+    runner = StepRunner("w0", {"tiny-sd": tiny_family}, decode_images=True, decode_lane=lane,
+                        sequencer=RoundSequencer(derived(2), alpha=1.0))
+    pending, _ = run_together(runner, tiny_family, specs, 3, (StepGroup(("a", "b", "c")),))
+    whole, _ = run_together(StepRunner("w1", {"tiny-sd": tiny_family}, decode_images=True), tiny_family, specs, 3,
+                            (StepGroup(("a", "b", "c")),))
+    assert all(lane.wait(rid) == whole[rid] for rid in pending)
+
+
+def test_the_sequencer_chooses_who_skips_cfg(tiny_family):
+    spec = dataclasses.replace(make_spec("s", steps=4, seed=2), request_id="s")
+    sequencer = RoundSequencer(derived(2, batch=2), alpha=1.0)
+    skipping = {"tiny-sd": SkipCfg(SkipCfgCurve(((0.0, 0.95),)), 0.9)}
+    runner = StepRunner("w0", {"tiny-sd": tiny_family}, decode_images=True, decode_lane=DecodeLane(2, idle_s=0.0),
+                        sequencer=sequencer, skip_cfg=skipping)
+    chosen, states = run_together(runner, tiny_family, [spec], 4)
+    assert states["s"].chosen  # with nothing else to plan, skipping makes the round fastest: it skips
+    plain = StepRunner("w1", {"tiny-sd": tiny_family}, decode_images=True, skip_cfg=skipping)
+    alone, _ = run_together(plain, tiny_family, [spec], 4)
+    assert runner.decode_lane.wait("s") == alone["s"]
+
+
+def test_a_sequencer_needs_a_lane(tiny_family):
+    with pytest.raises(ValueError, match="decode_lane"):
+        StepRunner("w0", {"tiny-sd": tiny_family}, decode_images=True, sequencer=RoundSequencer(SPLITTING))
+    with pytest.raises(ValueError, match="alpha"):
+        RoundSequencer(SPLITTING, alpha=-0.1)
+
+
+def test_the_profile_reaches_the_workers(tmp_path):
+    from stepserve.deployments.config import AppConfig
+
+    profile = tmp_path / "concurrency.csv"
+    profile.write_text("chunks,unet,vae,skip,tau_s,delta_s\n2,1,0,0,0.1,0\n2,1,1,0,0.12,0.05\n2,0,1,0,0.05,0.05\n")
+    base = {"models": [{"name": "a", "preset": "tiny"}]}
+    config = AppConfig.model_validate({**base, "vae_decoder": {"on_workers": True, "chunks": 2,
+                                                               "sequencer_profile": str(profile)}})
+    table, alpha = config.pool_spec().sequencer
+    assert table.has(Round(1, 1, 0)) and table.chunks == 2 and alpha == 0.1
+    with pytest.raises(ValueError, match="measured at 2 chunks"):
+        AppConfig.model_validate({**base, "vae_decoder": {"on_workers": True, "chunks": 3,
+                                                          "sequencer_profile": str(profile)}})
+    with pytest.raises(ValueError, match="sequencer_profile"):
+        AppConfig.model_validate({**base, "vae_decoder": {"on_workers": True, "chunks": 2,
+                                                          "sequencer_profile": str(tmp_path / "missing.csv")}})
