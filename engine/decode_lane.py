@@ -59,11 +59,13 @@ class DecodeLane:
         """Queue the decode of finished image `rid` (its latents [1, C, h, w]) by `family`'s VAE."""
         stream = None
         if latents.device.type == "cuda":
-            # The decode's stream starts after the work that made the latents.
+            # The decode's stream starts after the work that made the latents, and everything the
+            # decode makes (its input included) is made on it.
             stream = torch.cuda.Stream(latents.device)
             stream.wait_stream(torch.cuda.current_stream(latents.device))
             latents.record_stream(stream)
-        job = family.decode_in_chunks(latents.float(), self.chunks)
+        with _on(stream):
+            job = family.decode_in_chunks(latents.float(), self.chunks)
         with self._changed:
             self._pending[rid] = (family, job, stream)
             self._changed.notify_all()
