@@ -230,8 +230,7 @@ def mode_settings(options: WorkerPoolSpec, families: Mapping[str, DiffusionFamil
     """The settings of the worker's forward modes (`engine.forward_modes.registry`) from the
     pool's options: where edits of templates find cached activations (this node's activation
     store, behind an LRU of the records this worker used last), the patch cache's predictor of
-    each model that has one (calibrated here, now), whether plain groups pack resolutions, how
-    each model's requests skip CFG."""
+    each model that has one (calibrated here, now), whether plain groups pack resolutions."""
     templates = None
     if services.activation_stores:
         local = ActivationCache(options.edit_cache_worker_bytes) if options.edit_cache_worker_bytes else None
@@ -241,8 +240,7 @@ def mode_settings(options: WorkerPoolSpec, families: Mapping[str, DiffusionFamil
     if options.patch_cache is not None:
         patch_reuse = {name: calibrate(family, name, options.patch_cache) for name, family in families.items()
                        if ModeName.PATCH_CACHE in family.forward_modes}
-    return {"templates": templates, "patch_reuse": patch_reuse, "pack_resolutions": options.pack_resolutions,
-            "skip_cfg": dict(options.skip_cfg)}
+    return {"templates": templates, "patch_reuse": patch_reuse, "pack_resolutions": options.pack_resolutions}
 
 
 def _fetch(refs: list[AdmissionRef]) -> dict[str, Any]:

@@ -11,7 +11,6 @@ from typing import Any
 from stepserve.actors.activation_store import ActivationStoreSpec
 from stepserve.engine.addons.source import AddonKind, AddonSource
 from stepserve.engine.editing.masked_sd3 import CacheKind
-from stepserve.engine.forward_modes.skip_cfg import SkipCfg
 from stepserve.engine.patch_cache.calibration import PatchCacheSpec
 from stepserve.policies.synerdiff.types import ConcurrencyTable
 
@@ -41,7 +40,6 @@ class WorkerPoolSpec:
     edit_cache_kind: CacheKind = CacheKind.KEYS_VALUES  # `edit_cache.cache`: what a template's record holds
     edit_cache_worker_bytes: int = 4 << 30  # `edit_cache.worker_bytes`: each worker's LRU of records it used
     patch_cache: PatchCacheSpec | None = None  # `patch_cache` when enabled: each worker calibrates and serves it
-    skip_cfg: tuple[tuple[str, SkipCfg], ...] = ()  # by model, where its `skip_cfg_quality` < 1
 
     @property
     def loras(self) -> tuple[AddonSource, ...]:

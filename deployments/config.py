@@ -18,7 +18,6 @@ from stepserve.engine.addons.source import AddonKind, AddonSource
 from stepserve.engine.editing.masked_sd3 import CacheKind
 from stepserve.engine.families import FAMILIES, ModelSource, family_class
 from stepserve.engine.forward_modes.base import ModeName
-from stepserve.engine.forward_modes.skip_cfg import SkipCfg
 from stepserve.engine.patch_cache.calibration import PatchCacheSpec
 from stepserve.policies import needs_costs
 from stepserve.policies.addon_costs import ControlNetPlacement
@@ -171,11 +170,14 @@ class ModelConfig(_Strict):
                              f"({high}) <= max_steps ({self.max_steps})")
         return self
 
-    def skip_cfg(self) -> SkipCfg | None:
-        """How its requests skip CFG on the workers, or None where they never do."""
+    def skip_cfg_from(self) -> float:
+        """The fraction of its requests' steps from which they skip CFG (`RequestSpec.skip_cfg_from`):
+        where its curve keeps SSIM >= `skip_cfg_quality` from there to the end; 1: never."""
         if self.skip_cfg_quality == 1:
-            return None
-        return SkipCfg(SkipCfgCurve(tuple(tuple(point) for point in self.skip_cfg_curve)), self.skip_cfg_quality)
+            return 1.0
+        curve = SkipCfgCurve(tuple(tuple(point) for point in self.skip_cfg_curve))
+        fraction = curve.first_fraction(self.skip_cfg_quality)
+        return 1.0 if fraction is None else fraction
 
     def quality_steps(self, preset: str) -> int:
         """The denoising steps of an image request's quality preset ('low', 'medium' or 'high')."""
@@ -653,8 +655,7 @@ class AppConfig(_Strict):
             lora_store_bytes=self.lora_loading.store_bytes, max_resident_loras=self.lora_loading.max_resident,
             preload_loras=self.lora_loading.preload, controlnet_stale=self.controlnet_service.stale,
             edit_cache=self.edit_cache.store_spec(), edit_cache_kind=self.edit_cache.cache,
-            edit_cache_worker_bytes=self.edit_cache.worker_bytes, patch_cache=self.patch_cache.spec(),
-            skip_cfg=tuple((m.name, m.skip_cfg()) for m in self.models if m.skip_cfg() is not None))
+            edit_cache_worker_bytes=self.edit_cache.worker_bytes, patch_cache=self.patch_cache.spec())
 
     def addon(self, kind: AddonKind, model: str, name: str) -> AddonConfig | None:
         addons = self.controlnets if kind is AddonKind.CONTROLNET else self.loras

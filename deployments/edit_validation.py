@@ -70,6 +70,7 @@ def to_edit_specs(payload: object, config: AppConfig, request_id: str,
             guidance_scale=guidance, seed=seed + i, slo_s=request_slo(req, model), cfg=family.classifier_free_guidance,
             loras=loras, kind=RequestKind.EDIT, strength=req.strength, skip_steps=skip, mask_ratio=ratio,
             template_id=req.template_id, step_cache=step_cache, step_cache_method=step_cache_method,
+            skip_cfg_from=model.skip_cfg_from(),
         )
         for i in range(req.n)
     ]

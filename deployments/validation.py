@@ -201,6 +201,7 @@ def to_specs(payload: object, config: AppConfig, request_id: str, default_seed: 
             negative_prompt=req.negative_prompt or "", width=width, height=height, num_inference_steps=steps,
             guidance_scale=guidance, seed=seed + i, slo_s=slo, cfg=family.classifier_free_guidance,
             controlnets=controlnets, loras=loras, step_cache=step_cache, step_cache_method=step_cache_method,
+            skip_cfg_from=model.skip_cfg_from(),
         )
         for i in range(req.n)
     ]

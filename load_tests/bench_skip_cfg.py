@@ -2,7 +2,7 @@
 paper's Fig. 9 method. For each fraction f of the steps, every request runs its steps from f on
 without its unconditional row; the pictures' similarity to the exact ones (PSNR, SSIM, prompt
 accuracy) against f is the model's skip-CFG curve (what `skip_cfg_curve` in a model's config
-holds, and from which a quality threshold S gives a request's first skipping step s_min), and the
+holds, and from which a quality threshold S gives a request's `skip_cfg_from`), and the
 batch's time against the exact batch's is a request's speed-up. Also with half the batch skipping
 beside exact partners (who must stay exact).
 
@@ -18,6 +18,7 @@ Writes skip_cfg.json (with `curve`: the (f, SSIM) points to paste into the model
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -26,7 +27,6 @@ from pathlib import Path
 
 import numpy as np
 
-from stepserve.engine.forward_modes.base import ModeName
 from stepserve.engine.shapes import dataset
 from stepserve.engine.shapes.judge import prompt_accuracy
 from stepserve.load_tests.bench_fidelity import compare
@@ -35,31 +35,16 @@ from stepserve.load_tests.bench_shapes import HELD_OUT_SEED, add_drawing_argumen
 RULE_SSIM, RULE_SPEEDUP = 0.95, 1.5  # the issue's bar: >= 1.5x a request at SSIM >= 0.95
 
 
-class SkippingRunner:
-    """A worker's step runner whose requests skip CFG from fraction `start` of their steps on (a
-    curve of one point and a threshold it meets); with `every` > 1 only every `every`-th request
-    it admits gets its skip-CFG state, the others run exact beside them. Times its plans that only
-    step (the denoising alone)."""
+class Timed:
+    """A plain worker's step runner that times its plans that only step (the denoising alone)."""
 
-    def __init__(self, family, model: str, start: float | None, every: int = 1):
-        from stepserve.engine.forward_modes.skip_cfg import SkipCfg
+    def __init__(self, family, model: str):
         from stepserve.engine.step_runner import StepRunner
-        from stepserve.policies.synerdiff.skip_cfg import SkipCfgCurve
 
-        modes = {} if start is None else {"skip_cfg": {model: SkipCfg(SkipCfgCurve(((start, 0.5),)), 0.5)}}
-        self.runner = StepRunner("bench", {model: family}, decode_images=True, **modes)
-        self.every, self.admitted = every, 0
-        if start is not None:
-            mode = self.runner.modes[ModeName.SKIP_CFG]
-            self._admit, mode.admit = mode.admit, self._admit_every
+        self.runner = StepRunner("bench", {model: family}, decode_images=True)
         self.step_s = 0.0
         self.execute = self.runner.execute
         self.runner.execute = self._execute
-
-    def _admit_every(self, sampler, family) -> None:
-        if self.admitted % self.every == 0:
-            self._admit(sampler, family)
-        self.admitted += 1
 
     def _execute(self, plan, admissions, **kwargs):
         out = self.execute(plan, admissions, **kwargs)
@@ -93,16 +78,19 @@ def main(argv: list[str] | None = None) -> int:
         _, _, family, judge = load_served(args)
         scenes = dataset.Renders(HELD_OUT_SEED, args.prompts).scenes
         specs = specs_for([s.caption for s in scenes], args, "r")
-        variants = {(None, 1): None, **{(f, every): f for f in starts for every in (1, 2)}}
+        # (start, every): every `every`-th request skips CFG from fraction `start` of its steps
+        variants = {(None, 1): specs, **{(f, every): [dataclasses.replace(s, skip_cfg_from=f) if i % every == 0
+                                                      else s for i, s in enumerate(specs)]
+                                         for f in starts for every in (1, 2)}}
         times: dict = {key: [] for key in variants}
         step_times: dict = {key: [] for key in variants}
         pictures = {}
         for rnd in range(args.repeats):
-            for key, start in variants.items():
-                runner = SkippingRunner(family, args.model, start, every=key[1])
+            for key, batch in variants.items():
+                runner = Timed(family, args.model)
                 begin = time.perf_counter()
-                pictures[key] = np.concatenate([draw(family, specs[i:i + args.batch], runner=runner.runner)
-                                                for i in range(0, len(specs), args.batch)])
+                pictures[key] = np.concatenate([draw(family, batch[i:i + args.batch], runner=runner.runner)
+                                                for i in range(0, len(batch), args.batch)])
                 times[key].append(time.perf_counter() - begin)
                 step_times[key].append(runner.step_s)
             log(f"round {rnd + 1}/{args.repeats}: " + ", ".join(
@@ -117,10 +105,11 @@ def main(argv: list[str] | None = None) -> int:
             skipping = np.arange(len(specs)) % every == 0
             key = (start, every)
             seconds, step_s = statistics.median(times[key]), statistics.median(step_times[key])
+            skipping_scenes = [s for s, k in zip(scenes, skipping) if k]
             row = {"start": start, "batch": "all" if every == 1 else "half", "skipping_share": float(skipping.mean()),
                    "seconds": seconds, "speedup": exact_s / seconds, "denoise_speedup": exact_step_s / step_s,
-                   **compare(pictures[key][skipping], exact[skipping], [s for s, k in zip(scenes, skipping) if k],
-                             judge, prompt_accuracy(judge, exact[skipping], [s for s, k in zip(scenes, skipping) if k]))}
+                   **compare(pictures[key][skipping], exact[skipping], skipping_scenes, judge,
+                             prompt_accuracy(judge, exact[skipping], skipping_scenes))}
             if not skipping.all():  # its exact partners: the same pictures as alone
                 others = pictures[key][~skipping].astype(int) - exact[~skipping].astype(int)
                 row["partners_max_pixel_difference"] = int(np.abs(others).max())

@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
             s = result.summary()
             rows[name] = {"served": s.ok, "rejected_or_failed": s.failed, "throughput_rps": s.throughput_rps,
                           "latency_mean_s": s.latency_mean_s, "latency_p99_s": s.latency_p99_s,
-                          "queue_wait_mean_s": s.queue_wait_mean_s, "decode_mean_s": result.stage_means("image")["decode"],
+                          "queue_wait_mean_s": s.queue_wait_mean_s,
+                          "decode_mean_s": result.stage_means("image")["decode"],
                           "sim_wall_s": round(result.wall_s, 2)}
             print(f"base rate {rate:g}: {name}: {s.ok} served, {s.throughput_rps:.3f} req/s, mean "
                   f"{s.latency_mean_s:.1f} s, P99 {s.latency_p99_s:.1f} s", file=sys.stderr)

@@ -125,6 +125,13 @@ class UnknownModelError(LookupError):
     """The cost model has no profile for this model (or not for this component)."""
 
 
+def _skipped_cfg_share(spec: "RequestSpec") -> float:
+    """A request's expected unconditional rows skipped a step (skip-CFG): one row over the share
+    of its steps from its first skipping step on."""
+    first = spec.skip_cfg_step
+    return 0.0 if first is None else (spec.steps_to_run - first) / spec.steps_to_run
+
+
 @dataclass(frozen=True)
 class BatchShape:
     """One denoiser forward of one batch of same-shape rows, split over `sp_degree` workers by
@@ -159,6 +166,10 @@ class BatchShape:
     # The expected share of its rows that skip the later blocks (step caching, row-weighted
     # `step_cache_costs.expected_skip_share` of each member); a forward with add-ons never skips.
     skip_share: float = 0.0
+    # The expected share of its rows that are unconditional rows skipped (SynerDiff's skip-CFG,
+    # `RequestSpec.skip_cfg_from`: each CFG member's later steps run its conditional row alone);
+    # a forward with add-ons never skips.
+    cfg_skip_share: float = 0.0
 
     def __post_init__(self) -> None:
         for field in ("height", "width", "rows", "frames", "sp_degree"):
@@ -166,7 +177,7 @@ class BatchShape:
         for rows in self.controlnet_rows:
             _check_int("controlnet_rows", rows, 1)
         _check_int("lora_rows", self.lora_rows, 0)
-        for field in ("mask_ratio", "skip_share"):
+        for field in ("mask_ratio", "skip_share", "cfg_skip_share"):
             value = getattr(self, field)
             if isinstance(value, bool) or not 0.0 <= value <= 1.0:
                 raise ValueError(f"BatchShape.{field} must be in [0, 1], got {value!r}")
@@ -190,8 +201,9 @@ class BatchShape:
         lora_rows = sum(s.rows * len(s.loras) for s in specs)
         plain = not (calls or lora_rows or (group is not None and group.ranks))  # (only plain groups cache steps)
         skip = sum(s.rows * expected_skip_share(s.step_cache) for s in specs) / rows if plain else 0.0
+        cfg_skip = sum(_skipped_cfg_share(s) for s in specs) / rows if plain else 0.0
         return cls(head.model, head.height, head.width, rows, head.num_frames, degree, tuple(calls.values()),
-                   lora_rows, split, sum(s.rows * computed_share(s) for s in specs) / rows, skip)
+                   lora_rows, split, sum(s.rows * computed_share(s) for s in specs) / rows, skip, cfg_skip)
 
     def half(self) -> "BatchShape":
         """What each worker of a CFG split runs: one of the two rows, with its share of the add-ons."""
@@ -774,7 +786,9 @@ class ProfiledCostModel:
             return self.denoise_seconds(batch.half()) + self._costs(batch.model).addon(CFG_EXCHANGE, batch.pixels,
                                                                                       batch.rows)
         if not (batch.controlnet_rows or batch.lora_rows):
+            # Skipped unconditional rows are priced as rows the forward does not run (linear in rows).
             full = self._costs(batch.model).denoise(batch.pixels, batch.rows, batch.sp_degree)
+            full *= 1.0 - batch.cfg_skip_share
             return full * cached_forward_share(batch.skip_share) if batch.skip_share else full
         return forward_seconds(*self.forward_parts(batch), self.controlnets)
 

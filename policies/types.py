@@ -130,6 +130,10 @@ class RequestSpec:
     # less than this since its last computed step reuses that step's later blocks. 0: off, exact.
     step_cache: float = 0.0
     step_cache_method: StepCacheMethod = StepCacheMethod.FIRST_BLOCK
+    # SynerDiff's adaptive skip-CFG (`engine.forward_modes.skip_cfg`): from this fraction of its
+    # steps on it runs without its unconditional row (the ingress reads it off its model's
+    # measured curve for the model's quality threshold). 1: never, exact.
+    skip_cfg_from: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, RequestKind):
@@ -153,6 +157,9 @@ class RequestSpec:
         if not isinstance(self.step_cache_method, StepCacheMethod):
             raise ValueError(f"request {self.request_id!r}: step_cache_method must be a StepCacheMethod, "
                              f"got {self.step_cache_method!r}")
+        if not 0.0 <= self.skip_cfg_from <= 1.0:
+            raise ValueError(f"request {self.request_id!r}: skip_cfg_from must be a fraction in [0, 1], "
+                             f"got {self.skip_cfg_from!r}")
         if not 0.0 <= self.step_cache < float("inf"):
             raise ValueError(f"request {self.request_id!r}: step_cache must be a finite threshold >= 0, "
                              f"got {self.step_cache!r}")
@@ -174,6 +181,16 @@ class RequestSpec:
     def rows(self) -> int:
         """Batch rows this request adds to a forward: [uncond, cond] under CFG."""
         return 2 if self.uses_cfg else 1
+
+    @property
+    def skip_cfg_step(self) -> int | None:
+        """The first of its steps that runs without its unconditional row (`skip_cfg_from` of its
+        steps, rounded up), or None: it never skips (no CFG, or no step left to skip)."""
+        if not self.uses_cfg or self.skip_cfg_from >= 1.0:
+            return None
+        steps = self.steps_to_run
+        first = max(0, math.ceil(self.skip_cfg_from * steps - 1e-9))  # 0.7 of 10 steps is step 7, not 8
+        return first if first < steps else None
 
     @property
     def is_video(self) -> bool:

@@ -2,9 +2,10 @@
 a group runs it) and gives admitted requests their state (the first that gives one wins: an
 edit of a template records or reuses its template's activations rather than its own patches).
 The packed, CFG-split and plain modes are always there: they are exact, and the router's plans
-ask for them; so is step caching, which a request asks for itself (`RequestSpec.step_cache`: the
-ingress refuses it where the model does not allow it); the other approximations are there only
-when switched on. Skip-CFG comes after step caching: a request that asks for its step cache keeps it."""
+ask for them; so are step caching and skip-CFG, which come with the request (`RequestSpec.step_cache`,
+`skip_cfg_from`: the ingress sets them from the request and its model's config); the other
+approximations are there only when switched on. Skip-CFG comes after step caching: a request
+that has a step cache keeps it."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from stepserve.engine.forward_modes.cfg_split import CfgSplit
 from stepserve.engine.forward_modes.packed import PackedResolutions
 from stepserve.engine.forward_modes.patch_cache import PatchCaching
 from stepserve.engine.forward_modes.plain import Plain
-from stepserve.engine.forward_modes.skip_cfg import CfgSkipping, SkipCfg
+from stepserve.engine.forward_modes.skip_cfg import CfgSkipping
 from stepserve.engine.forward_modes.step_cache import StepCaching
 from stepserve.engine.forward_modes.template_edit import TemplateEdits
 from stepserve.engine.patch_cache.cached_sd3 import PatchReuse
@@ -23,21 +24,17 @@ from stepserve.engine.template_edits import TemplateCache
 
 
 def forward_modes(*, templates: TemplateCache | None = None, patch_reuse: Mapping[str, PatchReuse] | None = None,
-                  pack_resolutions: bool = False, skip_cfg: Mapping[str, SkipCfg] | None = None
-                  ) -> dict[ModeName, ForwardMode]:
+                  pack_resolutions: bool = False) -> dict[ModeName, ForwardMode]:
     """A step runner's modes by name, in order, from their settings (the keywords of
     `StepRunner`; a worker's come from `actors.denoiser.mode_settings`). `templates`: where
     edits of templates find and keep cached activations (None: every edit is exact); `patch_reuse`: by model, how its requests reuse their patches (None or a model not
-    named: never); `pack_resolutions`: a plan's plain groups of one model run as one forward;
-    `skip_cfg`: by model, from which step its requests skip their unconditional rows (None or a
-    model not named: never)."""
+    named: never); `pack_resolutions`: a plan's plain groups of one model run as one forward."""
     modes: list[ForwardMode] = [PackedResolutions(join=pack_resolutions), CfgSplit()]
     if templates is not None:
         modes.append(TemplateEdits(templates))
     if patch_reuse:
         modes.append(PatchCaching(patch_reuse))
     modes.append(StepCaching())
-    if skip_cfg:
-        modes.append(CfgSkipping(skip_cfg))
+    modes.append(CfgSkipping())
     modes.append(Plain())
     return {mode.name: mode for mode in modes}

@@ -1,9 +1,9 @@
 """SynerDiff's adaptive skip-CFG (§III-B, Fig. 9): late in its denoising a request's
 unconditional row adds little, so from its step s_min on a request runs its conditional row only
-and takes that prediction as its guided one. s_min is where skipping from on keeps the picture
-at least as similar to the exact one as the quality threshold S asks, read off the model's
-measured curve (`policies.synerdiff.skip_cfg.SkipCfgCurve`: what skipping from each fraction of
-the steps costs, measured by `load_tests.bench_skip_cfg`). Approximate, off by default (S = 1).
+and takes that prediction as its guided one. s_min comes with the request
+(`RequestSpec.skip_cfg_from`): the ingress reads it off its model's measured curve
+(`policies.synerdiff.skip_cfg.SkipCfgCurve`, measured by `load_tests.bench_skip_cfg`) for the
+model's quality threshold S. Approximate, off by default (S = 1).
 
 Every family that guides by CFG serves it. A group in which some member skips runs one forward
 of the members' rows less the skipping members' unconditional rows; the others' rows, and their
@@ -14,26 +14,11 @@ residuals and LoRA rows are laid out for whole requests) or over ranks run plain
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 from stepserve.engine.forward_modes.base import ForwardBatch, ForwardMode, ModeName
-from stepserve.policies.synerdiff.skip_cfg import SkipCfgCurve
-
-
-@dataclass(frozen=True)
-class SkipCfg:
-    """How a model's requests skip CFG: its measured curve and the quality threshold S (the
-    similarity to the exact picture skipping must keep; 1: never skip)."""
-
-    curve: SkipCfgCurve
-    quality: float = 1.0
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.quality <= 1.0:
-            raise ValueError(f"skip-CFG quality must be in (0, 1], got {self.quality!r}")
 
 
 @dataclass
@@ -49,17 +34,11 @@ class CfgSkip:
 class CfgSkipping(ForwardMode):
     name = ModeName.SKIP_CFG
 
-    def __init__(self, by_model: Mapping[str, SkipCfg]):
-        self.by_model = dict(by_model)
-
     def serves(self, family) -> bool:
         return family.classifier_free_guidance
 
     def admit(self, sampler, family) -> None:
-        setting = self.by_model.get(sampler.spec.model)
-        if setting is None or not sampler.uses_cfg:
-            return
-        first = setting.curve.first_step(setting.quality, sampler.steps_total)
+        first = sampler.spec.skip_cfg_step
         if first is not None:
             sampler.enter(self.name, CfgSkip(first))
 

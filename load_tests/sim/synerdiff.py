@@ -200,7 +200,8 @@ class WorkerSequencer:
         return elapsed, finished
 
     def _planned(self, members, eligible, decodes) -> list[tuple[list, list, list]]:
-        model, height, width = Counter((m.spec.model, m.spec.height, m.spec.width) for m in members).most_common(1)[0][0]
+        sizes = Counter((m.spec.model, m.spec.height, m.spec.width) for m in members)
+        model, height, width = sizes.most_common(1)[0][0]
         chunks = decodes[0].chunks if decodes else self.chunk_levels(model, height, width)[0]
         m, n, k = len(members), min(len(decodes), len(members)), len(eligible)
         key = (model, height, width, chunks, m, n, k)

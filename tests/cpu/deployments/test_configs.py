@@ -81,9 +81,10 @@ def test_a_relative_weights_path_resolves_from_here_else_under_configs(tmp_path,
 def test_skip_cfg_needs_a_measured_curve_and_a_cfg_model():
     curve = [[0.5, 0.93], [0.7, 0.955], [0.9, 0.985]]
     model = ModelConfig(name="sd", preset="tiny", default_size="64x64", skip_cfg_quality=0.95, skip_cfg_curve=curve)
-    setting = model.skip_cfg()
-    assert setting.quality == 0.95 and setting.curve.first_step(0.95, 20) == 14
-    assert ModelConfig(name="sd", preset="tiny", default_size="64x64", skip_cfg_curve=curve).skip_cfg() is None
+    assert model.skip_cfg_from() == 0.7
+    assert ModelConfig(name="sd", preset="tiny", default_size="64x64", skip_cfg_quality=0.99,
+                       skip_cfg_curve=curve).skip_cfg_from() == 1.0  # a quality the curve never meets
+    assert ModelConfig(name="sd", preset="tiny", default_size="64x64", skip_cfg_curve=curve).skip_cfg_from() == 1.0
     with pytest.raises(ValueError, match="needs the model's measured skip_cfg_curve"):
         ModelConfig(name="sd", preset="tiny", default_size="64x64", skip_cfg_quality=0.95)
     with pytest.raises(ValueError, match="does not guide by CFG"):
@@ -93,12 +94,16 @@ def test_skip_cfg_needs_a_measured_curve_and_a_cfg_model():
         ModelConfig(name="sd", preset="tiny", default_size="64x64", skip_cfg_curve=[[0.7, 0.9], [0.5, 0.95]])
 
 
-def test_skip_cfg_reaches_the_workers_of_its_model_only():
-    curve = [[0.7, 0.955]]
+def test_a_request_to_a_skipping_model_carries_its_first_step():
+    from stepserve.deployments.validation import to_specs
+
     config = AppConfig.model_validate({"models": [
-        {"name": "a", "preset": "tiny", "default_size": "64x64", "skip_cfg_quality": 0.95, "skip_cfg_curve": curve},
+        {"name": "a", "preset": "tiny", "default_size": "64x64", "skip_cfg_quality": 0.95,
+         "skip_cfg_curve": [[0.7, 0.955]]},
         {"name": "b", "preset": "tiny", "default_size": "64x64"}]})
-    assert [name for name, _ in config.pool_spec().skip_cfg] == ["a"]
+    (a,) = to_specs({"prompt": "p", "model": "a", "num_inference_steps": 10}, config, "r1")
+    (b,) = to_specs({"prompt": "p", "model": "b", "num_inference_steps": 10}, config, "r2")
+    assert (a.skip_cfg_from, a.skip_cfg_step) == (0.7, 7) and (b.skip_cfg_from, b.skip_cfg_step) == (1.0, None)
 
 
 def test_chunked_decodes_run_on_the_workers():

@@ -26,13 +26,14 @@ NEEDS = {
 
 
 def test_exact_modes_are_always_there_and_approximations_only_when_set():
-    # Step caching too: a request asks for it itself.
-    assert list(forward_modes()) == [ModeName.PACKED, ModeName.CFG_SPLIT, ModeName.STEP_CACHE, ModeName.PLAIN]
+    # Step caching and skip-CFG too: they come with the request.
+    assert list(forward_modes()) == [ModeName.PACKED, ModeName.CFG_SPLIT, ModeName.STEP_CACHE, ModeName.SKIP_CFG,
+                                     ModeName.PLAIN]
     templates = TemplateCache(ActivationCache(memory_bytes=1 << 20))
     modes = forward_modes(templates=templates, patch_reuse={"m": object()}, pack_resolutions=True)
     # The plain forward last: it takes every group; a template edit's state before the patch cache's.
     assert list(modes) == [ModeName.PACKED, ModeName.CFG_SPLIT, ModeName.TEMPLATE_EDIT, ModeName.PATCH_CACHE,
-                           ModeName.STEP_CACHE, ModeName.PLAIN]
+                           ModeName.STEP_CACHE, ModeName.SKIP_CFG, ModeName.PLAIN]
     assert modes[ModeName.PACKED].join and not forward_modes()[ModeName.PACKED].join
 
 

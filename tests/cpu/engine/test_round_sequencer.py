@@ -7,12 +7,10 @@ import dataclasses
 import pytest
 
 from stepserve.engine.decode_lane import DecodeLane
-from stepserve.engine.forward_modes.skip_cfg import SkipCfg
 from stepserve.engine.round_sequencer import RoundSequencer
 from stepserve.engine.step_runner import StepRunner
 from stepserve.policies.synerdiff import ConcurrencyTable, Round
 from stepserve.policies.synerdiff.contention import concurrency_table
-from stepserve.policies.synerdiff.skip_cfg import SkipCfgCurve
 from stepserve.policies.types import StepGroup
 
 from tests.tiny import make_spec, run_together
@@ -59,14 +57,13 @@ def test_sequenced_steps_are_the_plain_steps_and_decodes_are_whole(tiny_family):
 
 
 def test_the_sequencer_chooses_who_skips_cfg(tiny_family):
-    spec = dataclasses.replace(make_spec("s", steps=4, seed=2), request_id="s")
+    spec = dataclasses.replace(make_spec("s", steps=4, seed=2), skip_cfg_from=0.0)
     sequencer = RoundSequencer(derived(2, batch=2), alpha=1.0)
-    skipping = {"tiny-sd": SkipCfg(SkipCfgCurve(((0.0, 0.95),)), 0.9)}
     runner = StepRunner("w0", {"tiny-sd": tiny_family}, decode_images=True, decode_lane=DecodeLane(2, idle_s=0.0),
-                        sequencer=sequencer, skip_cfg=skipping)
+                        sequencer=sequencer)
     chosen, states = run_together(runner, tiny_family, [spec], 4)
     assert states["s"].chosen  # with nothing else to plan, skipping makes the round fastest: it skips
-    plain = StepRunner("w1", {"tiny-sd": tiny_family}, decode_images=True, skip_cfg=skipping)
+    plain = StepRunner("w1", {"tiny-sd": tiny_family}, decode_images=True)
     alone, _ = run_together(plain, tiny_family, [spec], 4)
     assert runner.decode_lane.wait("s") == alone["s"]
 
