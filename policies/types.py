@@ -87,6 +87,15 @@ class LoraUse:
     scale: float = 1.0
 
 
+
+def first_skipping_step(fraction: float, steps: int) -> int | None:
+    """The first step of `steps` that skips CFG when skipping starts at `fraction` of them
+    (rounded up), or None when none is left to skip (fraction 1 included)."""
+    # f * steps is computed in floats: 0.7 of 10 steps must be step 7, not ceil(7.000000000000001) = 8.
+    first = max(0, math.ceil(fraction * steps - 1e-9))
+    return first if first < steps else None
+
+
 @dataclass(frozen=True)
 class RequestSpec:
     """One image or video to generate. Immutable once the ingress has validated it.
@@ -186,11 +195,7 @@ class RequestSpec:
     def skip_cfg_step(self) -> int | None:
         """The first of its steps that runs without its unconditional row (`skip_cfg_from` of its
         steps, rounded up), or None: it never skips (no CFG, or no step left to skip)."""
-        if not self.uses_cfg or self.skip_cfg_from >= 1.0:
-            return None
-        steps = self.steps_to_run
-        first = max(0, math.ceil(self.skip_cfg_from * steps - 1e-9))  # 0.7 of 10 steps is step 7, not 8
-        return first if first < steps else None
+        return first_skipping_step(self.skip_cfg_from, self.steps_to_run) if self.uses_cfg else None
 
     @property
     def is_video(self) -> bool:

@@ -16,14 +16,10 @@ S = 1.0 (the controller's best level) means never skip.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from stepserve.policies.synerdiff.checks import check_int, check_number
-
-# f * steps is computed in floats: 0.7 * 10 must give step 7, not ceil(7.000000000000001) = 8.
-_ROUND_OFF = 1e-9
-
+from stepserve.policies.types import first_skipping_step
 
 @dataclass(frozen=True)
 class SkipCfgCurve:
@@ -60,10 +56,7 @@ class SkipCfgCurve:
         rounds up to `steps`, leaving no step to skip)."""
         check_int("SkipCfgCurve", "steps", steps, 1)
         fraction = self.first_fraction(quality)
-        if fraction is None:
-            return None
-        first = max(0, math.ceil(fraction * steps - _ROUND_OFF))
-        return first if first < steps else None
+        return None if fraction is None else first_skipping_step(fraction, steps)
 
     def eligible(self, step_index: int, steps: int, quality: float) -> bool:
         """Whether step `step_index` (0-based) of a `steps`-step request may run without CFG."""
