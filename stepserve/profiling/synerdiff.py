@@ -15,11 +15,16 @@ lane runs them (the step in one thread, the chunks in another: `engine.decode_la
 
 Writes concurrency.csv (c, m, n, k, tau_s, delta_s: `ConcurrencyTable.from_rows`),
 concurrency.json (B_max, the chunk timings, L(c), c, C_max) and concurrency.png.
+
+On CUDA (`--device`, default: the config's `workers.device`) the chunks run on a stream of their
+own, as the decode lane runs them, and every clock is read once the work it times is done on
+the GPU (each lane waits for its own stream, so the two still overlap).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import statistics
@@ -53,8 +58,10 @@ class Rounds:
         self.t = first_timestep(family, size)
         self.generator = torch.Generator("cpu").manual_seed(0)
         side = size // family.vae_scale_factor
-        self.latents = torch.randn(1, family.latent_channels, side, side, generator=self.generator)
+        self.latents = torch.randn(1, family.latent_channels, side, side, generator=self.generator).to(family.device)
         self._inputs: dict[int, tuple] = {}
+        self.cuda = torch.device(family.device).type == "cuda"
+        self.lane_stream = torch.cuda.Stream(device=family.device) if self.cuda else None
 
     def step(self, m: int, k: int) -> None:
         rows = 2 * m - k
@@ -75,17 +82,23 @@ class Rounds:
         done = {}
 
         def decode_chunks():
-            with torch.inference_mode():
+            with torch.inference_mode(), _on(self.lane_stream):
                 for decode in decodes:
                     decode.step()
+                if self.lane_stream is not None:
+                    self.lane_stream.synchronize()
             done["vae"] = time.perf_counter()
 
+        if self.cuda:
+            torch.cuda.synchronize(self.family.device)  # the chunks' inputs, made on the default stream
         start = time.perf_counter()
         lane = threading.Thread(target=decode_chunks) if decodes else None
         if lane is not None:
             lane.start()
         if m:
             self.step(m, k)
+        if self.cuda:
+            torch.cuda.current_stream(self.family.device).synchronize()
         done["unet"] = time.perf_counter()
         if lane is not None:
             lane.join()
@@ -115,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--most-chunks", type=int, default=6, help="finest chunking tried (default: 6)")
     parser.add_argument("--lam", type=float, default=0.5, help="L(c)'s weight (the paper's 0.5)")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", help="torch device (default: the config's workers.device)")
     parser.add_argument("--out", type=Path, default=Path("results/synerdiff-profile"))
     args = parser.parse_args(argv)
 
@@ -131,14 +145,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     size = args.size or int(model.default_size.split("x")[0])
     threads = set_threads(app.workers.torch_threads)
-    family = load_family(model.to_source(), ALL_PARTS, "cpu")
+    device = args.device or app.workers.device
+    family = load_family(model.to_source(), ALL_PARTS, device)
     with torch.inference_mode():
         rounds = Rounds(family, size)
         log(f"[B_max] the step alone, 1..{args.max_batch} requests, {size} px, {threads} thread(s)")
         solo = {m: median_round(rounds, m, 0, 0, 1, args.repeats)[0] for m in range(1, args.max_batch + 1)}
         b_max = saturation_batch(solo)
         decode_alone = statistics.median(
-            _timed(lambda: family.decode_in_chunks(rounds.latents, 1).run()) for _ in range(args.repeats))
+            _timed(lambda: family.decode_in_chunks(rounds.latents, 1).run(), rounds.cuda) for _ in range(args.repeats))
         batch = max(1, b_max // 2)
         log(f"[c] {batch} requests beside one decode in 1..{args.most_chunks} chunks")
         timings = []
@@ -157,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                         rows.append((chunks, m, n, k, tau, delta if n else 0.0))
     table = ConcurrencyTable.from_rows([r[1:] for r in rows], chunks, b_max)  # checks every row
     report = {"benchmark": "synerdiff_profile", "model": model.name, "size": size, "threads": threads,
+              "device": torch.cuda.get_device_name(device) if rounds.cuda else "cpu", "dtype": str(family.dtype),
               "step_alone_s": solo, "b_max": b_max, "decode_alone_s": decode_alone, "timing_batch": batch,
               "chunk_timings": [{"chunks": t.chunks, "unet_s": t.unet, "vae_s": t.vae,
                                  "cost": chunk_cost(t, solo[batch], decode_alone, args.lam)} for t in timings],
@@ -175,10 +191,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _timed(fn) -> float:
+def _timed(fn, cuda: bool) -> float:
     start = time.perf_counter()
     fn()
+    if cuda:
+        torch.cuda.synchronize()
     return time.perf_counter() - start
+
+
+def _on(stream):
+    """The lane's CUDA stream as a context (nothing on the CPU)."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 if __name__ == "__main__":
