@@ -679,9 +679,10 @@ class AppConfig(_Strict):
         return self
 
     def policy_options(self) -> dict[str, Any]:
-        """The policy's options as the router builds it (GenServe batches up to the workers' cap)."""
+        """The policy's options as the router builds it (GenServe, and the composed policy's
+        spine, batch up to the workers' cap)."""
         options = dict(self.router.policy_options)
-        if self.router.policy == "genserve":
+        if self.router.policy in ("genserve", "composed"):
             options.setdefault("image_max_batch", self.workers.max_batch_size)
             if "sp_degrees" in options:
                 options["sp_degrees"] = tuple(options["sp_degrees"])

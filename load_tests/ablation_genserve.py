@@ -3,8 +3,9 @@
 
     python -m stepserve.load_tests.ablation_genserve --out docs/results/genserve-ablation
 
-Rows are `GenServeConfig` switches of the `genserve` policy (policies/genserve), which the one
-simulator drives through the live `RouterCore`:
+Rows are `GenServeConfig` switches of the `genserve` policy (policies/genserve), then the
+composed policy (policies/composed), each of which the one simulator drives through the live
+`RouterCore`:
 
     fcfs          preemption off, greedy FCFS allocation, every video at SP degree 1
     +preemption   videos may be paused (or shrunk) at step boundaries for urgent images
@@ -16,6 +17,13 @@ FCFS server with sequence parallelism would configure it:
 
     fcfs-sp2      FCFS, every video at SP degree 2
     fcfs-sp4      FCFS, every video at SP degree 4
+
+and the composed policy (policies/composed): GenServe's spine with headroom for expected images,
+CFG splits on idle workers and PatchedServe's refusal of what cannot meet its deadline (its
+defaults), and the same serving every request, the late least-late first:
+
+    composed        policy "composed", default options
+    composed-late   the same with refuse_unattainable off
 
 `--image-slo-scale` overrides the image class's SLO scale σ (the workload gives images σ = 2;
 the slides' own setting is σ = 1 for everything).
@@ -45,15 +53,18 @@ from stepserve.load_tests.plots import plot_ablation
 from stepserve.load_tests.sim import SimConfig, SimResult, simulate
 from stepserve.load_tests.workload import generate, load_workload
 from stepserve.policies.cost_model import load_profile
+from stepserve.policies.composed import ComposedConfig
 from stepserve.policies.genserve import GenServeConfig
 
-ROWS = {
-    "fcfs": GenServeConfig(preemption=False, dp=False, elastic_sp=False, fixed_sp_degree=1),
-    "+preemption": GenServeConfig(preemption=True, dp=False, elastic_sp=False, fixed_sp_degree=1),
-    "+dp": GenServeConfig(preemption=True, dp=True, elastic_sp=False, fixed_sp_degree=1),
-    "+sp": GenServeConfig(preemption=True, dp=True, elastic_sp=True),
-    "fcfs-sp2": GenServeConfig(preemption=False, dp=False, elastic_sp=False, fixed_sp_degree=2),
-    "fcfs-sp4": GenServeConfig(preemption=False, dp=False, elastic_sp=False, fixed_sp_degree=4),
+ROWS: dict[str, tuple[str, GenServeConfig | ComposedConfig]] = {
+    "fcfs": ("genserve", GenServeConfig(preemption=False, dp=False, elastic_sp=False, fixed_sp_degree=1)),
+    "+preemption": ("genserve", GenServeConfig(preemption=True, dp=False, elastic_sp=False, fixed_sp_degree=1)),
+    "+dp": ("genserve", GenServeConfig(preemption=True, dp=True, elastic_sp=False, fixed_sp_degree=1)),
+    "+sp": ("genserve", GenServeConfig(preemption=True, dp=True, elastic_sp=True)),
+    "fcfs-sp2": ("genserve", GenServeConfig(preemption=False, dp=False, elastic_sp=False, fixed_sp_degree=2)),
+    "fcfs-sp4": ("genserve", GenServeConfig(preemption=False, dp=False, elastic_sp=False, fixed_sp_degree=4)),
+    "composed": ("composed", ComposedConfig()),
+    "composed-late": ("composed", ComposedConfig(refuse_unattainable=False)),
 }
 # Far above any backlog these rates build: the rows differ in scheduling, not in admission.
 MAX_QUEUED = 1024
@@ -105,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     for rate in rates:
         for seed in seeds:
             requests = generate(replace(base.with_rate(rate), seed=seed), cost)
-            for name, config in rows.items():
-                sim = SimConfig(workers=args.workers, policy="genserve",
+            for name, (policy, config) in rows.items():
+                sim = SimConfig(workers=args.workers, policy=policy,
                                 policy_options=asdict(replace(config, round_s=args.round_s)), pipeline_lead_s=0.0,
                                 max_queued_images=MAX_QUEUED, max_queued_videos=MAX_QUEUED)
                 metrics = row_metrics(simulate(requests, cost, sim))
@@ -123,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "workload": base.name, "profile": args.profile, "workers": args.workers, "rates": rates, "seeds": seeds,
         "round_s": args.round_s, "image_slo_scale": args.image_slo_scale,
-        "rows": {n: c.__dict__ | {"sp_degrees": list(c.sp_degrees)} for n, c in rows.items()},
+        "rows": {n: {"policy": p} | c.__dict__ | {"sp_degrees": list(c.sp_degrees)} for n, (p, c) in rows.items()},
         "mean_over_seeds": {str(rate): rows for rate, rows in table.items()}, "runs": runs,
         "machine": f"{platform.processor() or platform.machine()}, {platform.system()}",
     }

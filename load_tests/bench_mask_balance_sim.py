@@ -77,7 +77,8 @@ DIMS = {
 }
 POLICIES = {"continuous (JSQ by requests)": ("continuous", {}),
             "mask_aware": ("mask_aware", {}),
-            "mask_aware, one-step cost": ("mask_aware", {"horizon": "step"})}
+            "mask_aware, one-step cost": ("mask_aware", {"horizon": "step"}),
+            "composed": ("composed", {})}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -64,6 +64,7 @@ ROWS = (  # label, policy, options, workers pack resolutions into one forward
     ("continuous, packed", "continuous", {}, True),
     ("patchedserve", "patchedserve", {}, False),
     ("patchedserve, packed", "patchedserve", {}, True),
+    ("composed", "composed", {}, False),  # its spine batches one resolution a worker: packing is moot
 )
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import ray
 from ray import serve
 
+from stepserve.policies import options_for
 from stepserve.runtime import run_app, start_local_ray
 
 
@@ -24,13 +25,25 @@ def free_port() -> int:
 
 def bench_serve_config(base: dict[str, Any], port: int, policy: str | None = None) -> dict[str, Any]:
     """A copy of a one-app Serve config served on 127.0.0.1:`port`, with `router.policy`
-    replaced when given; every other argument (workers, batch cap, models) is kept."""
+    replaced when given (keeping the options the new policy takes: `served_router`); every other
+    argument (workers, batch cap, models) is kept."""
     config = copy.deepcopy(base)
     config["http_options"] = {**(config.get("http_options") or {}), "host": "127.0.0.1", "port": port}
     if policy is not None:
         args = config["applications"][0].setdefault("args", {})
-        args["router"] = {**(args.get("router") or {}), "policy": policy}
+        args["router"] = served_router(args.get("router") or {}, policy)
     return config
+
+
+def served_router(router: dict[str, Any], policy: str) -> dict[str, Any]:
+    """A config's `router` section with `policy` in place of its own: the options stay where the
+    policy is the same, else those of them the new policy takes (`options_for`)."""
+    if router.get("policy", "continuous") == policy:
+        return dict(router)
+    swapped = {**router, "policy": policy}
+    if "policy_options" in router:
+        swapped["policy_options"] = options_for(policy, router["policy_options"])
+    return swapped
 
 
 @contextmanager

@@ -64,7 +64,7 @@ from pathlib import Path
 from typing import Any
 
 from stepserve.load_tests.bench_batching import run_policy
-from stepserve.load_tests.local_app import free_port, local_ray, log
+from stepserve.load_tests.local_app import free_port, local_ray, log, served_router
 from stepserve.load_tests.metrics import Summary, summarize
 from stepserve.load_tests.plots import plot_sim_vs_live
 from stepserve.load_tests.records import RequestRecord
@@ -304,7 +304,7 @@ def served_policy(serve_config: dict[str, Any], policy: str) -> tuple[dict[str, 
     from stepserve.deployments.config import AppConfig  # heavy (ray, torch): only when asked
 
     args = copy.deepcopy(serve_config["applications"][0].get("args", {}))
-    args["router"] = {**(args.get("router") or {}), "policy": policy}
+    args["router"] = served_router(args.get("router") or {}, policy)
     app = AppConfig.model_validate(args)
     return app.policy_options(), {m.name: m.slo_s for m in app.models}
 

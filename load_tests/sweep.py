@@ -90,9 +90,14 @@ def sim_config_from_serve(path: str | os.PathLike) -> dict[str, Any]:
     from stepserve.deployments.config import AppConfig  # heavy (ray, torch): only when asked
     from stepserve.runtime import load_serve_config
 
+    from stepserve.engine.families import family_class
+    from stepserve.engine.forward_modes.base import ModeName
+
     app = AppConfig.model_validate(load_serve_config(path)["applications"][0].get("args", {}))
     te = app.text_encoder
+    packing = tuple(m.name for m in app.models if ModeName.PACKED in family_class(m.family).forward_modes)
     return dict(
+        packing=packing if app.workers.pack_resolutions else (),
         workers=app.workers.num_workers, max_batch_size=app.workers.max_batch_size, policy=app.router.policy,
         policy_options=dict(app.router.policy_options), max_queued_images=app.router.max_queued_images,
         max_queued_videos=app.router.max_queued_videos, pipeline_depth=app.router.pipeline_depth,

@@ -5,7 +5,7 @@ Importing this package registers every policy, so `make_policy(name)` works afte
 """
 
 from stepserve.policies.base import PerWorker, PolicyError, Scheduler, WorkerPolicy
-from stepserve.policies.registry import make_policy, needs_costs, policy_names, register_policy
+from stepserve.policies.registry import make_policy, needs_costs, options_for, policy_names, register_policy
 from stepserve.policies.types import (
     ClusterSnapshot,
     Decision,
@@ -24,6 +24,7 @@ from stepserve.policies.types import (
 
 # Imported for their registration side effect.
 from stepserve.policies import continuous, dynamic_batching, latent_parallel, static_fcfs  # noqa: E402,F401  isort: skip
+from stepserve.policies.composed import policy as composed_policy  # noqa: E402,F401  isort: skip
 from stepserve.policies.genserve import policy as genserve_policy  # noqa: E402,F401  isort: skip
 from stepserve.policies.instgenie import placement as instgenie_placement  # noqa: E402,F401  isort: skip
 from stepserve.policies.patchedserve import scheduler as patchedserve_scheduler  # noqa: E402,F401  isort: skip
@@ -48,6 +49,7 @@ __all__ = [
     "WorkerView",
     "make_policy",
     "needs_costs",
+    "options_for",
     "policy_names",
     "register_policy",
 ]

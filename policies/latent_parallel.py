@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stepserve.policies.base import PerWorker, check_batch_cap, without
+from stepserve.policies.base import PerWorker, Scheduler, check_batch_cap, without
 from stepserve.policies.continuous import ContinuousBatching, ContinuousConfig
 from stepserve.policies.cost_model import BatchShape, CostModel
 from stepserve.policies.registry import register_policy
@@ -63,8 +63,13 @@ class LatentParallel:
         self._pays: dict[ShapeKey, bool] = {}
 
     def schedule(self, snapshot: ClusterSnapshot) -> Decision:
+        return self.around(snapshot, self.rest)
+
+    def around(self, snapshot: ClusterSnapshot, rest: Scheduler, keep_idle: int = 0) -> Decision:
+        """Splits and pairs as the module docstring says, `rest` deciding for everything else;
+        a split leaves at least `keep_idle` idle workers (the composed policy's headroom)."""
         if not snapshot.sp_available:  # the workers' world is down: nothing can split
-            return self.rest.schedule(snapshot)
+            return rest.schedule(snapshot)
         idle = list(snapshot.index.open_idle_ids)
         ready = [v for v in snapshot.queued if v.ready]
         pairs = [v for v in snapshot.running if len(v.workers) == 2 and not v.is_video]
@@ -86,7 +91,7 @@ class LatentParallel:
                 plans += self._split(snapshot, view, view.workers, admit=False)
         split: list[str] = []
         for i, view in enumerate(ready):
-            if len(idle) < 2 * (len(ready) - i):
+            if len(idle) - keep_idle < 2 * (len(ready) - i):
                 break
             if view.uses_cfg and not view.is_video and self._split_pays(view.shape_key):
                 pair, idle = tuple(idle[:2]), idle[2:]
@@ -94,9 +99,9 @@ class LatentParallel:
                 split.append(view.request_id)
                 plans += self._split(snapshot, view, pair, admit=True)
         if not spoken:
-            return self.rest.schedule(snapshot)
-        rest = self.rest.schedule(without(snapshot, spoken, split))
-        return Decision(tuple(plans) + rest.plans, rest.wake_at)
+            return rest.schedule(snapshot)
+        others = rest.schedule(without(snapshot, spoken, split))
+        return Decision(tuple(plans) + others.plans, others.wake_at, others.discard)
 
     def _split(self, snapshot: ClusterSnapshot, view: RequestView, pair: tuple[str, ...],
                admit: bool) -> list[WorkerPlan]:

@@ -86,6 +86,14 @@ def validate_policy(name: str, options: dict[str, Any] | None = None) -> Any:
         raise ValueError(f"policy {name!r}: invalid options: {exc}") from exc
 
 
+def options_for(name: str, options: dict[str, Any] | None) -> dict[str, Any]:
+    """The entries of another policy's `options` that the named policy takes (a config whose
+    policy is swapped for a benchmark keeps, say, the composed policy's spine options for
+    `genserve`, whose fields they are, and drops its own switches)."""
+    valid = {f.name for f in dataclasses.fields(_lookup(name)[1]) if f.init}
+    return {key: value for key, value in (options or {}).items() if key in valid}
+
+
 def needs_costs(name: str) -> bool:
     """Whether the named policy predicts step times from a cost model."""
     return bool(getattr(_lookup(name)[0], "needs_costs", False))

@@ -60,7 +60,9 @@ from stepserve.load_tests.sim.synerdiff import SynerDiffSim, WorkerSequencer
 from stepserve.load_tests.sim.worker import SimAdmission, SimWorker
 from stepserve.load_tests.workload import ScheduledRequest
 from stepserve.policies import make_policy, needs_costs
-from stepserve.policies.cost_model import BatchShape
+from stepserve.policies.cost_model import BatchShape, ProfiledCostModel
+from stepserve.policies.patchedserve.mixed_costs import packed
+from stepserve.policies.patchedserve.packed_profile import packing_fits
 from stepserve.policies.types import (ControlNetUse, LoraBatching, LoraUse, RequestKind, RequestSpec, RequestStatus,
                                       WorkerPlan)
 from stepserve.routing.core import AdmissionRef, CoreConfig, QueueFullError, RouterCore, WorkerSlot
@@ -96,6 +98,9 @@ class SimConfig:
     # decoders 0) beside its rounds, chunked, with skip-CFG, the sequence planner and the
     # controller as switched; None: a worker decodes what it finishes after its plan's last step.
     synerdiff: SynerDiffSim | None = None
+    # Models whose workers run a step's resolutions as one forward (`workers.pack_resolutions`,
+    # for the models whose family packs): their rounds are priced as the live router prices them.
+    packing: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -116,6 +121,7 @@ class SimConfig:
         out["policy_options"] = dict(self.policy_options)
         out["lora_batches"] = self.lora_batches.value
         out["synerdiff"] = None if self.synerdiff is None else self.synerdiff.describe()
+        out["packing"] = list(self.packing)
         return out
 
 
@@ -639,4 +645,7 @@ def _spec_of(request: ScheduledRequest, rid: str, slo_s: float | None) -> Reques
 
 def simulate(requests: Sequence[ScheduledRequest], cost: Any, config: SimConfig = SimConfig()) -> SimResult:
     """Run one simulation to the end (every request completed, rejected or stuck)."""
+    if config.packing:
+        fits = packing_fits(cost, cost) if isinstance(cost, ProfiledCostModel) else None
+        cost = packed(cost, config.packing, fits)
     return Simulation(requests, cost, config).run()

@@ -13,7 +13,7 @@ import math
 from stepserve.policies.cost_model import BatchShape
 from stepserve.policies.genserve.candidates import permitted_degrees, step_times
 from stepserve.policies.genserve.costs import StepCosts, memoized
-from stepserve.policies.genserve.scoring import ZERO, add, run_value, wait_value
+from stepserve.policies.genserve.scoring import RESERVE_WEIGHT, ZERO, add, run_value, wait_value
 from stepserve.policies.genserve.types import (
     GenServeConfig,
     PlanScore,
@@ -54,6 +54,8 @@ def score_plan(inp: RoundInput, config: GenServeConfig, costs: StepCosts, decisi
             total = add(total, run_value(image.deadline, now, run_s, best_s, round_s))
         else:
             total = add(total, wait_value(image.deadline, now, best_s, round_s))
+    idle = n - sum(v.degree for v in decision.videos) - len(decision.image_batches)
+    total = add(total, (0, RESERVE_WEIGHT * min(inp.reserve, idle), 0))
     return PlanScore(*total)
 
 

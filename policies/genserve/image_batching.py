@@ -10,6 +10,9 @@ every worker budget g = 0..N from one pass.
 
 Images that cannot meet their deadline even alone go to the back of the order: under plain EDF
 a late request would sit at the head and make the ones behind it late too.
+
+`reserve` workers beyond the batches are worth RESERVE_WEIGHT each (scoring.py): kept free for
+images expected to arrive, which would otherwise wait a video step for a worker.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from stepserve.policies.genserve.costs import StepCosts, memoized
-from stepserve.policies.genserve.scoring import Value, add, micros, slack_weight, wait_value
+from stepserve.policies.genserve.scoring import RESERVE_WEIGHT, Value, add, micros, slack_weight, wait_value
 from stepserve.policies.genserve.types import GenServeConfig, ImageRequest
 from stepserve.policies.types import ShapeKey
 
@@ -55,7 +58,7 @@ class ImagePlan:
 
 
 def edf_batches(images: Iterable[ImageRequest], now: float, config: GenServeConfig, costs: StepCosts,
-                n_workers: int) -> ImagePlan:
+                n_workers: int, reserve: int = 0) -> ImagePlan:
     # Hot path (every round, every image): shape keys become plain tuples and step costs are
     # looked up by StepKey, so no frozen dataclass is built or hashed per image.
     step_cost = memoized(costs).step_seconds_of
@@ -78,35 +81,51 @@ def edf_batches(images: Iterable[ImageRequest], now: float, config: GenServeConf
         entries.append((hopeless, image.deadline, image.arrival_time, image.request_id, image, kt, solo))
     entries.sort()
 
-    # An open batch: [kt, members, rows, step_s, allowance]. `allowance` is the largest step
-    # time that keeps every on-time member on time, so a join is checked in O(1).
+    # An open batch: [kt, members, rows, step_s, allowance, closed]. `allowance` is the largest
+    # step time that keeps every on-time member on time, so a join is checked in O(1). `closed`:
+    # the fewest rows a join was refused for by the allowance; rows only grow and the allowance
+    # only shrinks, so an image of as many rows is refused again and is not priced (on a large
+    # pool most open batches are closed to most images). A full batch leaves the open list.
+    # `home`: with `sticky_images`, the worker its resident members live on (None while it has
+    # none): a resident joins only a batch of its own worker, so no batch moves a resident.
     open_by_key: dict[tuple[str, int, int, int], list[list]] = {}
     created: list[list] = []
     max_batch = config.image_max_batch
+    sticky = config.sticky_images
     for hopeless, deadline, _, _, image, kt, solo in entries:
         mine = (deadline - now) / image.steps_left
-        for batch in open_by_key.get(kt, ()):
-            members = batch[1]
-            if len(members) >= max_batch:
+        rows = image.rows
+        here = image.worker_id if sticky else None
+        opened = open_by_key.get(kt, ())
+        for batch in opened:
+            if rows >= batch[5] or (here is not None and batch[6] not in (None, here)):
                 continue
-            t = step_of(kt, batch[2] + image.rows)
+            members = batch[1]
+            t = step_of(kt, batch[2] + rows)
             # Joining must not make an on-time member late, nor this image, unless it is late
             # even alone (then a batch slot costs nobody anything).
-            if t <= batch[4] and (hopeless or t <= mine):
+            if t > batch[4]:
+                batch[5] = rows
+            elif hopeless or t <= mine:
                 members.append((image, solo))
-                batch[2] += image.rows
+                batch[2] += rows
                 batch[3] = t
                 if not hopeless and mine < batch[4]:
                     batch[4] = mine
+                if here is not None:
+                    batch[6] = here
+                if len(members) >= max_batch:
+                    opened.remove(batch)
                 break
         else:
-            batch = [kt, [(image, solo)], image.rows, solo, math.inf if hopeless else mine]
-            open_by_key.setdefault(kt, []).append(batch)
+            batch = [kt, [(image, solo)], rows, solo, math.inf if hopeless else mine, math.inf, here]
+            if max_batch > 1:
+                open_by_key.setdefault(kt, []).append(batch)
             created.append(batch)
 
     round_s = config.round_s
     planned: list[PlannedBatch] = []
-    for _, members, rows, step_s, _ in created:
+    for _, members, rows, step_s, _, _, _ in created:
         # run_value and wait_value written out (with the weight shared between them): this is
         # the per-image inner loop of every round. score_plan recomputes the same numbers
         # through the scoring functions, and the tests hold the two equal.
@@ -144,6 +163,9 @@ def edf_batches(images: Iterable[ImageRequest], now: float, config: GenServeConf
         tm += b.placed_value[0] - b.waiting_value[0]
         tu += b.placed_value[1]
         tr += b.placed_value[2] - b.waiting_value[2]
+        prefix.append((tm, tu, tr))
+    for _ in range(min(reserve, n_workers + 1 - len(prefix))):
+        tu += RESERVE_WEIGHT
         prefix.append((tm, tu, tr))
     prefix.extend([prefix[-1]] * (n_workers + 1 - len(prefix)))
     return ImagePlan(tuple(planned), tuple(prefix), tuple(unbatchable))

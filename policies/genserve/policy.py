@@ -23,6 +23,9 @@ current one ends, to hide the round trip) takes only continuations: the next ste
 it holds, or of the images resident on it. Starts, moves, pauses and admissions wait until it
 is free, so they are decided on the state at its boundary: a structural change decided a step
 early is a step stale (measured: video SLO attainment fell from 61% to 29% with a 50 ms lead).
+With `admit_busy` (the composed policy's) a busy worker's plan also admits waiting images into
+the room its batch has: an admission moves nobody, and without it a pipelining router's worker
+is only ever free once its batch has drained.
 """
 
 from __future__ import annotations
@@ -78,6 +81,11 @@ class GenServePolicy:
         self._inputs: dict[str, tuple[RequestView, str | None, ImageRequest | VideoJob]] = {}
 
     def schedule(self, snapshot: ClusterSnapshot) -> Decision:
+        return self.decide(snapshot)
+
+    def decide(self, snapshot: ClusterSnapshot, reserve: int = 0) -> Decision:
+        """One round; `reserve` workers are worth keeping free for images expected to arrive
+        (`RoundInput.reserve`: the composed policy's headroom)."""
         self._calibrate(snapshot.step_overhead_s)
         if not snapshot.sp_available:
             stranded = [v for v in snapshot.running if len(v.workers) > 1]
@@ -86,11 +94,13 @@ class GenServePolicy:
         inp = round_input(snapshot, self._inputs)
         if not (inp.images or inp.videos) or not inp.workers:
             return Decision()
+        if reserve:
+            inp = replace(inp, reserve=reserve)
         config = self.config if snapshot.sp_available else _without_sp(self.config)
         decision = decide_round(inp, config, self.costs)
         self.decisions += 1
         self.last_decision = decision
-        return Decision(plans_for(decision, snapshot))
+        return Decision(plans_for(decision, snapshot, self.config.admit_busy))
 
     def _calibrate(self, overhead: tuple) -> None:
         # A new memo only when the router's measured overheads change (rarely: it re-publishes
@@ -190,7 +200,9 @@ class _Plans:
         )
 
 
-def plans_for(decision: RoundDecision, snapshot: ClusterSnapshot) -> tuple[WorkerPlan, ...]:
+def plans_for(decision: RoundDecision, snapshot: ClusterSnapshot, admit_busy: bool = False) -> tuple[WorkerPlan, ...]:
+    """`admit_busy` (GenServeConfig.admit_busy): a busy worker's pipelined plan also admits waiting
+    images into its batch, up to the room it has (no export, no move)."""
     views = {v.request_id: v for v in snapshot.queued + snapshot.running}
     workers = {w.worker_id: w for w in snapshot.workers}
     plans = _Plans(snapshot)
@@ -240,14 +252,17 @@ def plans_for(decision: RoundDecision, snapshot: ClusterSnapshot) -> tuple[Worke
             view = views[rid]
             if view.worker_id == w:
                 stepping.append(rid)
-            elif not free:
+            elif not free and not (admit_busy and view.status is RequestStatus.QUEUED):
                 continue  # joins at the worker's boundary
             elif view.status is not RequestStatus.RUNNING:
                 admit.append(rid)
                 stepping.append(rid)
             elif view.worker_id is not None and all_free((view.worker_id,)):
                 plans.leave(view)  # moves here in a later round
-        room = max(0, _make_room(plans, snapshot, views, w, keep=tuple(stepping), need=len(admit))) if admit else 0
+        if admit and not free:  # a pipelined plan only fills the room there is
+            room = workers[w].max_batch_size - len(workers[w].running)
+        else:
+            room = max(0, _make_room(plans, snapshot, views, w, keep=tuple(stepping), need=len(admit))) if admit else 0
         if len(admit) > room:  # the rest wait for a later round
             dropped = set(admit[room:])
             admit = admit[:room]

@@ -23,7 +23,7 @@ from stepserve.policies.genserve.greedy import greedy_allocation
 from stepserve.policies.genserve.image_batching import edf_batches
 from stepserve.policies.genserve.knapsack import solve_knapsack
 from stepserve.policies.genserve.materialize import materialize
-from stepserve.policies.genserve.scoring import add
+from stepserve.policies.genserve.scoring import RESERVE_WEIGHT, add
 from stepserve.policies.genserve.types import (
     GenServeConfig,
     ImageBatch,
@@ -44,7 +44,7 @@ def decide_round(inp: RoundInput, config: GenServeConfig, costs: StepCosts) -> R
     now = inp.now
     videos = sorted(inp.videos, key=lambda v: (v.arrival_time, v.job_id))
     options = [video_options(v, now, config, costs, n) for v in videos]
-    images = edf_batches(inp.images, now, config, costs, n)
+    images = edf_batches(inp.images, now, config, costs, n, inp.reserve)
 
     if config.dp:
         solution = solve_knapsack(options, images, n)
@@ -57,6 +57,8 @@ def decide_round(inp: RoundInput, config: GenServeConfig, costs: StepCosts) -> R
         value = images.value_of(placed)
         for option, degree in zip(options, degrees):
             value = add(value, option.candidate(degree).value)  # type: ignore[union-attr]
+        idle = n - sum(degrees) - len(placed)  # the greedy allocator ignores the reserve; the score counts it
+        value = add(value, (0, RESERVE_WEIGHT * min(inp.reserve, idle), 0))
 
     placement = materialize(inp.workers, options, degrees, images.batches, placed, inp.busy)
 

@@ -18,8 +18,12 @@ f(c), and compares plans lexicographically (Algorithm 1, line 13). Ours, per req
    downgrade the most relaxed video when they are scarce, §4.3).
 
 A request that can no longer make its deadline gets the smallest weight: it is served, but
-only with what nobody else can use. All terms are integers (micro-units), so plan scores add
-up the same in any order and ties break deterministically.
+only with what nobody else can use. A worker kept free for an image expected to arrive (the
+composed policy's headroom: `RoundInput.reserve`) weighs less still, RESERVE_WEIGHT in the
+urgency term: it beats only shortening work (an SP upgrade), never serving or keeping a request.
+
+All terms are integers (micro-units), so plan scores add up the same in any order and ties break
+deterministically.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ import math
 
 SCALE = 1_000_000  # weights and seconds are counted in millionths
 MAX_SECONDS = 1e9  # caps "never" (an unrunnable shape) so it still fits an integer score
-LATE_WEIGHT = 1
+LATE_WEIGHT = 2
+RESERVE_WEIGHT = 1  # below any request's weight: see the docstring
 
 Value = tuple[int, int, int]
 ZERO: Value = (0, 0, 0)

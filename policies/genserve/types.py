@@ -109,6 +109,15 @@ class GenServeConfig:
     # still meet its deadline. None: the fastest allowed degree that fits the cluster (the
     # paper's optimistic "recoverable"); a smaller value resumes videos earlier.
     resume_degree: int | None = None
+    # Off (as published): images are batched by deadline across the pool, and a batch's members
+    # resident elsewhere move to it. On: a resident image is batched only with its own worker's
+    # (waiting images go anywhere), so no image moves to form a batch (the composed policy's).
+    sticky_images: bool = False
+    # Off (as published): a worker inside a step (its next plan pipelined behind the current one)
+    # only continues; admissions wait for its boundary, which under a pipelining router only
+    # comes once its batch has drained. On: its next plan also admits waiting images into the
+    # room its batch has (the composed policy's; moves and pauses still wait).
+    admit_busy: bool = False
 
     def __post_init__(self) -> None:
         degrees = self.sp_degrees
@@ -142,9 +151,14 @@ class RoundInput:
     # free workers first, so a free worker is not left idle while an urgent image waits for a
     # busy one (materialize.py).
     busy: frozenset[str] = frozenset()
+    # Workers worth keeping free for images expected before the next boundaries (the composed
+    # policy's headroom; GenServe itself keeps none): each is scored as RESERVE_WEIGHT.
+    reserve: int = 0
 
     def __post_init__(self) -> None:
         _real("RoundInput", "now", self.now, allow_inf=False)
+        if isinstance(self.reserve, bool) or not isinstance(self.reserve, int) or self.reserve < 0:
+            raise ValueError(f"RoundInput.reserve must be an int >= 0, got {self.reserve!r}")
         if len(set(self.workers)) != len(self.workers):
             raise ValueError(f"repeated worker id in {self.workers}")
         known = set(self.workers)

@@ -111,3 +111,20 @@ class Harness:
 
     def status(self, rid: str):
         return self.core.state(rid).status
+
+    def drive(self, arrivals: list[tuple[int, RequestSpec]], cancels: dict[int, str], runs: Callable[[str], bool],
+              check: Callable[[Any], None], ticks: int = 3000) -> None:
+        """A random run: each tick submits the `arrivals` ((tick, spec)) and `cancels` ({tick: id})
+        due then, and runs a round in which a worker runs its plan when `runs` says so (plans stay
+        in flight across arrivals: cuts happen); `check` sees the snapshot after every round. Ends
+        once every request is terminal (after tick 40)."""
+        for tick in range(ticks):
+            for t, s in arrivals:
+                if t == tick:
+                    self.submit(s)
+            if tick in cancels:
+                self.core.cancel(cancels[tick], self.now)
+            self.round(runs)
+            check(self.core.snapshot(self.now))
+            if tick > 40 and all(self.core.state(s.request_id).status.is_terminal for _, s in arrivals):
+                return

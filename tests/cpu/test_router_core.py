@@ -513,21 +513,14 @@ def test_random_runs_keep_invariants(policy, seed):
                 max_plan_s=rng.choice([0.0, 0.05]))
     arrivals = _random_arrivals(rng, rng.randint(5, 25), frames=(1, 1, 5))
     cancels = {rng.randint(0, 40): a[1].request_id for a in rng.sample(arrivals, len(arrivals) // 5)}
-    for tick in range(3000):
-        for t, s in arrivals:
-            if t == tick:
-                h.submit(s)
-        if tick in cancels:
-            h.core.cancel(cancels[tick], h.now)
-        h.round(lambda worker_id: rng.random() < 0.6)  # plans stay in flight across arrivals: cuts happen
-        # No request in two places; the snapshot agrees with the workers.
-        snapshot = h.core.snapshot(h.now)
+
+    def check(snapshot):  # no request in two places; the snapshot agrees with the workers
         seen = [rid for w in snapshot.workers for rid in w.running]
         assert len(seen) == len(set(seen))
         for w in snapshot.workers:
             assert len(w.running) <= w.max_batch_size
-        if tick > 40 and all(h.core.state(s.request_id).status.is_terminal for _, s in arrivals):
-            break
+
+    h.drive(arrivals, cancels, lambda worker_id: rng.random() < 0.6, check)
     for _, s in arrivals:
         state = h.core.state(s.request_id)
         assert state.status in (S.FINISHED, S.CANCELLED)

@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # One GPU check of stepserve on a bare lent machine (no network; Python 3.12 with torch, triton,
 # transformers already there), run from the repository root with the wheels of what the image
-# lacks carried in .whl/ (diffusers, pydantic and its parts; no Ray):
+# lacks carried in .whl/ (diffusers, pydantic and its parts; no Ray), fetched here with
+#   python -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_17_x86_64 -d .whl diffusers==0.42.1 pydantic==2.13.4 pydantic-core==2.46.4 \
+#       annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0
+# (.whl/ is not committed: list it in .git/info/exclude) and carried with the run:
 #
 #   bash tests/gpu/device_check.sh          (results under $OUT, at most 8 files)
 #

@@ -112,3 +112,22 @@ def test_chunked_decodes_run_on_the_workers():
     config = AppConfig.model_validate({"models": [{"name": "a", "preset": "tiny"}],
                                        "vae_decoder": {"on_workers": True, "chunks": 3}})
     assert config.pool_spec().decode_chunks == 3
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_profiles_cover_every_served_model(name, monkeypatch):
+    """A policy that predicts step times prices every model it serves (configs/cluster.yaml's
+    composed policy from the measured H200 profile)."""
+    from stepserve.policies.cost_model import load_profile
+
+    monkeypatch.setenv("STEPSERVE_API_KEYS", "sk-test")
+    (app,) = load_serve_config(CONFIGS / name)["applications"]
+    config = AppConfig.model_validate(app["args"])
+    if config.router.profiles:
+        assert {m.name for m in config.models} <= set(load_profile(*config.router.profiles).models)
+
+
+def test_the_cluster_runs_the_composed_policy(monkeypatch):
+    monkeypatch.setenv("STEPSERVE_API_KEYS", "sk-test")
+    (app,) = load_serve_config(CONFIGS / "cluster.yaml")["applications"]
+    assert AppConfig.model_validate(app["args"]).router.policy == "composed"

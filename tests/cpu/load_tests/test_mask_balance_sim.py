@@ -31,7 +31,8 @@ def test_a_tiny_run_writes_its_results(tmp_path, capsys):
                  "--ratios", "0.2"]) == 0
     report = json.loads((tmp_path / "mask_balance.json").read_text())
     (run,) = report["placement"]
-    assert set(run["policies"]) == {"continuous (JSQ by requests)", "mask_aware", "mask_aware, one-step cost"}
+    assert set(run["policies"]) == {"continuous (JSQ by requests)", "mask_aware", "mask_aware, one-step cost",
+                                    "composed"}
     assert all(p["p95_s"] >= p["p50_s"] > 2.0 for p in run["policies"].values())
     assert len(report["loading"]) == 4  # two models x two bandwidths x one ratio
     for row in report["loading"]:

@@ -162,8 +162,11 @@ def test_the_live_router_predicts_with_the_comparisons_profile(tmp_path):
 
 
 def test_the_simulator_gets_the_live_routers_policy_options_and_deadlines():
-    options, slos = svl.served_policy(load_serve_config(LOCAL_VIDEO), "genserve")
-    assert options == {"sp_degrees": (1, 2), "image_max_batch": 8}
+    options, slos = svl.served_policy(load_serve_config(LOCAL_VIDEO), "composed")
+    assert options == {"sp_degrees": (1, 2), "refuse_unattainable": False, "image_max_batch": 8}
+    # Swapped for a baseline, the config keeps the options that policy takes: the spine's.
+    assert svl.served_policy(load_serve_config(LOCAL_VIDEO), "genserve")[0] == {"sp_degrees": (1, 2),
+                                                                              "image_max_batch": 8}
     assert slos == {"tiny-sd": 2.0, "tiny-wan": 600.0}
     assert svl.served_policy(load_serve_config(LOCAL), "continuous") == ({}, {"tiny-sd": None})
     with pytest.raises(ValueError, match="profiles"):
@@ -182,13 +185,13 @@ def test_the_simulated_twin_of_the_video_workload_runs_and_compares():
     cost = load_profile("tiny-sd-cpu", "tiny-wan-cpu")
     spec = replace(load_workload("local-video-tiny"), duration_s=20)
     requests = generate(spec, cost)
-    options, slos = svl.served_policy(load_serve_config(LOCAL_VIDEO), "genserve")
-    config = replace(SimConfig(**{**sim_config_from_serve(LOCAL_VIDEO), "host_cpus": 2}), policy="genserve",
+    options, slos = svl.served_policy(load_serve_config(LOCAL_VIDEO), "composed")
+    config = replace(SimConfig(**{**sim_config_from_serve(LOCAL_VIDEO), "host_cpus": 2}), policy="composed",
                      policy_options=options)
     result = simulate(svl.as_served(requests, slos), cost, config)
     records = svl.with_workload_slos(result.records(), requests)
     assert [r.slo_s for r in records] == [r.slo_s for r in requests]
-    c = svl.make_comparison("genserve", spec.mean_rate, requests, records, records, result.busy_s, {})
+    c = svl.make_comparison("composed", spec.mean_rate, requests, records, records, result.busy_s, {})
     assert set(c.kinds) == {"image", "video"} and all(live.ok == live.count for live, _ in c.kinds.values())
     assert c.kinds["video"][0].count == sum(r.is_video for r in requests) > 0
     assert c.agrees(0.0, min_requests=1)

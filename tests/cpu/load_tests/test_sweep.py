@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from dataclasses import replace
 
 import yaml
 
@@ -62,3 +63,30 @@ def test_the_cluster_comes_from_a_serve_config_and_explicit_flags_win(tmp_path):
     config = config_from_args(args)
     assert config.pipeline_lead_s == math.inf and config.pipeline_depth == 3
     assert (config.max_queued_images, config.max_queued_videos) == (9, 3)
+
+
+def test_workers_that_pack_resolutions_are_simulated_packing(tmp_path):
+    """`workers.pack_resolutions` reaches the simulation: the packing models' rounds are priced as
+    one forward, as the live router prices them (on this CPU profile packing is the slower way:
+    what matters here is that it is the way simulated)."""
+    from stepserve.load_tests.sim import SimConfig, simulate
+    from stepserve.load_tests.workload import generate, load_workload
+    from stepserve.policies.cost_model import load_profile
+
+    serve = load_serve_config(tiny_config_path())
+    app_args = serve["applications"][0]["args"]
+    app_args["workers"] = {**app_args["workers"], "pack_resolutions": True}
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(serve))
+    fields = sim_config_from_serve(path)
+    assert fields["packing"] == tuple(m["name"] for m in app_args["models"])
+    assert sim_config_from_serve(tiny_config_path())["packing"] == ()
+
+    cost = load_profile("tiny-sd-cpu")
+    spec = load_workload("local-tiny")
+    model = spec.classes[0].model
+    requests = [replace(r, width=size, height=size) for r, size in zip(generate(spec.with_rate(8.0), cost)[:24],
+                                                                        [64, 96, 128] * 8)]
+    plain = simulate(requests, cost, SimConfig(workers=1, decoders=1))
+    packing = simulate(requests, cost, SimConfig(workers=1, decoders=1, packing=(model,)))
+    assert packing.forwards < plain.forwards and packing.end_s != plain.end_s

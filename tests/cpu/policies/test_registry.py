@@ -180,3 +180,14 @@ def test_package_reexports_the_contract():
                  "RequestSpec", "RequestStatus", "RequestKind", "ShapeKey", "PolicyError", "Scheduler",
                  "WorkerPolicy", "PerWorker", "make_policy", "needs_costs", "policy_names"]:
         assert hasattr(policies, name), name
+
+
+def test_options_for_keeps_what_the_other_policy_takes():
+    from stepserve.policies import options_for
+
+    composed = {"sp_degrees": [1, 2], "refuse_unattainable": False, "headroom_quantile": 0.5}
+    assert options_for("genserve", composed) == {"sp_degrees": [1, 2]}
+    assert options_for("continuous", composed) == {}
+    assert options_for("composed", composed) == composed
+    with pytest.raises(ValueError, match="unknown policy"):
+        options_for("nope", composed)

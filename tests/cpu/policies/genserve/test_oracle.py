@@ -103,6 +103,21 @@ def test_dp_matches_brute_force(switches):
         assert decision.score.key == oracle(inp, config_k, costs), inp
 
 
+@pytest.mark.parametrize("reserve", [1, 2, 4])
+def test_dp_matches_brute_force_with_workers_reserved_for_expected_images(reserve):
+    """A reserved worker (the composed policy's headroom) is worth RESERVE_WEIGHT when left idle:
+    the DP must still find the best plan, and it never runs fewer requests to keep one."""
+    config = GenServeConfig(sp_degrees=(1, 2, 4))
+    costs = MemoizedCosts(FakeCosts())
+    for inp in small_rounds(120, 13 + reserve, config):
+        inp = dataclasses.replace(inp, reserve=reserve)
+        decision = decide_round(inp, config, costs)
+        assert decision.score.key == oracle(inp, config, costs), inp
+        plain = decide_round(dataclasses.replace(inp, reserve=0), config, costs)
+        assert decision.score.met == plain.score.met
+        assert len(decision.stepping_images) >= len(plain.stepping_images)
+
+
 def test_dp_matches_brute_force_with_sublinear_and_unsupported_degrees():
     # Degree 4 is no faster than 2 for "flat", degree 2 is impossible for "odd", and each
     # degree is only a little faster for "slight".
@@ -147,7 +162,8 @@ def random_rounds(count, seed, config, n_workers=8):
 @pytest.mark.parametrize("config", ALL_CONFIGS, ids=lambda c: f"dp={c.dp},pre={c.preemption},el={c.elastic_sp}")
 def test_decisions_are_valid_and_scored_honestly(config):
     costs = MemoizedCosts(FakeCosts())
-    for inp in random_rounds(40, 5, config):
+    for k, inp in enumerate(random_rounds(40, 5, config)):
+        inp = dataclasses.replace(inp, reserve=k % 3)
         decision = decide_round(inp, config, costs)
         check_decision(inp, config, decision)
         assert decision.score == score_plan(inp, config, costs, decision)

@@ -479,3 +479,31 @@ def test_random_rounds_give_executable_plans(seed):
         assert all(not g.ranks for p in decision.plans for g in p.groups)
     if policy.last_decision is not None:
         assert plans_for(policy.last_decision, snapshot) == decision.plans
+
+
+# -- the composed policy's switches of the spine -------------------------------------------------
+
+
+def test_sticky_images_batch_residents_where_they_live():
+    """Two workers each hold one image of the same shape: GenServe as published batches them
+    together (one is exported to move), with sticky_images each steps where it is."""
+    snapshot = snap({"w0": slot(4, [img("a", deadline=60.0)]), "w1": slot(4, [img("b", deadline=60.0)])})
+    _, moving = schedule(snapshot)
+    assert any(p.export for p in moving.plans)
+    _, sticky = schedule(snapshot, GenServeConfig(sticky_images=True))
+    assert {p.worker_id: (p.groups, p.export) for p in sticky.plans} == {
+        "w0": (steps(("a",)), ()), "w1": (steps(("b",)), ())}
+
+
+def test_admit_busy_fills_a_busy_workers_room_without_moving_anyone():
+    """A worker inside a step, with room, and a waiting image: as published it only continues
+    (the image waits for its boundary); with admit_busy its next plan admits the image."""
+    snapshot = snap({"w0": slot(2, [img("a", deadline=60.0)], busy=True)}, [img("new", deadline=60.0)])
+    policy = GenServePolicy(GenServeConfig(), FakeCosts())
+    assert policy.schedule(snapshot).plans == (WorkerPlan("w0", groups=steps(("a",))),)
+    policy = GenServePolicy(GenServeConfig(admit_busy=True), FakeCosts())
+    decision = policy.schedule(snapshot)
+    assert_executable(snapshot, decision)
+    assert decision.plans == (WorkerPlan("w0", admit=("new",), groups=steps(("a", "new"))),)
+    full = snap({"w0": slot(1, [img("a", deadline=60.0)], busy=True)}, [img("new", deadline=60.0)])
+    assert policy.schedule(full).plans == (WorkerPlan("w0", groups=steps(("a",))),)  # no room: no export either
