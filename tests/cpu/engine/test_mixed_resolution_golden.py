@@ -1,7 +1,7 @@
 """Golden: SD3 requests of different resolutions stepped in one group (one packed forward a
 step, `SD3Family.denoise_mixed`) through the step runner, joining at different steps, each equal
-the plain `StableDiffusion3Pipeline` run alone with the same seed. (A family without
-`mixed_resolutions` refuses such a group: test_pack_resolutions.py.)"""
+the plain `StableDiffusion3Pipeline` run alone with the same seed. (A family without the packed
+forward mode, `ModeName.PACKED`, refuses such a group: test_pack_resolutions.py.)"""
 
 from dataclasses import replace
 
