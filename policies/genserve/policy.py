@@ -91,11 +91,9 @@ class GenServePolicy:
             stranded = [v for v in snapshot.running if len(v.workers) > 1]
             if stranded:
                 return Decision(_leave_sp_groups(snapshot, stranded))
-        inp = round_input(snapshot, self._inputs)
+        inp = round_input(snapshot, self._inputs, reserve)
         if not (inp.images or inp.videos) or not inp.workers:
             return Decision()
-        if reserve:
-            inp = replace(inp, reserve=reserve)
         config = self.config if snapshot.sp_available else _without_sp(self.config)
         decision = decide_round(inp, config, self.costs)
         self.decisions += 1
@@ -128,7 +126,8 @@ def _leave_sp_groups(snapshot: ClusterSnapshot, stranded: list[RequestView]) -> 
 
 
 def round_input(snapshot: ClusterSnapshot,
-                memo: dict[str, tuple[RequestView, str | None, ImageRequest | VideoJob]] | None = None) -> RoundInput:
+                memo: dict[str, tuple[RequestView, str | None, ImageRequest | VideoJob]] | None = None,
+                reserve: int = 0) -> RoundInput:
     """The solver's view of the snapshot. A worker whose queued work includes a video's VAE
     decode is left out of the round: the decode takes seconds, not a step, and is not the
     scheduler's to move, so counting it would let the plan hand it work that then waits.
@@ -162,7 +161,7 @@ def round_input(snapshot: ClusterSnapshot,
         (videos if view.is_video else images).append(item)
     for rid in [r for r in memo if r not in seen]:
         del memo[rid]
-    return RoundInput(snapshot.now, pool, tuple(images), tuple(videos), busy)
+    return RoundInput(snapshot.now, pool, tuple(images), tuple(videos), busy, reserve)
 
 
 class _Plans:
