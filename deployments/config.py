@@ -19,7 +19,7 @@ from stepserve.engine.editing.masked_sd3 import CacheKind
 from stepserve.engine.families import FAMILIES, ModelSource, family_class
 from stepserve.engine.forward_modes.base import ModeName
 from stepserve.engine.patch_cache.calibration import PatchCacheSpec
-from stepserve.policies import needs_costs
+from stepserve.policies import needs_costs, options_for_workers
 from stepserve.policies.addon_costs import ControlNetPlacement
 from stepserve.policies.registry import validate_policy
 from stepserve.policies.synerdiff.skip_cfg import SkipCfgCurve
@@ -681,11 +681,10 @@ class AppConfig(_Strict):
     def policy_options(self) -> dict[str, Any]:
         """The policy's options as the router builds it (GenServe, and the composed policy's
         spine, batch up to the workers' cap)."""
-        options = dict(self.router.policy_options)
-        if self.router.policy in ("genserve", "composed"):
-            options.setdefault("image_max_batch", self.workers.max_batch_size)
-            if "sp_degrees" in options:
-                options["sp_degrees"] = tuple(options["sp_degrees"])
+        options = options_for_workers(self.router.policy, self.router.policy_options, self.workers.max_batch_size,
+                                      self.workers.pack_resolutions)
+        if "sp_degrees" in options:
+            options["sp_degrees"] = tuple(options["sp_degrees"])
         return options
 
     def model(self, name: str | None) -> ModelConfig | None:

@@ -64,7 +64,8 @@ ROWS = (  # label, policy, options, workers pack resolutions into one forward
     ("continuous, packed", "continuous", {}, True),
     ("patchedserve", "patchedserve", {}, False),
     ("patchedserve, packed", "patchedserve", {}, True),
-    ("composed", "composed", {}, False),  # its spine batches one resolution a worker: packing is moot
+    ("composed", "composed", {}, False),
+    ("composed, packed", "composed", {"pack_resolutions": True}, True),
 )
 
 

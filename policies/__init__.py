@@ -5,7 +5,14 @@ Importing this package registers every policy, so `make_policy(name)` works afte
 """
 
 from stepserve.policies.base import PerWorker, PolicyError, Scheduler, WorkerPolicy
-from stepserve.policies.registry import make_policy, needs_costs, options_for, policy_names, register_policy
+from stepserve.policies.registry import (
+    make_policy,
+    needs_costs,
+    options_for,
+    options_for_workers,
+    policy_names,
+    register_policy,
+)
 from stepserve.policies.types import (
     ClusterSnapshot,
     Decision,
@@ -50,6 +57,7 @@ __all__ = [
     "make_policy",
     "needs_costs",
     "options_for",
+    "options_for_workers",
     "policy_names",
     "register_policy",
 ]

@@ -94,6 +94,22 @@ def options_for(name: str, options: dict[str, Any] | None) -> dict[str, Any]:
     return {key: value for key, value in (options or {}).items() if key in valid}
 
 
+def options_for_workers(name: str, options: dict[str, Any] | None, max_batch_size: int,
+                        pack_resolutions: bool = False) -> dict[str, Any]:
+    """`options` as the router builds the named policy over workers that batch up to
+    `max_batch_size` requests and, with `pack_resolutions`, run several resolutions in one
+    forward: a policy that forms image batches itself forms them up to that cap, and packs
+    them where the workers do, unless told otherwise. The served app and the simulator both
+    build their policy from this, so a simulated run batches as the served one does."""
+    options = dict(options or {})
+    fields = {f.name for f in dataclasses.fields(_lookup(name)[1]) if f.init}
+    if "image_max_batch" in fields:
+        options.setdefault("image_max_batch", max_batch_size)
+    if "pack_resolutions" in fields:
+        options.setdefault("pack_resolutions", pack_resolutions)
+    return options
+
+
 def needs_costs(name: str) -> bool:
     """Whether the named policy predicts step times from a cost model."""
     return bool(getattr(_lookup(name)[0], "needs_costs", False))

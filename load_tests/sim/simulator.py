@@ -59,7 +59,7 @@ from stepserve.load_tests.sim.services import DecoderService, TextCache, TextEnc
 from stepserve.load_tests.sim.synerdiff import SynerDiffSim, WorkerSequencer
 from stepserve.load_tests.sim.worker import SimAdmission, SimWorker
 from stepserve.load_tests.workload import ScheduledRequest
-from stepserve.policies import make_policy, needs_costs
+from stepserve.policies import make_policy, needs_costs, options_for_workers
 from stepserve.policies.cost_model import BatchShape, ProfiledCostModel
 from stepserve.policies.patchedserve.mixed_costs import packed
 from stepserve.policies.patchedserve.packed_profile import packing_fits
@@ -280,7 +280,8 @@ class Simulation:
         on_host = self.host is not None and hasattr(cost, "router_cpu_seconds")
         self._router_cpu_s = cost.router_cpu_seconds() if on_host else 0.0
         self._run_work = self._delay if self.host is None else self.host.run
-        policy = make_policy(config.policy, dict(config.policy_options), cost if needs_costs(config.policy) else None)
+        options = options_for_workers(config.policy, config.policy_options, config.max_batch_size, bool(config.packing))
+        policy = make_policy(config.policy, options, cost if needs_costs(config.policy) else None)
         worker_ids = [f"w{i}" for i in range(config.workers)]
         core_config = CoreConfig(
             pipeline_depth=config.pipeline_depth, pipeline_lead_s=config.pipeline_lead_s,

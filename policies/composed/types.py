@@ -26,6 +26,12 @@ class ComposedConfig:
     # A worker inside a step admits waiting images into its batch's room at its next plan
     # (GenServeConfig.admit_busy), as continuous batching does under the router's pipelining.
     admit_busy: bool = True
+    # PatchedServe's packed forward: images of one model and several resolutions share a batch
+    # (GenServeConfig.pack_resolutions). Unset in a serve config, it is workers.pack_resolutions
+    # (`policies.options_for_workers`): the policy packs where the workers do.
+    pack_resolutions: bool = False
+    # Waiting images take empty workers before they join batches (GenServeConfig.spread_images).
+    spread_images: bool = True
     # Headroom (headroom.py): keep this quantile of the images expected within a video step's
     # time free of SP upgrades; 0 switches it off (GenServe as published).
     headroom_quantile: float = 0.99
@@ -49,8 +55,8 @@ class ComposedConfig:
             raise ValueError(f"headroom_window_s must be a positive number, got {self.headroom_window_s!r}")
         if not 0.0 <= self.cfg_min_gain < 1.0:
             raise ValueError(f"cfg_min_gain must be in [0, 1), got {self.cfg_min_gain!r}")
-        for name in ("preemption", "dp", "elastic_sp", "sticky_images", "admit_busy", "cfg_parallel",
-                     "refuse_unattainable"):
+        for name in ("preemption", "dp", "elastic_sp", "sticky_images", "admit_busy", "pack_resolutions",
+                     "spread_images", "cfg_parallel", "refuse_unattainable"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
 
@@ -58,4 +64,5 @@ class ComposedConfig:
         return GenServeConfig(sp_degrees=self.sp_degrees, image_max_batch=self.image_max_batch,
                               round_s=self.round_s, preemption=self.preemption, dp=self.dp,
                               elastic_sp=self.elastic_sp, sticky_images=self.sticky_images,
-                              admit_busy=self.admit_busy)
+                              admit_busy=self.admit_busy, pack_resolutions=self.pack_resolutions,
+                              spread_images=self.spread_images)

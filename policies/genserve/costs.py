@@ -9,7 +9,7 @@ answer it with a small analytic fake.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 from stepserve.policies.cost_model import BatchShape
@@ -43,6 +43,23 @@ class MemoizedCosts:
         self._costs = costs
         self._steps: dict[StepKey, float] = {}
         self._tables: dict[tuple[str, int, int, int, int, tuple[int, ...]], tuple[float, ...]] = {}
+        self._packed: dict[tuple[str, tuple[tuple[int, int, int], ...]], float] = {}
+        self._packs = getattr(costs, "packs", None)
+
+    def packs(self, model: str) -> bool:
+        """Whether a worker runs plain image batches of this model at several resolutions as one
+        forward, and the costs price it so (`PackedForwardCosts`: `workers.pack_resolutions`)."""
+        return self._packs is not None and bool(self._packs(model))
+
+    def packed_step_of(self, model: str, groups: tuple[tuple[int, int, int], ...]) -> float:
+        """One step of a worker whose plan holds these plain image groups of `model` ((height,
+        width, rows) each, sorted), packed into one forward; only where `packs(model)`."""
+        key = (model, groups)
+        value = self._packed.get(key)
+        if value is None:
+            batches = [BatchShape(model, h, w, rows) for h, w, rows in groups]
+            value = self._packed[key] = float(self._costs.round_seconds(batches))  # type: ignore[attr-defined]
+        return value
 
     def step_seconds(self, batch: BatchShape) -> float:
         return self.step_seconds_of((batch.model, batch.height, batch.width, batch.rows, batch.frames,
@@ -95,3 +112,11 @@ class ObservedOverheadCosts:
     def step_seconds(self, batch: BatchShape) -> float:
         kind = RequestKind.T2V if batch.frames > 1 else RequestKind.T2I
         return self.base.step_seconds(batch) + self.extra_s.get(kind, 0.0)
+
+    def packs(self, model: str) -> bool:
+        packs = getattr(self.base, "packs", None)
+        return packs is not None and bool(packs(model))
+
+    def round_seconds(self, batches: Sequence[BatchShape]) -> float:
+        """A round of plain image groups (a packed forward's: see `MemoizedCosts.packed_step_of`)."""
+        return self.base.round_seconds(batches) + self.extra_s.get(RequestKind.T2I, 0.0)  # type: ignore[attr-defined]

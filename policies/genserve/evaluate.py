@@ -21,6 +21,7 @@ from stepserve.policies.genserve.types import (
     RoundInput,
     VideoAction,
 )
+from stepserve.policies.types import ShapeKey
 
 
 def score_plan(inp: RoundInput, config: GenServeConfig, costs: StepCosts, decision: RoundDecision) -> PlanScore:
@@ -40,9 +41,15 @@ def score_plan(inp: RoundInput, config: GenServeConfig, costs: StepCosts, decisi
     by_id = {image.request_id: image for image in inp.images}
     stepping: dict[str, float] = {}
     for batch in decision.image_batches:
-        key = batch.shape_key
-        rows = sum(by_id[rid].rows for rid in batch.request_ids)
-        step = costs.step_seconds(BatchShape(key.model, key.height, key.width, rows, key.frames))
+        sizes: dict[ShapeKey, int] = {}
+        for rid in batch.request_ids:
+            sizes[by_id[rid].shape_key] = sizes.get(by_id[rid].shape_key, 0) + by_id[rid].rows
+        if len(sizes) == 1:
+            (key, rows), = sizes.items()
+            step = costs.step_seconds(BatchShape(key.model, key.height, key.width, rows, key.frames))
+        else:  # a packed forward (check_decision: only with pack_resolutions)
+            step = costs.packed_step_of(batch.shape_key.model,
+                                        tuple(sorted((k.height, k.width, r) for k, r in sizes.items())))
         for rid in batch.request_ids:
             stepping[rid] = step
     for image in inp.images:
@@ -103,8 +110,14 @@ def check_decision(inp: RoundInput, config: GenServeConfig, decision: RoundDecis
             if rid not in by_id or rid in seen:
                 raise ValueError(f"image {rid!r} is unknown or in two batches")
             seen.add(rid)
-            if by_id[rid].shape_key != batch.shape_key:
+            if not _batchable(by_id[rid].shape_key, batch.shape_key, config.pack_resolutions):
                 raise ValueError(f"image {rid!r} does not match its batch's shape key")
         expected_admit = tuple(rid for rid in batch.request_ids if by_id[rid].worker_id != batch.worker_id)
         if batch.admit != expected_admit:
             raise ValueError(f"batch on {batch.worker_id!r}: admit {batch.admit} != {expected_admit}")
+
+
+def _batchable(key: ShapeKey, batch: ShapeKey, packing: bool) -> bool:
+    """An image may share the batch's forward: the same shape, or with packing the same model
+    (one image frame each; the packed forward runs the resolutions side by side)."""
+    return key == batch or (packing and key.model == batch.model and key.frames == batch.frames == 1)

@@ -9,7 +9,8 @@ choice scores the same, so this step only keeps assignments stable from round to
 2. an image batch goes to the worker where most of its members are already resident;
 3. the other batches take workers that are free now (not inside a step, `RoundInput.busy`),
    most urgent batch first: an image's whole SLO can be shorter than one video step, so it must
-   not wait for a busy worker's boundary while a free worker idles;
+   not wait for a busy worker's boundary while a free worker idles; empty workers before those
+   holding residents no batch of theirs keeps (`occupied`), which the batch would displace;
 4. videos that grow or start take the unclaimed workers, free ones first, each in worker order
    (contiguous where they can, as SP groups prefer): a group starts when all its members are
    free, so a busy member delays one step of a video, not a whole image;
@@ -33,7 +34,7 @@ class Placement:
 
 def materialize(workers: Sequence[str], options: Sequence[VideoOptions], degrees: Sequence[int],
                 batches: Sequence[PlannedBatch], placed: Sequence[int],
-                busy: Collection[str] = frozenset()) -> Placement:
+                busy: Collection[str] = frozenset(), occupied: Collection[str] = frozenset()) -> Placement:
     if sum(degrees) + len(placed) > len(workers):
         raise ValueError(f"plan needs {sum(degrees) + len(placed)} workers, the round has {len(workers)}")
     position = {w: i for i, w in enumerate(workers)}
@@ -58,7 +59,7 @@ def materialize(workers: Sequence[str], options: Sequence[VideoOptions], degrees
             claimed.add(home)
 
     homeless = [k for k in placed if k not in batch_worker]  # `placed` is in priority order
-    free_now = [w for w in workers if w not in claimed and w not in busy]
+    free_now = sorted((w for w in workers if w not in claimed and w not in busy), key=lambda w: w in occupied)
     for k, w in zip(homeless, free_now):
         batch_worker[k] = w
         claimed.add(w)

@@ -33,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import replace
 
+from stepserve.policies.base import group_by_shape
 from stepserve.policies.genserve.costs import MemoizedCosts, ObservedOverheadCosts, StepCosts
 from stepserve.policies.genserve.scheduler import decide_round
 from stepserve.policies.genserve.types import (
@@ -98,7 +99,7 @@ class GenServePolicy:
         decision = decide_round(inp, config, self.costs)
         self.decisions += 1
         self.last_decision = decision
-        return Decision(plans_for(decision, snapshot, self.config.admit_busy))
+        return Decision(plans_for(decision, snapshot, self.config))
 
     def _calibrate(self, overhead: tuple) -> None:
         # A new memo only when the router's measured overheads change (rarely: it re-publishes
@@ -199,9 +200,14 @@ class _Plans:
         )
 
 
-def plans_for(decision: RoundDecision, snapshot: ClusterSnapshot, admit_busy: bool = False) -> tuple[WorkerPlan, ...]:
-    """`admit_busy` (GenServeConfig.admit_busy): a busy worker's pipelined plan also admits waiting
-    images into its batch, up to the room it has (no export, no move)."""
+def plans_for(decision: RoundDecision, snapshot: ClusterSnapshot,
+              config: GenServeConfig = GenServeConfig()) -> tuple[WorkerPlan, ...]:
+    """With `config.admit_busy` a busy worker's pipelined plan also admits waiting images into its
+    batch, up to the room it has (no export, no move). With `config.sticky_images` a free
+    worker's batch displaces every resident image it leaves out (exported: the next round
+    batches it anywhere) instead of leaving it parked there, where only its own worker's batch
+    could take it."""
+    admit_busy = config.admit_busy
     views = {v.request_id: v for v in snapshot.queued + snapshot.running}
     workers = {w.worker_id: w for w in snapshot.workers}
     plans = _Plans(snapshot)
@@ -260,6 +266,8 @@ def plans_for(decision: RoundDecision, snapshot: ClusterSnapshot, admit_busy: bo
                 plans.leave(view)  # moves here in a later round
         if admit and not free:  # a pipelined plan only fills the room there is
             room = workers[w].max_batch_size - len(workers[w].running)
+        elif free and config.sticky_images:
+            room = _make_room(plans, snapshot, views, w, keep=tuple(stepping))
         else:
             room = max(0, _make_room(plans, snapshot, views, w, keep=tuple(stepping), need=len(admit))) if admit else 0
         if len(admit) > room:  # the rest wait for a later round
@@ -268,7 +276,9 @@ def plans_for(decision: RoundDecision, snapshot: ClusterSnapshot, admit_busy: bo
             stepping = [rid for rid in stepping if rid not in dropped]
         if stepping:
             plans.part(w, "admit").extend(admit)
-            plans.part(w, "groups").append(StepGroup(tuple(stepping)))
+            # One group a shape: a packed batch (pack_resolutions) is several, which the
+            # worker runs as one forward.
+            plans.part(w, "groups").extend(group_by_shape(views[rid] for rid in stepping))
     return plans.build()
 
 

@@ -44,7 +44,9 @@ def decide_round(inp: RoundInput, config: GenServeConfig, costs: StepCosts) -> R
     now = inp.now
     videos = sorted(inp.videos, key=lambda v: (v.arrival_time, v.job_id))
     options = [video_options(v, now, config, costs, n) for v in videos]
-    images = edf_batches(inp.images, now, config, costs, n, inp.reserve)
+    occupied = {i.worker_id for i in inp.images if i.worker_id is not None}
+    images = edf_batches(inp.images, now, config, costs, n, inp.reserve,
+                         _empty_workers(inp, occupied) if config.spread_images else 0)
 
     if config.dp:
         solution = solve_knapsack(options, images, n)
@@ -60,7 +62,7 @@ def decide_round(inp: RoundInput, config: GenServeConfig, costs: StepCosts) -> R
         idle = n - sum(degrees) - len(placed)  # the greedy allocator ignores the reserve; the score counts it
         value = add(value, (0, RESERVE_WEIGHT * min(inp.reserve, idle), 0))
 
-    placement = materialize(inp.workers, options, degrees, images.batches, placed, inp.busy)
+    placement = materialize(inp.workers, options, degrees, images.batches, placed, inp.busy, occupied)
 
     decided: dict[str, VideoDecision] = {}
     victims, downgraded = [], []
@@ -100,3 +102,11 @@ def decide_round(inp: RoundInput, config: GenServeConfig, costs: StepCosts) -> R
         idle_workers=tuple(w for w in inp.workers if w not in used),
         waiting_images=tuple(i.request_id for i in inp.images if i.request_id not in stepping),
     )
+
+
+def _empty_workers(inp: RoundInput, occupied: set[str]) -> int:
+    """Free workers holding nothing, less one for each video waiting to start or resume (see
+    GenServeConfig.spread_images)."""
+    held = {w for v in inp.videos for w in v.workers}
+    empty = sum(1 for w in inp.workers if w not in inp.busy and w not in occupied and w not in held)
+    return max(0, empty - sum(1 for v in inp.videos if not v.workers))

@@ -84,6 +84,10 @@ class PackedForwardCosts(WrappedCosts):
         self.fits = dict(fits or {})
         self._row_s: dict[tuple[str, int, int], float] = {}
 
+    def packs(self, model: str) -> bool:
+        """Whether a round's plain image batches of `model` run as one packed forward."""
+        return self.packing is None or model in self.packing
+
     def row_seconds(self, model: str, height: int, width: int) -> float:
         """One more row's seconds in a full forward at this resolution (the work unit)."""
         key = (model, height, width)
@@ -137,7 +141,7 @@ class PackedForwardCosts(WrappedCosts):
         packs: dict[str, list[BatchShape]] = {}
         forwards = 0.0
         for b in batches:
-            if packable(b) and (self.packing is None or b.model in self.packing):
+            if packable(b) and self.packs(b.model):
                 packs.setdefault(b.model, []).append(b)
             else:
                 forwards += self.base.denoise_seconds(b)

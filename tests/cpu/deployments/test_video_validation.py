@@ -222,4 +222,4 @@ def test_video_models_run_under_any_policy_and_policy_options_are_checked():
         AppConfig.model_validate({"models": [VIDEO_MODEL], "router": {**GENSERVE, "policy_options": {"bogus": 1}}})
     config = AppConfig.model_validate({"models": [VIDEO_MODEL], "workers": {"max_batch_size": 3},
                                        "router": {**GENSERVE, "policy_options": {"sp_degrees": [1, 2]}}})
-    assert config.policy_options() == {"sp_degrees": (1, 2), "image_max_batch": 3}
+    assert config.policy_options() == {"sp_degrees": (1, 2), "image_max_batch": 3, "pack_resolutions": False}

@@ -163,10 +163,11 @@ def test_the_live_router_predicts_with_the_comparisons_profile(tmp_path):
 
 def test_the_simulator_gets_the_live_routers_policy_options_and_deadlines():
     options, slos = svl.served_policy(load_serve_config(LOCAL_VIDEO), "composed")
-    assert options == {"sp_degrees": (1, 2), "refuse_unattainable": False, "image_max_batch": 8}
+    assert options == {"sp_degrees": (1, 2), "refuse_unattainable": False, "image_max_batch": 8,
+                       "pack_resolutions": False}
     # Swapped for a baseline, the config keeps the options that policy takes: the spine's.
-    assert svl.served_policy(load_serve_config(LOCAL_VIDEO), "genserve")[0] == {"sp_degrees": (1, 2),
-                                                                              "image_max_batch": 8}
+    assert svl.served_policy(load_serve_config(LOCAL_VIDEO), "genserve")[0] == {
+        "sp_degrees": (1, 2), "image_max_batch": 8, "pack_resolutions": False}
     assert slos == {"tiny-sd": 2.0, "tiny-wan": 600.0}
     assert svl.served_policy(load_serve_config(LOCAL), "continuous") == ({}, {"tiny-sd": None})
     with pytest.raises(ValueError, match="profiles"):

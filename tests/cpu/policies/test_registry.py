@@ -191,3 +191,28 @@ def test_options_for_keeps_what_the_other_policy_takes():
     assert options_for("composed", composed) == composed
     with pytest.raises(ValueError, match="unknown policy"):
         options_for("nope", composed)
+
+
+def test_options_for_workers_batch_and_pack_as_the_workers_do_unless_told():
+    from stepserve.policies import options_for_workers
+
+    assert options_for_workers("composed", {}, 12) == {"image_max_batch": 12, "pack_resolutions": False}
+    assert options_for_workers("genserve", {"image_max_batch": 4}, 12, True) == {"image_max_batch": 4,
+                                                                                  "pack_resolutions": True}
+    assert options_for_workers("genserve", {"pack_resolutions": False}, 12, True)["pack_resolutions"] is False
+    # A policy that takes neither keeps its options as given (continuous batches per worker).
+    assert options_for_workers("continuous", {"max_batch_size": 3}, 12, True) == {"max_batch_size": 3}
+
+
+def test_the_simulator_builds_its_policy_as_the_served_app_does():
+    """A composed spine in the simulator batches to the workers' cap and packs where they pack,
+    as `AppConfig.policy_options` makes the served one do (it once stopped at the config
+    default 8 under a cap of 12)."""
+    from stepserve.load_tests.sim import SimConfig
+    from stepserve.load_tests.sim.simulator import Simulation
+    from stepserve.policies.cost_model import load_profile
+
+    sim = Simulation([], load_profile("sdxl-h800"), SimConfig(workers=1, max_batch_size=12, policy="composed"))
+    assert sim.core.policy.config.image_max_batch == 12 and not sim.core.policy.config.pack_resolutions
+    packing = SimConfig(workers=1, policy="composed", packing=("stable-diffusion-xl-base-1.0",))
+    assert Simulation([], load_profile("sdxl-h800"), packing).core.policy.config.pack_resolutions

@@ -96,3 +96,15 @@ def random_round(rng: random.Random, n_workers: int, n_videos: int, n_images: in
         images.append(img(f"i{i}", deadline, steps, key=key, rows=rng.choice([1, 2]),
                           arrival=rng.uniform(0.0, now), worker=worker))
     return RoundInput(now, tuple(ws), tuple(images), tuple(videos))
+
+
+@dataclass
+class PackingFakeCosts(FakeCosts):
+    """FakeCosts on workers that pack resolutions (`PackedForwardCosts`' two extra answers): a
+    packed forward pays the fixed cost once for all its groups."""
+
+    def packs(self, model: str) -> bool:
+        return True
+
+    def round_seconds(self, batches) -> float:
+        return self.image_fixed + sum(self.image_per_row_mpx * b.rows * b.height * b.width / 1e6 for b in batches)

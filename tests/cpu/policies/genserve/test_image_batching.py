@@ -92,3 +92,63 @@ def test_an_image_without_a_cost_never_runs():
     plan = edf_batches([img("big", 5.0, key=LARGE), img("s", 5.0)], 0.0, GenServeConfig(), NoLarge(), 2)
     assert ids(plan) == [["s"]]
     assert [i.request_id for i in plan.unbatchable] == ["big"]
+
+
+# -- the composed policy's switches ---------------------------------------------------------------
+
+
+def test_sticky_residents_of_a_worker_are_one_batch_ahead_of_waiting_images():
+    """With sticky_images a worker's residents stay one batch even past the allowance (split, one
+    half could only move or park), late ones keep their deadline order, and resident batches rank
+    ahead of batches of waiting images (they hold their workers already)."""
+    images = [img("urgent", 0.9), img("tight", 0.85, worker="w1"), img("other", 10.0, worker="w1"),
+              img("late", -1.0, worker="w2")]
+    published = edf_batches(images, 0.0, GenServeConfig(), FakeCosts(), 4)
+    assert ids(published) == [["tight"], ["urgent"], ["other", "late"]]
+    sticky = edf_batches(images, 0.0, GenServeConfig(sticky_images=True), FakeCosts(), 4)
+    assert ids(sticky) == [["late"], ["tight", "other"], ["urgent"]]
+
+
+def test_packing_puts_resolutions_of_a_model_in_one_batch_priced_as_one_forward():
+    from tests.cpu.policies.genserve.fakes import PackingFakeCosts
+
+    images = [img("small", 4.0), img("big", 5.0, key=LARGE)]
+    assert ids(edf_batches(images, 0.0, GenServeConfig(pack_resolutions=True), FakeCosts(), 4)) == \
+        [["small"], ["big"]]  # costs that cannot price a packed forward: one shape a batch
+    plan = edf_batches(images, 0.0, GenServeConfig(pack_resolutions=True), PackingFakeCosts(), 4)
+    assert ids(plan) == [["small", "big"]]
+    assert plan.batches[0].rows == 4
+    assert math.isclose(plan.batches[0].step_s, 0.02 + 0.04 * 2 * (512 * 512 + 1024 * 1024) / 1e6)
+    assert ids(edf_batches(images, 0.0, GenServeConfig(), PackingFakeCosts(), 4)) == [["small"], ["big"]]
+
+
+def test_sticky_residents_form_their_batch_before_a_waiting_image_is_checked_against_it():
+    """A waiting image fits beside one resident of w0 but not beside both: the worker's batch is
+    whole (both residents) before the waiting image is checked, so it opens a batch of its own
+    rather than join one that the second resident then makes it miss its deadline in."""
+    images = [img("r1", 1.4, worker="w0"), img("n", 1.5), img("r2", 50.0, worker="w0")]
+    plan = edf_batches(images, 0.0, GenServeConfig(sticky_images=True), FakeCosts(), 4)
+    assert ids(plan) == [["r1", "r2"], ["n"]]
+
+
+def test_spread_opens_batches_for_empty_workers_before_joining():
+    images = [img("a", 5.0), img("b", 6.0), img("c", 7.0)]
+    assert ids(edf_batches(images, 0.0, GenServeConfig(), FakeCosts(), 4)) == [["a", "b", "c"]]
+    assert ids(edf_batches(images, 0.0, GenServeConfig(), FakeCosts(), 4, spread=2)) == [["a", "c"], ["b"]]
+    # Residents do not count: they batch where they live.
+    images.append(img("r", 1.0, worker="w3"))
+    assert ids(edf_batches(images, 0.0, GenServeConfig(sticky_images=True), FakeCosts(), 4, spread=2)) == \
+        [["r"], ["a", "c"], ["b"]]
+
+
+def test_spread_puts_an_image_without_an_slo_in_the_least_loaded_batch():
+    """With a deadline the first batch that keeps everyone on time takes the image (EDF
+    batching); without one the first batch would take every image, so it goes where it steps
+    fastest."""
+    residents = [img("r0", math.inf, worker="w0", rows=2), img("r1", math.inf, worker="w0", rows=2),
+                 img("r2", math.inf, worker="w1", rows=2)]
+    config = GenServeConfig(sticky_images=True, spread_images=True)
+    plan = edf_batches(residents + [img("edit", math.inf)], 0.0, config, FakeCosts(), 2)
+    assert ids(plan) == [["r0", "r1"], ["r2", "edit"]]
+    first_fit = edf_batches(residents + [img("edit", math.inf)], 0.0, GenServeConfig(sticky_images=True), FakeCosts(), 2)
+    assert ids(first_fit) == [["r0", "r1", "edit"], ["r2"]]

@@ -30,7 +30,7 @@ from stepserve.policies.genserve import (
 from stepserve.policies.genserve.costs import MemoizedCosts
 from stepserve.policies.genserve.image_batching import edf_batches
 
-from tests.cpu.policies.genserve.fakes import FakeCosts, random_round
+from tests.cpu.policies.genserve.fakes import FakeCosts, PackingFakeCosts, random_round
 
 SWITCHES = [
     dict(preemption=p, elastic_sp=e) for p, e in itertools.product((True, False), (True, False))
@@ -172,6 +172,23 @@ def test_decisions_are_valid_and_scored_honestly(config):
         stepping = set(decision.stepping_images)
         assert stepping.isdisjoint(decision.waiting_images)
         assert stepping | set(decision.waiting_images) == {i.request_id for i in inp.images}
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_composed_spine_decisions_are_valid_and_scored_honestly(packing):
+    """The composed policy's spine switches (sticky residents, busy admission, packed
+    resolutions on costs that price them): every decision executable and its score the plan's."""
+    config = GenServeConfig(sticky_images=True, admit_busy=True, pack_resolutions=packing)
+    costs = MemoizedCosts(PackingFakeCosts())
+    packed = 0
+    for k, inp in enumerate(random_rounds(60, 23, config)):
+        inp = dataclasses.replace(inp, reserve=k % 3)
+        decision = decide_round(inp, config, costs)
+        check_decision(inp, config, decision)
+        assert decision.score == score_plan(inp, config, costs, decision)
+        shapes = {i.request_id: i.shape_key for i in inp.images}
+        packed += sum(len({shapes[r] for r in b.request_ids}) > 1 for b in decision.image_batches)
+    assert (packed > 0) == packing
 
 
 @pytest.mark.parametrize("dp", [True, False])

@@ -507,3 +507,31 @@ def test_admit_busy_fills_a_busy_workers_room_without_moving_anyone():
     assert decision.plans == (WorkerPlan("w0", admit=("new",), groups=steps(("a", "new"))),)
     full = snap({"w0": slot(1, [img("a", deadline=60.0)], busy=True)}, [img("new", deadline=60.0)])
     assert policy.schedule(full).plans == (WorkerPlan("w0", groups=steps(("a",))),)  # no room: no export either
+
+
+def test_sticky_images_export_the_residents_a_batch_leaves_out_instead_of_parking_them():
+    """One worker holds images of two shapes; one batch steps. As published the other image
+    stays parked on the worker (room enough); with sticky_images, where only its own worker's
+    batch could take it, it is exported and batched anywhere next round."""
+    snapshot = snap({"w0": slot(4, [img("a", deadline=5.0), img("b", deadline=60.0, key=BIG)])})
+    _, published = schedule(snapshot)
+    assert published.plans == (WorkerPlan("w0", groups=steps(("a",))),)
+    _, sticky = schedule(snapshot, GenServeConfig(sticky_images=True))
+    assert sticky.plans == (WorkerPlan("w0", groups=steps(("a",)), export=("b",)),)
+
+
+def test_sticky_batches_of_waiting_images_go_to_empty_workers_first():
+    from stepserve.policies.genserve.image_batching import PlannedBatch
+    from stepserve.policies.genserve.materialize import materialize
+
+    waiting = PlannedBatch(IMG, (ImageRequest("n", IMG, 2, 20, 9.0, 0.0),), 2, 0.04, (0, 0, 0), (0, 0, 0))
+    assert materialize(("w0", "w1"), (), (), (waiting,), (0,)).batch_workers == ((0, "w0"),)
+    assert materialize(("w0", "w1"), (), (), (waiting,), (0,), occupied={"w0"}).batch_workers == ((0, "w1"),)
+
+
+def test_packed_resolutions_step_as_one_group_a_shape():
+    from tests.cpu.policies.genserve.fakes import PackingFakeCosts
+
+    snapshot = snap({"w0": slot(4)}, [img("s", deadline=9.0), img("b", deadline=10.0, key=BIG)])
+    _, decision = schedule(snapshot, GenServeConfig(pack_resolutions=True), PackingFakeCosts())
+    assert decision.plans == (WorkerPlan("w0", admit=("s", "b"), groups=steps(("s",), ("b",))),)

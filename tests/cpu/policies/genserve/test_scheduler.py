@@ -298,3 +298,13 @@ def test_a_starting_video_takes_free_workers_first_and_images_get_free_ones_befo
     d = decide(inp, GenServeConfig(sp_degrees=(1, 2)))
     assert d.batch_on("w1") is not None
     assert d.video("v").workers[0] == "w3" and len(d.video("v").workers) == 2
+
+
+def test_spread_images_takes_empty_free_workers_and_keeps_one_back_per_waiting_video():
+    config = GenServeConfig(spread_images=True, sticky_images=True)
+    images = tuple(img(f"i{k}", 30.0) for k in range(3))
+    alone = decide_round(RoundInput(0.0, workers(3), images, ()), config, FakeCosts())
+    assert sorted(len(b.request_ids) for b in alone.image_batches) == [1, 1, 1]
+    with_video = decide_round(RoundInput(0.0, workers(3), images, (vid("v", 1e6),)), config, FakeCosts())
+    assert len(with_video.image_batches) <= 2
+    assert len(decide_round(RoundInput(0.0, workers(3), images, ()), GenServeConfig(), FakeCosts()).image_batches) == 1
