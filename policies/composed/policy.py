@@ -4,6 +4,8 @@ scheduling mechanism a component of it, each switchable in `policy_options` (typ
     spine       GenServe: knapsack DP over worker counts, preemption, elastic SP   policies/genserve
     sticky      a worker's residents one batch, never moved nor parked             genserve/image_batching.py
     packing     PatchedServe's packed forward: resolutions of a model in a batch   genserve/image_batching.py
+    spreading   waiting images take empty workers first; no-SLO ones the least     genserve/image_batching.py
+                loaded batch
     headroom    workers kept free for the images expected within a video step      headroom.py
     refusal     PatchedServe's SLO-violation analysis (429 deadline_unattainable)  refusal.py
     cfg split   SwiftDiffusion's latent parallelism on idle workers                policies/latent_parallel.py
