@@ -139,17 +139,24 @@ class EdgeLedger:
             for sent in self._sent.values():
                 sent.clear()
             self._received = dict(report.received)
+        elif self._overtaken(report):
+            # An answer can overtake a later one (the long poll and a refresh): its backlog misses
+            # what the later one counted as received, so taking it would let that much too many in.
+            report = self.report
         for kind, sent in self._sent.items():
-            count = report.received.get(kind, 0)
-            # An answer can overtake a later one (the long poll and a refresh): counts only grow.
-            arrived = count - self._received.get(kind, 0)
+            arrived = report.received.get(kind, 0) - self._received.get(kind, 0)
             if arrived > 0:
-                self._received[kind] = count
+                self._received[kind] = report.received[kind]
                 for _ in range(min(arrived, len(sent))):
                     sent.popleft()
             while sent and sent[0] < now - self.lost_after_s:
                 sent.popleft()
         self.report = report
+
+    def _overtaken(self, report: LoadReport) -> bool:
+        """Whether `report`, from the current router, was answered before the one already held."""
+        return report.version < self.report.version or any(
+            count < self._received.get(kind, 0) for kind, count in report.received.items())
 
     def forget(self) -> None:
         """The router is gone (restarting): nothing it said holds any more."""

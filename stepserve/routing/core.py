@@ -757,9 +757,14 @@ class RouterCore:
             if limit is None:
                 continue
             gap = self._drain.get(kind, (None, None, False))[1]
+            running, decoding = self.count(RequestStatus.RUNNING, kind), self.count(RequestStatus.DECODING, kind)
+            if kind is RequestKind.T2I and self.config.images_decode_on_workers:
+                # Its worker decoded it in its last plan: what is left is handing back the PNG, no
+                # backlog to bound. Counted as one, a batch's end would raise the backlog with no
+                # arrival, past what an edge counted when it let requests in.
+                running, decoding = running + decoding, 0
             classes[kind] = ClassLoad(
-                queued=self.queue_length(kind), running=self.count(RequestStatus.RUNNING, kind),
-                decoding=self.count(RequestStatus.DECODING, kind), max_queued=limit,
+                queued=self.queue_length(kind), running=running, decoding=decoding, max_queued=limit,
                 drain_per_s=1.0 / gap if gap else None, max_wait_s=self.config.max_wait_s.get(kind))
         return LoadReport(self.load_version, self.live_workers, classes)
 

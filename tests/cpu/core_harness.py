@@ -36,13 +36,14 @@ class Harness:
     def __init__(self, policy: Any = "continuous", options: dict | None = None, workers: int = 2, batch: int = 4,
                  depth: int = 2, costs: Any = None, checkpoint_interval_s: float | None = None,
                  max_queued: dict | None = None, max_recoveries: int = 3, lead_s: float = math.inf,
-                 max_plan_s: float = 0.0, lora_batches: LoraBatching = LoraBatching.MIXED) -> None:
+                 max_plan_s: float = 0.0, lora_batches: LoraBatching = LoraBatching.MIXED,
+                 images_decode_on_workers: bool = False) -> None:
         scheduler = make_policy(policy, options, costs) if isinstance(policy, str) else policy
         config = CoreConfig(
             pipeline_depth=depth, pipeline_lead_s=lead_s, checkpoint_interval_s=checkpoint_interval_s,
             max_plan_s=max_plan_s,
             max_queued=max_queued or {RequestKind.T2I: 64, RequestKind.T2V: 64}, max_recoveries=max_recoveries,
-            lora_batches=lora_batches)
+            lora_batches=lora_batches, images_decode_on_workers=images_decode_on_workers)
         ids = [f"w{i}" for i in range(workers)]
         self.core = RouterCore(scheduler, [WorkerSlot(w, batch, i) for i, w in enumerate(ids)], config, costs)
         self.workers = {w: SimWorker(w, lambda shapes: TICK, lambda s: 0.0, incarnation=f"{w}-1") for w in ids}

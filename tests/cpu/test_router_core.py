@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from stepserve.load_tests.sim.worker import SimAdmission
 from stepserve.policies import make_policy
 from stepserve.policies.base import PolicyError
 from stepserve.policies.types import (
@@ -529,20 +530,38 @@ def test_random_runs_keep_invariants(policy, seed):
     assert all(not w.resident for w in h.workers.values())
 
 
-def test_load_report_counts_decoding_as_backlog():
-    h = Harness(FixedPolicy(), workers=1, max_queued={RequestKind.T2I: 2, RequestKind.T2V: 2})
+def denoised_and_decoding(h: Harness) -> None:
     h.submit(spec("a", steps=1))
     h.core.policy.next = Decision((WorkerPlan("w0", admit=("a",), groups=(StepGroup(("a",)),)),))
     h.schedule()
     plan, admissions, handles = h.queues["w0"].popleft()
-    report, outputs, _ = h.workers["w0"].execute(plan, {"a": __import__(
-        "stepserve.load_tests.sim.worker", fromlist=["SimAdmission"]).SimAdmission(admissions[0].spec, None)})
+    report, outputs, _ = h.workers["w0"].execute(plan, {"a": SimAdmission(admissions[0].spec, None)})
     h.core.apply(report, h.now)  # denoised, not yet decoded
+    assert h.core.state("a").status is S.DECODING
+
+
+def test_load_report_counts_decoding_as_backlog():
+    h = Harness(FixedPolicy(), workers=1, max_queued={RequestKind.T2I: 2, RequestKind.T2V: 2})
+    denoised_and_decoding(h)
     load = h.core.load().classes[RequestKind.T2I]
     assert load.decoding == 1 and load.backlog == 1
     h.submit(spec("b"))
     with pytest.raises(QueueFullError):
         h.submit(spec("c"))  # b queued + a decoding fill the bound of 2
+
+
+def test_an_image_its_worker_decoded_is_no_backlog():
+    # Only its PNG is on its way back: a batch's end must not raise the backlog an edge counted
+    # when it let requests in (the router would refuse what the edge admitted).
+    h = Harness(FixedPolicy(), workers=1, max_queued={RequestKind.T2I: 2, RequestKind.T2V: 2},
+                images_decode_on_workers=True)
+    denoised_and_decoding(h)
+    load = h.core.load().classes[RequestKind.T2I]
+    assert load.decoding == 0 and load.running == 1 and load.backlog == 0
+    h.submit(spec("b"))
+    h.submit(spec("c"))
+    with pytest.raises(QueueFullError):
+        h.submit(spec("d"))
 
 
 def test_constructor_validation():

@@ -69,11 +69,22 @@ def test_a_ledger_holds_what_it_let_in_until_a_report_has_it():
     assert ledger.in_flight(T2I) == 3 and ledger.in_flight(T2V) == 0
     ledger.observe(answered(received=7, queued=2), now=3.0)
     assert ledger.in_flight(T2I) == 1
-    ledger.observe(answered(received=6, queued=1), now=3.1)  # an older answer overtaken: counts only grow
-    assert ledger.in_flight(T2I) == 1
-    assert ledger.admit(T2I, now=4.0, count=6).admitted  # 1 queued + 7 on their way: the bound
+    # An older answer, overtaken: it counts one fewer arrived and one fewer queued. Taking its
+    # backlog with the later count would forget the request both the later answer counted.
+    ledger.observe(answered(received=6, queued=1), now=3.1)
+    assert ledger.in_flight(T2I) == 1 and ledger.report.classes[T2I].queued == 2
+    assert ledger.admit(T2I, now=4.0, count=5).admitted  # 2 queued + 6 on their way: the bound
     assert not ledger.admit(T2I, now=4.0).admitted
-    assert ledger.in_flight(T2I) == 7
+    assert ledger.in_flight(T2I) == 6
+
+
+def test_an_answer_of_an_older_version_is_overtaken_too():
+    ledger = EdgeLedger()
+    ledger.observe(answered(received=3, queued=5, version=4), now=0.0)
+    ledger.observe(answered(received=3, queued=1, version=3), now=0.1)  # the same count, an older load
+    assert ledger.report.version == 4 and ledger.report.classes[T2I].queued == 5
+    ledger.observe(answered(received=3, queued=1, version=5), now=0.2)
+    assert ledger.report.classes[T2I].queued == 1
 
 
 def test_a_new_router_starts_the_count_again():
