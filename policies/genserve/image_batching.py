@@ -69,16 +69,20 @@ def edf_batches(images: Iterable[ImageRequest], now: float, config: GenServeConf
     # looked up by StepKey, so no frozen dataclass is built or hashed per image.
     memo = memoized(costs)
     step_cost = memo.step_seconds_of
+    image_step = memo.image_step_of
     packing = config.pack_resolutions
 
-    def step_of(kt: tuple[str, int, int, int], rows: int) -> float:
-        return step_cost((kt[0], kt[1], kt[2], rows, kt[3], 1))
+    def step_of(kt: tuple[str, int, int, int], rows: int, computed: float) -> float:
+        if computed >= rows:
+            return step_cost((kt[0], kt[1], kt[2], rows, kt[3], 1))
+        return image_step(kt[0], kt[1], kt[2], rows, computed)
 
-    def grown(batch: list, kt: tuple[str, int, int, int], rows: int) -> float:
-        """The batch's step with `rows` more of shape `kt` (one packed forward over its shapes)."""
+    def grown(batch: list, kt: tuple[str, int, int, int], rows: int, computed: float) -> float:
+        """The batch's step with `rows` more of shape `kt`, `computed` of them computed (one packed
+        forward over its shapes)."""
         groups = batch[6]
         if groups is None or (len(groups) == 1 and kt in groups):
-            return step_of(kt, batch[2] + rows)
+            return step_of(kt, batch[2] + rows, batch[7] + computed)
         sizes = dict(groups)
         sizes[kt] = sizes.get(kt, 0) + rows
         return memo.packed_step_of(kt[0], tuple(sorted((k[1], k[2], r) for k, r in sizes.items())))
@@ -88,7 +92,8 @@ def edf_batches(images: Iterable[ImageRequest], now: float, config: GenServeConf
     for image in images:
         k = image.shape_key
         kt = (k.model, k.height, k.width, k.frames)
-        solo = step_of(kt, image.rows)
+        computed = image.rows * image.computed_share
+        solo = step_of(kt, image.rows, computed)
         if not (solo >= 0 and math.isfinite(solo)):
             unbatchable.append(image)
             continue
@@ -100,19 +105,23 @@ def edf_batches(images: Iterable[ImageRequest], now: float, config: GenServeConf
         # Formed first, a worker's batch is whole before a waiting image is checked against it.
         hopeless = now + image.steps_left * solo > image.deadline
         resident = config.sticky_images and image.worker_id is not None
-        # The batch key: the shape, or with packing the model (all its resolutions, one forward).
-        bt = (k.model, 0, 0, 1) if packing and k.frames == 1 and memo.packs(k.model) else kt
+        # The batch key: the shape, or with packing the model (all its resolutions, one forward;
+        # a packed forward computes every token, so an edit of a cached template is not packed).
+        bt = (k.model, 0, 0, 1) if packing and memo.packs(k.model) and computed >= image.rows else kt
         entries.append((not resident, hopeless and not resident, image.deadline, image.arrival_time,
-                        image.request_id, image, kt, solo, hopeless, bt))
+                        image.request_id, image, kt, solo, hopeless, bt, computed))
     entries.sort()
 
-    # An open batch: [key, members, rows, step_s, allowance, closed, groups]. `allowance` is the
-    # largest step time that keeps every on-time member on time, so a join is checked in O(1).
-    # `closed`: the fewest rows a join was refused for by the allowance; rows only grow and the
-    # allowance only shrinks, so an image of as many rows is refused again and is not priced (on
-    # a large pool most open batches are closed to most images; a packed batch's rows differ in
-    # price by resolution, so it keeps none). A full batch leaves the open list. `groups`: a
-    # packed batch's rows by shape, None for a batch of one shape.
+    # An open batch: [key, members, rows, step_s, allowance, closed, groups, computed].
+    # `allowance` is the largest step time that keeps every on-time member on time, so a join is
+    # checked in O(1). `closed`: the fewest rows of an image computing all its tokens that a join
+    # was refused for by the allowance; rows only grow and the allowance only shrinks, so another
+    # such image of as many rows is refused again and is not priced (on a large pool most open
+    # batches are closed to most images; a packed batch's rows differ in price by resolution, so
+    # it keeps none; an edit computing less is always priced). A full batch leaves the open list.
+    # `groups`: a packed batch's rows by shape, None for a batch of one shape. `computed`: its
+    # rows weighted by their computed share (below `rows` where edits of cached templates
+    # compute less: InstGenIE).
     # `homes`, with `sticky_images`: each worker's batch of its residents of one key. They are
     # one batch whatever the allowance: they were admitted together, and split, the batch that
     # does not get their worker could only move its members (a pause each) or leave them parked.
@@ -126,15 +135,15 @@ def edf_batches(images: Iterable[ImageRequest], now: float, config: GenServeConf
     spreading = config.spread_images
 
     def open_batch(image: ImageRequest, solo: float, kt: tuple, rows: int, hopeless: bool, mine: float,
-                   bt: tuple) -> list:
+                   bt: tuple, computed: float) -> list:
         batch = [bt, [(image, solo)], rows, solo, math.inf if hopeless else mine, math.inf,
-                 None if bt == kt else {kt: rows}]
+                 None if bt == kt else {kt: rows}, computed]
         if max_batch > 1:
             open_by_key.setdefault(bt, []).append(batch)
         created.append(batch)
         return batch
 
-    for _, _, deadline, _, _, image, kt, solo, hopeless, bt in entries:
+    for _, _, deadline, _, _, image, kt, solo, hopeless, bt, computed in entries:
         mine = (deadline - now) / image.steps_left
         rows = image.rows
         here = image.worker_id if sticky else None
@@ -144,38 +153,39 @@ def edf_batches(images: Iterable[ImageRequest], now: float, config: GenServeConf
             # worker's, so no open batch need be looked at (on a large pool, every one of them).
             batch = homes.get((here, bt))
             if batch is None or len(batch[1]) >= max_batch:
-                homes[(here, bt)] = open_batch(image, solo, kt, rows, hopeless, mine, bt)
+                homes[(here, bt)] = open_batch(image, solo, kt, rows, hopeless, mine, bt, computed)
             else:
-                _join(batch, image, solo, kt, rows, grown(batch, kt, rows), hopeless, mine)
+                _join(batch, image, solo, kt, rows, computed, grown(batch, kt, rows, computed), hopeless, mine)
                 if len(batch[1]) >= max_batch:
                     _close(open_by_key.get(bt, []), batch)
             continue
         opened = open_by_key.get(bt, ()) if fresh >= spread else ()
+        full = computed >= rows
         chosen, chosen_t = None, math.inf
         for batch in opened:
-            if rows >= batch[5]:
+            if rows >= batch[5] and full:
                 continue
-            t = grown(batch, kt, rows)
+            t = grown(batch, kt, rows, computed)
             # Joining must not make an on-time member late, nor this image, unless it is late
             # even alone (then a batch slot costs nobody anything).
             if t > batch[4]:
-                if batch[6] is None:
+                if batch[6] is None and full:
                     batch[5] = rows
             elif (hopeless or t <= mine) and t < chosen_t:
                 chosen, chosen_t = batch, t
                 if not spreading or mine < math.inf:
                     break  # EDF batching: the first batch that takes it
         if chosen is not None:
-            _join(chosen, image, solo, kt, rows, chosen_t, hopeless, mine)
+            _join(chosen, image, solo, kt, rows, computed, chosen_t, hopeless, mine)
             if len(chosen[1]) >= max_batch:
                 _close(opened, chosen)
         else:
-            open_batch(image, solo, kt, rows, hopeless, mine, bt)
+            open_batch(image, solo, kt, rows, hopeless, mine, bt, computed)
             fresh += 1
 
     round_s = config.round_s
     planned: list[PlannedBatch] = []
-    for _, members, rows, step_s, _, _, _ in created:
+    for _, members, rows, step_s, _, _, _, _ in created:
         # run_value and wait_value written out (with the weight shared between them): this is
         # the per-image inner loop of every round. score_plan recomputes the same numbers
         # through the scoring functions, and the tests hold the two equal.
@@ -229,10 +239,11 @@ def edf_batches(images: Iterable[ImageRequest], now: float, config: GenServeConf
     return ImagePlan(tuple(planned), tuple(prefix), tuple(unbatchable))
 
 
-def _join(batch: list, image: ImageRequest, solo: float, kt: tuple[str, int, int, int], rows: int, step_s: float,
-          hopeless: bool, mine: float) -> None:
+def _join(batch: list, image: ImageRequest, solo: float, kt: tuple[str, int, int, int], rows: int, computed: float,
+          step_s: float, hopeless: bool, mine: float) -> None:
     batch[1].append((image, solo))
     batch[2] += rows
+    batch[7] += computed
     batch[3] = step_s
     if not hopeless and mine < batch[4]:
         batch[4] = mine

@@ -34,6 +34,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from stepserve.policies.base import group_by_shape
+from stepserve.policies.cost_model import computed_share
 from stepserve.policies.genserve.costs import MemoizedCosts, ObservedOverheadCosts, StepCosts
 from stepserve.policies.genserve.scheduler import decide_round
 from stepserve.policies.genserve.types import (
@@ -157,7 +158,7 @@ def round_input(snapshot: ClusterSnapshot,
                             _VIDEO_STATUS[view.status], view.workers, rows=view.rows)
         else:
             item = ImageRequest(rid, view.shape_key, view.rows, view.steps_left, view.deadline, view.arrival_time,
-                                home)
+                                home, computed_share(view))
         memo[rid] = (view, home, item)
         (videos if view.is_video else images).append(item)
     for rid in [r for r in memo if r not in seen]:

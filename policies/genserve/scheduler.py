@@ -62,7 +62,10 @@ def decide_round(inp: RoundInput, config: GenServeConfig, costs: StepCosts) -> R
         idle = n - sum(degrees) - len(placed)  # the greedy allocator ignores the reserve; the score counts it
         value = add(value, (0, RESERVE_WEIGHT * min(inp.reserve, idle), 0))
 
-    placement = materialize(inp.workers, options, degrees, images.batches, placed, inp.busy, occupied)
+    # Empty workers before occupied ones for new batches: part of sticky batching (a resident
+    # never moves, so a batch put on its worker would displace it).
+    placement = materialize(inp.workers, options, degrees, images.batches, placed, inp.busy,
+                            occupied if config.sticky_images else frozenset())
 
     decided: dict[str, VideoDecision] = {}
     victims, downgraded = [], []

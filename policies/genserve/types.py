@@ -38,8 +38,13 @@ class ImageRequest:
     deadline: float  # D_r, absolute; +inf means no SLO
     arrival_time: float  # A_r
     worker_id: str | None = None  # where its latents live when resident, else None
+    # The share of its tokens a forward computes (`cost_model.computed_share`): below 1 for an
+    # edit of a cached template (InstGenIE), which its batch's step is priced at.
+    computed_share: float = 1.0
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.computed_share <= 1.0:
+            raise ValueError(f"ImageRequest.computed_share must be in [0, 1], got {self.computed_share!r}")
         if self.shape_key.frames != 1:
             # More frames make a video, planned as a VideoJob; costs tell the two apart by frames.
             raise ValueError(f"image {self.request_id!r}: an image has one frame, got {self.shape_key.frames}")

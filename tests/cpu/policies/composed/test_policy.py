@@ -4,6 +4,7 @@ refusal gives up what cannot make its deadline, and a lone CFG image splits on a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -12,7 +13,7 @@ from stepserve.policies import make_policy
 from stepserve.policies.composed import ComposedConfig, ComposedPolicy
 from stepserve.policies.cost_model import load_profile
 from stepserve.policies.genserve.policy import GenServePolicy
-from stepserve.policies.types import GroupSplit, RequestStatus
+from stepserve.policies.types import GroupSplit, RequestKind, RequestStatus, ShapeKey
 from tests.cpu.core_harness import Harness, spec
 from tests.cpu.policies.genserve.fakes import FakeCosts
 from tests.cpu.policies.snapshots import assert_executable, req, slot, snap, video
@@ -92,6 +93,16 @@ def test_refusal_gives_up_only_what_cannot_make_its_deadline():
     assert "cannot meet its deadline" in decision.discard[0].message
     planned = {rid for p in decision.plans for rid in p.admit}
     assert planned == {"fine", "free"}
+
+
+def test_refusal_prices_an_edit_of_a_cached_template_at_its_masked_share():
+    # 20 steps of a 512 px CFG image: 0.82 s in full, 0.02 + 0.021 * 0.2 a step at share 0.2.
+    edit = dataclasses.replace(req("edit", key=ShapeKey("sd", 512, 512), steps=20, deadline=0.6),
+                               kind=RequestKind.EDIT, template_id="t", mask_ratio=0.2)
+    snapshot = snap({"w0": slot(4)}, [edit], now=0.0)
+    assert not composed().schedule(snapshot).discard
+    unseen = dataclasses.replace(edit, template_id=None)  # no cached activations: it computes everything
+    assert [f.request_id for f in composed().schedule(snap({"w0": slot(4)}, [unseen], now=0.0)).discard] == ["edit"]
 
 
 SDXL = "stable-diffusion-xl-base-1.0"

@@ -26,7 +26,8 @@ class FakeCosts:
     """A `StepCosts` of two formulas, told apart by frames as ObservedOverheadCosts does.
 
     Image step (one frame): a fixed per-forward cost plus a per-row cost, so batching pays off
-    (Fig. 3). Video step: the work split over the SP degree plus a communication cost per extra
+    (Fig. 3); an edit of a cached template pays the per-row cost on its masked share only
+    (InstGenIE's `MaskAwareCosts`). Video step: the work split over the SP degree plus a communication cost per extra
     worker, so SP scales sublinearly (Figs. 5-6); it ignores rows, as every test video has CFG.
     `video_steps[model][degree]` overrides the video formula (a missing degree means the model
     cannot run at it)."""
@@ -41,7 +42,8 @@ class FakeCosts:
     def step_seconds(self, batch: BatchShape) -> float:
         self.calls += 1
         if batch.frames == 1:
-            return self.image_fixed + self.image_per_row_mpx * batch.rows * batch.height * batch.width / 1e6
+            return self.image_fixed + self.image_per_row_mpx * batch.rows * batch.height * batch.width / 1e6 \
+                * batch.mask_ratio
         if batch.model in self.video_steps:
             return self.video_steps[batch.model].get(batch.sp_degree, math.inf)
         work = self.video_unit_s * batch.pixels / VIDEO_UNIT
@@ -53,8 +55,8 @@ def workers(n: int) -> tuple[str, ...]:
 
 
 def img(rid: str, deadline: float, steps: int = 20, key: ShapeKey = SMALL, rows: int = 2,
-        arrival: float = 0.0, worker: str | None = None) -> ImageRequest:
-    return ImageRequest(rid, key, rows, steps, deadline, arrival, worker)
+        arrival: float = 0.0, worker: str | None = None, share: float = 1.0) -> ImageRequest:
+    return ImageRequest(rid, key, rows, steps, deadline, arrival, worker, share)
 
 
 def vid(jid: str, deadline: float, steps: int = 40, on: tuple[str, ...] = (), paused: bool = False,
@@ -94,7 +96,8 @@ def random_round(rng: random.Random, n_workers: int, n_videos: int, n_images: in
         deadline = now + rng.uniform(-1.0, 2.0) + steps * rng.uniform(0.02, 0.3)
         worker = rng.choice([None, None] + ws)
         images.append(img(f"i{i}", deadline, steps, key=key, rows=rng.choice([1, 2]),
-                          arrival=rng.uniform(0.0, now), worker=worker))
+                          arrival=rng.uniform(0.0, now), worker=worker,
+                          share=rng.choice([1.0, 1.0, round(rng.uniform(0.05, 1.0), 3)])))  # some edits
     return RoundInput(now, tuple(ws), tuple(images), tuple(videos))
 
 

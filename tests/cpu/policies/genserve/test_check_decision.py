@@ -78,3 +78,15 @@ def test_bad_image_batches(batch, match):
         too_many = ImageBatch("w3", SMALL, ("a", "b"), ("b",), 0.1)
         check_decision(INP, dataclasses.replace(CONFIG, image_max_batch=1),
                        dataclasses.replace(base, image_batches=(too_many,)))
+
+
+def test_a_packed_batch_with_an_edit_of_a_cached_template_is_rejected():
+    """A packed forward computes every token (see image_batching: such edits are not packed)."""
+    inp = dataclasses.replace(INP, images=(img("a", 5.0, worker="w3"), img("big", 5.0, key=LARGE, share=0.4)),
+                              videos=())
+    packing = dataclasses.replace(CONFIG, pack_resolutions=True)
+    batch = ImageBatch("w3", SMALL, ("a", "big"), ("big",), 0.1)
+    with pytest.raises(ValueError, match="packed forward computes every token"):
+        check_decision(inp, packing, dataclasses.replace(good(), videos=(), image_batches=(batch,)))
+    plain = dataclasses.replace(inp, images=(inp.images[0], img("big", 5.0, key=LARGE)))
+    check_decision(plain, packing, dataclasses.replace(good(), videos=(), image_batches=(batch,)))

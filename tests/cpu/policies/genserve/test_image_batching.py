@@ -9,7 +9,7 @@ from stepserve.policies.genserve.image_batching import edf_batches
 from stepserve.policies.genserve.scoring import add
 from stepserve.policies.types import ShapeKey
 
-from tests.cpu.policies.genserve.fakes import LARGE, FakeCosts, img
+from tests.cpu.policies.genserve.fakes import LARGE, FakeCosts, PackingFakeCosts, img
 
 # With FakeCosts, a SMALL image with CFG (2 rows) steps in 0.041 s alone: 20 steps = 0.82 s.
 
@@ -110,8 +110,6 @@ def test_sticky_residents_of_a_worker_are_one_batch_ahead_of_waiting_images():
 
 
 def test_packing_puts_resolutions_of_a_model_in_one_batch_priced_as_one_forward():
-    from tests.cpu.policies.genserve.fakes import PackingFakeCosts
-
     images = [img("small", 4.0), img("big", 5.0, key=LARGE)]
     assert ids(edf_batches(images, 0.0, GenServeConfig(pack_resolutions=True), FakeCosts(), 4)) == \
         [["small"], ["big"]]  # costs that cannot price a packed forward: one shape a batch
@@ -152,3 +150,33 @@ def test_spread_puts_an_image_without_an_slo_in_the_least_loaded_batch():
     assert ids(plan) == [["r0", "r1"], ["r2", "edit"]]
     first_fit = edf_batches(residents + [img("edit", math.inf)], 0.0, GenServeConfig(sticky_images=True), FakeCosts(), 2)
     assert ids(first_fit) == [["r0", "r1", "edit"], ["r2"]]
+
+
+def test_an_edit_of_a_cached_template_is_priced_at_its_computed_share():
+    # 2 rows of 512x512 at share 0.2: 0.02 + 0.04 * 2 * 0.262144 * 0.2 (InstGenIE's masked forward).
+    edit = edf_batches([img("e", math.inf, share=0.2)], 0.0, GenServeConfig(), FakeCosts(), 1)
+    assert math.isclose(edit.batches[0].step_s, 0.02 + 0.04 * 2 * 0.262144 * 0.2)
+    # A batch's share is its rows' weighted mean, rounded up to a hundredth (a conservative price).
+    mixed = edf_batches([img("e", math.inf, share=0.2), img("f", math.inf, share=0.333)], 0.0, GenServeConfig(),
+                        FakeCosts(), 1)
+    assert math.isclose(mixed.batches[0].step_s, 0.02 + 0.04 * 4 * 0.262144 * 0.27)
+
+
+def test_an_edit_without_an_slo_joins_the_batch_it_steps_fastest_in():
+    """Mask-aware placement (InstGenIE §4.4) in the spine: two batches of two edits each, one of
+    edits computing a tenth of their tokens; by request count they tie, by predicted step time
+    the masked one is lighter, and a new edit joins it."""
+    residents = [img("full0", math.inf, worker="w0"), img("full1", math.inf, worker="w0"),
+                 img("masked0", math.inf, worker="w1", share=0.1), img("masked1", math.inf, worker="w1", share=0.1)]
+    config = GenServeConfig(sticky_images=True, spread_images=True)
+    plan = edf_batches(residents + [img("edit", math.inf, share=0.5)], 0.0, config, FakeCosts(), 2)
+    assert ids(plan) == [["full0", "full1"], ["masked0", "masked1", "edit"]]
+
+
+def test_an_edit_of_a_cached_template_is_not_packed():
+    """A packed forward computes every token: an edit computing its masked share keeps a batch
+    of its own shape."""
+    config = GenServeConfig(pack_resolutions=True)
+    plan = edf_batches([img("a", 5.0), img("b", 5.0, key=LARGE), img("e", 5.0, share=0.3)], 0.0, config,
+                       PackingFakeCosts(), 4)
+    assert sorted(ids(plan)) == [["a", "b"], ["e"]]
