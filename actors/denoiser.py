@@ -117,7 +117,7 @@ class DenoiserWorker:
         self.lane = DecodeLane(o.decode_chunks) if chunked else None
         sequencer = None if o.sequencer is None or self.lane is None else RoundSequencer(*o.sequencer)
         self.runner = StepRunner(worker_id, families, self.incarnation, decode_images=o.decode_images, loras=loras,
-                                 lora_join_by=o.lora_join_by, decode_lane=self.lane, sequencer=sequencer,
+                                 lora_bounds=o.lora_bounds, decode_lane=self.lane, sequencer=sequencer,
                                  **mode_settings(o, families, services))
         self.sp_world: SPWorld | None = None
         self._interrupted = 0  # the plan id the router last asked to cut short

@@ -75,6 +75,11 @@ class RouterMetrics:
             "hold its LoRAs, per LoRA request) and batch (a plan's time bringing LoRAs to its worker, times the "
             "requests stepping in it: what the batch waited, summed over its requests).",
             ["where"], buckets=STAGE_BUCKETS, registry=r)
+        self.lora_join_bound = Gauge(
+            "stepserve_lora_join_bound",
+            "How late each served LoRA may join a request, as a fraction of its steps (`loras[].join_by`, its "
+            "profiled bound, else `lora_loading.join_by`; 0: exact, the request waits for it in the queue).",
+            ["model", "lora"], registry=r)
         self.split_steps = Counter(
             "stepserve_split_steps", "Denoising steps of one request split over several workers, counted once "
             "per request and step, by how: cfg (its two CFG rows, latent parallelism) or sequence (Ulysses).",

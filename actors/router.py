@@ -130,7 +130,7 @@ class Router:
         await self.store.fail_unfinished.remote("the job was interrupted by a router restart; create it again")
         self.id = uuid.uuid4().hex  # this incarnation: the edge's counts of what it received start here
         self.lora_stores = start_lora_stores(pool, models, name)  # by node id; none without LoRAs
-        self.lora_join_by = pool.lora_join_by
+        self.lora_bounds = pool.lora_bounds
         # By node id; none unless `edit_cache` is on.
         self.activation_stores = start_activation_stores(pool.edit_cache, name) if pool.edit_cache else {}
         self.edit_cache_kind = pool.edit_cache_kind
@@ -142,6 +142,10 @@ class Router:
         self.core = RouterCore(policy, slots, spec.core, costs)
         self.costs = costs
         self.metrics = RouterMetrics()
+        if not pool.preload_loras:  # (preloaded LoRAs are on every worker: none ever joins late)
+            for lora in pool.loras:
+                self.metrics.lora_join_bound.labels(lora.model, lora.name).set(
+                    self.lora_bounds.bound(lora.model, lora.name))
         self._waiters: dict[str, asyncio.Future] = {}  # image id -> its PNG bytes
         self._callers: dict[str, int] = {}  # image id -> calls waiting for it (idempotent retries join)
         self._reports: dict[str, deque[ray.ObjectRef]] = {wid: deque() for wid in self.workers}
@@ -290,9 +294,9 @@ class Router:
             for store in self.activation_stores.values():
                 store.prefetch.remote([template_key(spec, self.edit_cache_kind)])
         loras = bool(spec.loras and self.lora_stores)
-        # When its LoRAs may not join late (exact), it is ready only once the stores hold them:
+        # When a LoRA of it may not join late (exact), it is ready only once the stores hold them:
         # a worker must not stall its batch on a file read. Else they load while it runs.
-        waits_for_loras = loras and self.lora_join_by == 0
+        waits_for_loras = loras and self.lora_bounds.tightest(spec.model, (u.name for u in spec.loras)) == 0
         if loras and not waits_for_loras:
             self._spawn(self._prepare(spec, text=False, loras=True, then_ready=False))
         if self.text_encoder is not None or waits_for_loras:

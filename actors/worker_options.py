@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stepserve.actors.activation_store import ActivationStoreSpec
-from stepserve.engine.addons.source import AddonKind, AddonSource
+from stepserve.engine.addons.source import AddonKind, AddonSource, LoraJoinBounds
 from stepserve.engine.editing.masked_sd3 import CacheKind
 from stepserve.engine.patch_cache.calibration import PatchCacheSpec
 from stepserve.policies.synerdiff.types import ConcurrencyTable
@@ -31,7 +31,7 @@ class WorkerPoolSpec:
     encode_text: bool = False  # a worker encodes the prompts of what it admits (`text_encoder.on_workers`)
     text_cache_size: int = 4096  # embeddings each worker keeps when it encodes prompts
     addons: tuple[AddonSource, ...] = ()  # ControlNets and LoRAs every worker serves (`controlnets`, `loras`)
-    lora_join_by: float = 0.0  # `lora_loading.join_by`
+    lora_join_by: float = 0.0  # `lora_loading.join_by`: the bound of a LoRA without its own `join_by`
     lora_store_bytes: int = 8 << 30  # `lora_loading.store_bytes`
     max_resident_loras: int = 32  # `lora_loading.max_resident`
     preload_loras: bool = False  # `lora_loading.preload`: every worker loads every LoRA at start, no stores
@@ -44,6 +44,11 @@ class WorkerPoolSpec:
     @property
     def loras(self) -> tuple[AddonSource, ...]:
         return tuple(a for a in self.addons if a.kind is AddonKind.LORA)
+
+    @property
+    def lora_bounds(self) -> LoraJoinBounds:
+        """How late each served LoRA may join a request: its own `join_by`, else the pool's."""
+        return LoraJoinBounds.of(self.loras, self.lora_join_by)
 
 
 @dataclass(frozen=True)

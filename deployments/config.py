@@ -222,14 +222,26 @@ class AddonConfig(_Strict):
         return AddonSource(kind, self.name, self.model, self.preset, local_path(self.path), self.seed)
 
 
+class LoraConfig(AddonConfig):
+    join_by: float | None = Field(
+        default=None, ge=0, lt=1,
+        description="How late this LoRA may join a request, as a fraction of its steps: its profiled bound k / steps "
+                    "(SwiftDiffusion §4.2; `stepserve lora-bound --lora-path <its file>` prints it as `join_by`). The "
+                    "LoRA applies from the first step after it arrives, at this fraction at the latest. Unset: "
+                    "`lora_loading.join_by`. 0: exact (the request waits until the store holds it).")
+
+    def to_source(self, kind: AddonKind = AddonKind.LORA) -> AddonSource:
+        return replace(super().to_source(kind), join_by=self.join_by)
+
+
 class LoraLoadingConfig(_Strict):
     join_by: float = Field(
         default=0.0, ge=0, lt=1,
         description="Bounded asynchronous LoRA loading (SwiftDiffusion §4.2): the fraction of a request's steps that "
                     "may run before its LoRAs have arrived (they join at the first step after they do, at this "
                     "fraction at the latest). 0 (exact): a request waits in the queue until the LoRA store holds its "
-                    "LoRAs, and applies them from its first step. `stepserve lora-bound` measures the paper's "
-                    "cosine-similarity bound for a model and LoRA. Unused with `preload`.")
+                    "LoRAs, and applies them from its first step. The bound of every LoRA without its own "
+                    "`loras[].join_by` (`stepserve lora-bound` measures one LoRA's). Unused with `preload`.")
     preload: bool = Field(
         default=False,
         description="Load every configured LoRA on every worker at start and keep it there (no LoRA store): for a "
@@ -566,7 +578,7 @@ class AppConfig(_Strict):
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Request validation limits.")
     controlnets: list[AddonConfig] = Field(
         default_factory=list, description="Served ControlNets; every worker serving their model holds them.")
-    loras: list[AddonConfig] = Field(
+    loras: list[LoraConfig] = Field(
         default_factory=list,
         description="Served LoRAs (any number): read into a node's LoRA store when a request first needs one, and "
                     "into a worker when it admits one.")

@@ -27,6 +27,7 @@ import torch
 
 from stepserve.engine.addons import StepAddons
 from stepserve.engine.addons.lora import LoraLoader
+from stepserve.engine.addons.source import LoraJoinBounds
 from stepserve.engine.decode_lane import DecodeLane, PendingDecode
 from stepserve.engine.families.base import DiffusionFamily
 from stepserve.engine.forward_modes.base import ForwardBatch, ForwardMode, ModeName
@@ -56,7 +57,8 @@ class Admission:
 
 class StepRunner:
     def __init__(self, worker_id: str, families: Mapping[str, DiffusionFamily], incarnation: str = "",
-                 decode_images: bool = False, loras: LoraLoader | None = None, lora_join_by: float = 0.0,
+                 decode_images: bool = False, loras: LoraLoader | None = None,
+                 lora_bounds: LoraJoinBounds = LoraJoinBounds(),
                  decode_lane: DecodeLane | None = None, sequencer: RoundSequencer | None = None, **modes: Any):
         """`decode_images`: a finished image leaves as its PNG, decoded by this worker's VAE, not as
         its latents (`vae_decoder.on_workers`); with a `decode_lane`, as a `PendingDecode` whose PNG
@@ -65,12 +67,10 @@ class StepRunner:
         splits each step of a group into sub-rounds, each with its share of the lane's decodes
         and its choice of skip-CFG (`engine.round_sequencer`).
         `loras`: brings LoRAs that are not in the families yet (None: every LoRA a request names
-        must be loaded already); `lora_join_by`: the fraction of a request's steps that may run
-        before its LoRAs have arrived (0: none, exact). `modes`: the settings of its forward modes
+        must be loaded already); `lora_bounds`: the fraction of a request's steps that may run
+        before each of its LoRAs has arrived (0: none, exact). `modes`: the settings of its forward modes
         (`engine.forward_modes.registry.forward_modes`: `templates`, `patch_reuse`,
         `pack_resolutions`); none given, only the exact modes run, and groups as planned."""
-        if not 0.0 <= lora_join_by < 1.0:
-            raise ValueError(f"lora_join_by must be in [0, 1), got {lora_join_by}")
         self.worker_id = worker_id
         self.families = dict(families)
         self.incarnation = incarnation
@@ -82,7 +82,7 @@ class StepRunner:
         self.decode_lane = decode_lane
         self.sequencer = sequencer
         self.loras = loras
-        self.lora_join_by = lora_join_by
+        self.lora_bounds = lora_bounds
         self.modes = forward_modes(**modes)
         self._packed = self.modes[ModeName.PACKED]
         self.samplers: dict[str, Sampler] = {}
@@ -257,9 +257,11 @@ class _PlanRun:
                 if name not in family.loras:
                     loader.wait(spec.model, name)
         pending = sampler.pending_loras
-        if pending and loader is not None and sampler.step_index >= sampler.lora_deadline(self.runner.lora_join_by):
-            for name in pending:
-                if name not in family.loras:
+        if pending and loader is not None:
+            bounds = self.runner.lora_bounds
+            for name in pending:  # each LoRA by its own bound
+                if name not in family.loras and sampler.step_index >= sampler.lora_deadline(
+                        bounds.bound(spec.model, name)):
                     loader.wait(spec.model, name)
         sampler.join_loras([name for name in pending if name in family.loras])
 

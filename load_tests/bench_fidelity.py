@@ -50,6 +50,7 @@ from typing import Any
 
 import numpy as np
 
+from stepserve.engine.addons.source import LoraJoinBounds
 from stepserve.engine.forward_modes.base import ModeName
 from stepserve.engine.shapes import dataset
 from stepserve.engine.shapes.judge import Judge, prompt_accuracy
@@ -98,7 +99,7 @@ def joined_late(family, specs: Sequence[RequestSpec], join_by: float) -> np.ndar
         for name in loras:  # gone again: each batch's requests start before their LoRA arrives
             family.remove_lora(name)
         runner = StepRunner("bench", {chunk[0].model: family}, decode_images=True, loras=DueLoras(family, loras),
-                            lora_join_by=join_by)
+                            lora_bounds=LoraJoinBounds(join_by))
         return draw(family, chunk, runner=runner)
 
     try:

@@ -29,6 +29,7 @@ from stepserve.policies.types import (
     ClusterSnapshot,
     Decision,
     GroupSplit,
+    RequestKind,
     RequestView,
     ShapeKey,
     StepGroup,
@@ -72,21 +73,25 @@ class LatentParallel:
             return rest.schedule(snapshot)
         idle = list(snapshot.index.open_idle_ids)
         ready = [v for v in snapshot.queued if v.ready]
-        pairs = [v for v in snapshot.running if len(v.workers) == 2 and not v.is_video]
+        # Every round walks the running requests: at 512 workers thousands, so the test is
+        # written out (no property calls), and workers are looked up in the index directly.
+        video = RequestKind.T2V
+        pairs = [v for v in snapshot.running if len(v.workers) == 2 and v.kind is not video]
+        workers = snapshot.lookups().workers_by_id
         # More ready requests than idle workers: give back a worker of the pairs that would hold
         # theirs longest (each holds all of its request: the other goes on alone).
         ungroup = max(0, len(ready) - len(idle))
         plans: list[WorkerPlan] = []
         spoken: list[str] = []  # workers planned here
-        for view in sorted(pairs, key=lambda v: v.steps_left, reverse=True):
+        for view in sorted(pairs, key=lambda v: v.steps_total - v.steps_done, reverse=True):  # steps left
+            first, second = view.workers
             spoken += view.workers
-            if not all(snapshot.worker(w).open for w in view.workers):
+            if not (workers[first].open and workers[second].open):
                 continue  # the forwards run in lockstep: a pair waits for both
             if ungroup:
-                ungroup -= 1
-                keep, other = view.workers  # rank order
-                plans += [WorkerPlan(keep, groups=(StepGroup((view.request_id,)),)),
-                          WorkerPlan(other, release=(view.request_id,))]
+                ungroup -= 1  # the first keeps it (rank order)
+                plans += [WorkerPlan(first, groups=(StepGroup((view.request_id,)),)),
+                          WorkerPlan(second, release=(view.request_id,))]
             else:
                 plans += self._split(snapshot, view, view.workers, admit=False)
         split: list[str] = []

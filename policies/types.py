@@ -344,35 +344,36 @@ class ClusterSnapshot:
         return cls(now, tuple(queued), SnapshotIndex.of(tuple(workers), tuple(running)), sp_available,
                    step_overhead_s)
 
-    def _lookups(self) -> SnapshotIndex:
+    def lookups(self) -> SnapshotIndex:
+        """The index, checked to be still current."""
         if not self.index.current():
             raise RuntimeError("this snapshot's round is over: the router core has changed since")
         return self.index
 
     @cached_property
     def workers(self) -> tuple[WorkerView, ...]:
-        return tuple(self._lookups().workers_by_id.values())
+        return tuple(self.lookups().workers_by_id.values())
 
     @cached_property
     def running(self) -> tuple[RequestView, ...]:
         out: dict[str, RequestView] = {}
-        for views in self._lookups().running_by_worker.values():
+        for views in self.lookups().running_by_worker.values():
             for view in views:
                 out.setdefault(view.request_id, view)
         return tuple(out.values())
 
     def worker(self, worker_id: str) -> WorkerView:
         try:
-            return self._lookups().workers_by_id[worker_id]
+            return self.lookups().workers_by_id[worker_id]
         except KeyError:
             raise KeyError(worker_id) from None
 
     def running_on(self, worker_id: str) -> tuple[RequestView, ...]:
-        return self._lookups().running_by_worker.get(worker_id, ())
+        return self.lookups().running_by_worker.get(worker_id, ())
 
     def open_workers(self, idle: bool = True) -> tuple[WorkerView, ...]:
         """Open workers holding requests, then (with `idle`) open workers holding nothing."""
-        by_id = self._lookups().workers_by_id
+        by_id = self.lookups().workers_by_id
         ids = self.index.open_ids + self.index.open_idle_ids if idle else self.index.open_ids
         return tuple(by_id[w] for w in ids)
 
@@ -382,7 +383,7 @@ class ClusterSnapshot:
         me = self.worker(excluding)
         mine = (me.max_batch_size, len(me.running))
         best = None
-        for (size, load), count in self._lookups().load_counts.items():
+        for (size, load), count in self.lookups().load_counts.items():
             if (size, load) == mine:
                 count -= 1
             limit = size if cap is None else min(cap, size)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from enum import Enum
 
 from diffusers import ControlNetModel
@@ -30,10 +31,42 @@ class AddonSource:
     preset: str | None = None
     path: str | None = None
     seed: int = 0
+    # A LoRA's bound on a late join (SwiftDiffusion §4.2's k, as a fraction of a request's steps:
+    # `stepserve lora-bound` measures it); None: the pool's `lora_loading.join_by`.
+    join_by: float | None = None
 
     def __post_init__(self) -> None:
         if (self.preset is None) == (self.path is None):
             raise ValueError(f"{self.kind.value} {self.name!r}: give exactly one of preset or path")
+        if self.join_by is not None and (self.kind is not AddonKind.LORA or not 0.0 <= self.join_by < 1.0):
+            raise ValueError(f"{self.kind.value} {self.name!r}: join_by is a LoRA's, in [0, 1), got {self.join_by!r}")
+
+
+@dataclass(frozen=True)
+class LoraJoinBounds:
+    """How late each LoRA may join a request: the fraction of its steps that may run before the
+    LoRA applies (bounded asynchronous loading, SwiftDiffusion §4.2; 0: from the first step,
+    exact). Each LoRA's own bound where it has one (its profiled k), else `default`."""
+
+    default: float = 0.0
+    per_lora: Mapping[tuple[str, str], float] = field(default_factory=dict)  # (model, LoRA) -> bound
+
+    def __post_init__(self) -> None:
+        for bound in (self.default, *self.per_lora.values()):
+            if not 0.0 <= bound < 1.0:
+                raise ValueError(f"a LoRA join bound must be in [0, 1), got {bound!r}")
+
+    @classmethod
+    def of(cls, sources: Iterable[AddonSource], default: float = 0.0) -> "LoraJoinBounds":
+        return cls(default, {(s.model, s.name): s.join_by for s in sources
+                             if s.kind is AddonKind.LORA and s.join_by is not None})
+
+    def bound(self, model: str, lora: str) -> float:
+        return self.per_lora.get((model, lora), self.default)
+
+    def tightest(self, model: str, loras: Iterable[str]) -> float:
+        """The least bound of these LoRAs (0 when any must apply from the first step)."""
+        return min((self.bound(model, name) for name in loras), default=self.default)
 
 
 def _check_preset(source: AddonSource, model: ModelSource) -> None:

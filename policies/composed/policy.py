@@ -42,7 +42,7 @@ from stepserve.policies.genserve.costs import MemoizedCosts
 from stepserve.policies.genserve.policy import GenServePolicy
 from stepserve.policies.latent_parallel import LatentParallel, LatentParallelConfig
 from stepserve.policies.registry import register_policy
-from stepserve.policies.types import ClusterSnapshot, Decision
+from stepserve.policies.types import ClusterSnapshot, Decision, RequestKind
 
 
 @register_policy("composed", ComposedConfig)
@@ -78,7 +78,8 @@ class ComposedPolicy:
         if not self.config.headroom_quantile:
             return 0
         self.arrivals.observe(snapshot)
-        videos = [v for v in snapshot.queued + snapshot.running if v.is_video]
+        video = RequestKind.T2V  # (every running request, every round: no property call)
+        videos = [v for v in snapshot.queued if v.kind is video] + [v for v in snapshot.running if v.kind is video]
         if not videos:
             return 0  # nothing would take an idle worker for longer than an image's step
         horizon = max(self.profile.step_seconds_of((v.shape_key.model, v.shape_key.height, v.shape_key.width,

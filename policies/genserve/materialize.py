@@ -37,7 +37,13 @@ def materialize(workers: Sequence[str], options: Sequence[VideoOptions], degrees
                 busy: Collection[str] = frozenset(), occupied: Collection[str] = frozenset()) -> Placement:
     if sum(degrees) + len(placed) > len(workers):
         raise ValueError(f"plan needs {sum(degrees) + len(placed)} workers, the round has {len(workers)}")
-    position = {w: i for i, w in enumerate(workers)}
+    position: dict[str, int] = {}
+
+    def rank(worker: str) -> int:  # the worker's place in `workers`, the order ties go by
+        if not position:  # built on first need: most rounds place every batch without it
+            position.update((w, i) for i, w in enumerate(workers))
+        return position[worker]
+
     claimed: set[str] = set()
     groups: list[list[str]] = [[] for _ in options]
 
@@ -54,29 +60,38 @@ def materialize(workers: Sequence[str], options: Sequence[VideoOptions], degrees
             if member.worker_id is not None and member.worker_id not in claimed:
                 counts[member.worker_id] = counts.get(member.worker_id, 0) + 1
         if counts:
-            home = min(counts, key=lambda w: (-counts[w], position[w]))
+            home = next(iter(counts)) if len(counts) == 1 else min(counts, key=lambda w: (-counts[w], rank(w)))
             batch_worker[k] = home
             claimed.add(home)
 
     homeless = [k for k in placed if k not in batch_worker]  # `placed` is in priority order
-    free_now = sorted((w for w in workers if w not in claimed and w not in busy), key=lambda w: w in occupied)
-    for k, w in zip(homeless, free_now):
-        batch_worker[k] = w
-        claimed.add(w)
+    if homeless:
+        # Free workers, empty ones first; the walk over the pool stops once the empty ones
+        # found can take every homeless batch (a round on 512 workers places a few).
+        empty, held = [], []
+        for w in workers:
+            if w not in claimed and w not in busy:
+                (held if w in occupied else empty).append(w)
+                if len(empty) >= len(homeless):
+                    break
+        for k, w in zip(homeless, empty + held):
+            batch_worker[k] = w
+            claimed.add(w)
 
-    pool = [w for w in workers if w not in claimed and w not in busy] + \
-        [w for w in workers if w not in claimed and w in busy]
-    taken = 0
-    for j in range(len(options)):
-        need = degrees[j] - len(groups[j])
-        if need > 0:
-            groups[j].extend(pool[taken: taken + need])
-            taken += need
-
-    rest = sorted(pool[taken:], key=position.__getitem__)
-    for k in placed:
-        if k not in batch_worker:
-            batch_worker[k] = rest.pop(0)
+    needs = [degrees[j] - len(groups[j]) for j in range(len(options))]
+    unplaced = len(placed) - len(batch_worker)
+    if unplaced or any(n > 0 for n in needs):
+        pool = [w for w in workers if w not in claimed and w not in busy] + \
+            [w for w in workers if w not in claimed and w in busy]
+        taken = 0
+        for j, need in enumerate(needs):
+            if need > 0:
+                groups[j].extend(pool[taken: taken + need])
+                taken += need
+        rest = sorted(pool[taken:], key=rank)
+        for k in placed:
+            if k not in batch_worker:
+                batch_worker[k] = rest.pop(0)
 
     return Placement(
         video_workers=tuple(tuple(g) for g in groups),

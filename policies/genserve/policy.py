@@ -143,16 +143,20 @@ def round_input(snapshot: ClusterSnapshot,
     seen: set[str] = set()
     images: list[ImageRequest] = []
     videos: list[VideoJob] = []
+    video = RequestKind.T2V
+    # Every request, every round (thousands at 512 workers): no property calls in the loop.
     for view in snapshot.queued + snapshot.running:
         if not view.ready:
             continue
         rid = view.request_id
         seen.add(rid)
-        home = view.worker_id if view.worker_id in in_pool else None
+        held = view.workers
+        home = held[0] if len(held) == 1 and held[0] in in_pool else None
+        is_video = view.kind is video
         cached = memo.get(rid)
         if cached is not None and cached[0] is view and cached[1] == home:
             item = cached[2]
-        elif view.is_video:
+        elif is_video:
             item = VideoJob(rid, view.shape_key.model, view.shape_key.height, view.shape_key.width,
                             view.shape_key.frames, view.steps_left, view.deadline, view.arrival_time,
                             _VIDEO_STATUS[view.status], view.workers, rows=view.rows)
@@ -160,9 +164,10 @@ def round_input(snapshot: ClusterSnapshot,
             item = ImageRequest(rid, view.shape_key, view.rows, view.steps_left, view.deadline, view.arrival_time,
                                 home, computed_share(view))
         memo[rid] = (view, home, item)
-        (videos if view.is_video else images).append(item)
-    for rid in [r for r in memo if r not in seen]:
-        del memo[rid]
+        (videos if is_video else images).append(item)
+    if len(memo) > len(seen):  # (the memo holds every id seen: only then is one gone)
+        for rid in [r for r in memo if r not in seen]:
+            del memo[rid]
     return RoundInput(snapshot.now, pool, tuple(images), tuple(videos), busy, reserve)
 
 

@@ -5,6 +5,7 @@ import base64
 import dataclasses
 import io
 
+import httpx
 import numpy as np
 import openai
 from diffusers.image_processor import VaeImageProcessor
@@ -51,3 +52,7 @@ def test_controlnets_run_by_the_service_equal_diffusers_beside_late_joining_lora
     expected = np.asarray(VaeImageProcessor.numpy_to_pil(expected[None])[0]).astype(int)
     assert np.abs(pixels(served.data[0].b64_json) - expected).max() <= 1  # PNG rounding at most
     assert all(len(result.data) == 1 for result in styled)
+    bounds = {line.split(" ")[0]: float(line.split(" ")[1]) for line in httpx.get(f"{url}/metrics").text.splitlines()
+              if line.startswith("stepserve_lora_join_bound{")}
+    assert bounds == {'stepserve_lora_join_bound{lora="ink",model="tiny-sd"}': 0.0,
+                      'stepserve_lora_join_bound{lora="papercut",model="tiny-sd"}': 0.5}, bounds

@@ -3,7 +3,9 @@ image whose HTTP client went away, an image cancelled through a handle, a video 
 deleted through the job API. One worker, so "freed" is plain: the next request runs at once.
 
 The app (tiny-sd images + tiny-wan videos on one CPU worker) is deployed once per policy on one
-local Ray, replacing the previous policy's app.
+local Ray, replacing the previous policy's app. CI runs the shipped defaults' policies (the
+embedded default's `continuous`, the cluster's `composed`); the others run with `-m slow` (each
+deployment costs CI most of a minute).
 """
 
 import time
@@ -16,7 +18,8 @@ from stepserve.runtime import load_serve_config, run_app, CONFIGS
 
 from tests.cpu.integration.conftest import free_port, local_ray_for_tests
 
-POLICIES = ["continuous", "static_fcfs", "dynamic_batching", "genserve"]
+POLICIES = ["continuous", "composed"] + [pytest.param(p, marks=pytest.mark.slow)
+                                         for p in ("static_fcfs", "dynamic_batching", "genserve")]
 # The largest image the config allows at its most steps: it must outlast the 3 s client timeout
 # with room to spare (at 128 px, 100 steps once finished in under 3 s on a quiet machine).
 LONG_IMAGE = {"prompt": "a long one", "size": "256x256", "num_inference_steps": 100, "seed": 1}
@@ -33,6 +36,8 @@ def app_config(policy: str, port: int) -> dict:
     args["router"] = {"policy": policy, "profiles": ["tiny-sd-cpu", "tiny-wan-cpu"]}
     if policy == "genserve":
         args["router"]["policy_options"] = {"sp_degrees": [1]}
+    if policy == "composed":  # as configs/local-video.yaml: the long image outlasts its SLO, and is served
+        args["router"]["policy_options"] = {"sp_degrees": [1], "refuse_unattainable": False}
     return config
 
 

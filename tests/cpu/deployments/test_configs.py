@@ -68,6 +68,19 @@ def test_the_addon_settings_reach_the_router_as_cost_and_batching_choices():
         AppConfig.model_validate({**base, "lora_loading": {"batches": "one_by_one"}})
 
 
+def test_a_loras_own_join_bound_reaches_the_workers_and_the_router():
+    base = {"models": [{"name": "m", "family": "sd15", "preset": "tiny"}], "lora_loading": {"join_by": 0.3},
+            "loras": [{"name": "ink", "model": "m", "preset": "tiny", "join_by": 0.0},
+                      {"name": "papercut", "model": "m", "preset": "tiny"}]}
+    bounds = AppConfig.model_validate(base).pool_spec().lora_bounds
+    assert bounds.bound("m", "ink") == 0.0 and bounds.bound("m", "papercut") == 0.3
+    for bad in (1.0, -0.1):
+        with pytest.raises(ValueError, match="join_by"):
+            AppConfig.model_validate({**base, "loras": [{"name": "ink", "model": "m", "preset": "tiny", "join_by": bad}]})
+    with pytest.raises(ValueError, match="join_by"):  # a ControlNet never joins late
+        AppConfig.model_validate({**base, "controlnets": [{"name": "c", "model": "m", "preset": "tiny", "join_by": 0.1}]})
+
+
 def test_a_relative_weights_path_resolves_from_here_else_under_configs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     shipped = ModelConfig(name="shapes", family="sd15", path="models/shapes/sd")
