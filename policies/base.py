@@ -139,7 +139,8 @@ def _after_admission(snapshot: ClusterSnapshot, worker_id: str, admitted: tuple[
 
 def without(snapshot: ClusterSnapshot, workers: Iterable[str], requests: Iterable[str]) -> ClusterSnapshot:
     """The snapshot as a policy sees it once `workers` and the waiting `requests` are spoken for
-    (a policy that plans some of the pool itself and hands the rest to another). O(workers)."""
+    (a policy that plans some of the pool itself and hands the rest to another). O(workers), in
+    dict copies."""
     gone, taken = set(workers), set(requests)
     index = snapshot.lookups()
     # Copies less what is gone: a dict copy is one C call, where a comprehension over the pool
@@ -151,9 +152,10 @@ def without(snapshot: ClusterSnapshot, workers: Iterable[str], requests: Iterabl
             continue
         running.pop(w, None)
         key = (view.max_batch_size, len(view.running))
-        counts[key] -= 1
-        if not counts[key]:
-            del counts[key]
+        if counts.get(key, 0) > 1:
+            counts[key] -= 1
+        else:
+            counts.pop(key, None)
     return ClusterSnapshot(
         snapshot.now, tuple(v for v in snapshot.queued if v.request_id not in taken) if taken else snapshot.queued,
         SnapshotIndex(by_id, running, tuple(w for w in index.open_ids if w not in gone),
