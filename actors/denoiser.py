@@ -32,7 +32,8 @@ from stepserve.actors.worker_options import WorkerPoolSpec, WorkerServices
 from stepserve.engine.addons.controlnet import RemoteControlNets
 from stepserve.engine.addons.source import AddonKind, load_addon
 from stepserve.engine.decode_lane import DecodeLane, PendingDecode
-from stepserve.engine.families import DENOISER, TEXT, VAE, DiffusionFamily, ModelSource, family_class, load_family
+from stepserve.engine.families import (DENOISER, TEXT, VAE, DiffusionFamily, ModelSource, family_class, load_family,
+                                      resolve_device)
 from stepserve.engine.forward_modes.base import ModeName
 from stepserve.engine.patch_cache.calibration import calibrate
 from stepserve.engine.round_sequencer import RoundSequencer
@@ -56,12 +57,6 @@ LOST = (
     ray.exceptions.WorkerCrashedError,
     ray.exceptions.ObjectFetchTimedOutError,
 )
-
-
-def resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
 
 
 def worker_parts(source: ModelSource, decode_images: bool = False, encode_text: bool = False,

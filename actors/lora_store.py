@@ -13,38 +13,18 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import warnings
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import ray
 import torch
 
-from stepserve.engine.addons.lora import LoraLayer, LoraWeights, load_lora_file
+from stepserve.engine.addons.lora import LoraWeights, from_arrays, load_lora_file, to_arrays
 from stepserve.engine.addons.presets import preset_lora
 from stepserve.engine.addons.source import AddonKind, AddonSource
 from stepserve.engine.families import DENOISER, ModelSource, load_family
 from stepserve.routing.lora_residency import LoraResidency
-
-# A LoRA as the store hands it out: (name, {module: (down, up, scaling)}) in numpy.
-LoraArrays = tuple[str, dict[str, tuple[np.ndarray, np.ndarray, float]]]
-
-
-def to_arrays(lora: LoraWeights) -> LoraArrays:
-    return lora.name, {m: (layer.down.numpy(), layer.up.numpy(), layer.scaling) for m, layer in lora.layers.items()}
-
-
-def from_arrays(arrays: LoraArrays) -> LoraWeights:
-    """The weights, as tensors over the arrays' memory (read-only: the object store's; nothing
-    writes LoRA weights, so torch's warning about it is silenced)."""
-    name, layers = arrays
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return LoraWeights(name, {m: LoraLayer(torch.from_numpy(down), torch.from_numpy(up), scaling)
-                                  for m, (down, up, scaling) in layers.items()})
-
 
 class LoraStore:
     def __init__(self, loras: Sequence[AddonSource], models: Sequence[ModelSource], capacity_bytes: int):

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from stepserve.actors.denoiser import resolve_device
+from stepserve.engine.families import resolve_device
 from stepserve.engine.addons.controlnet import ControlRows, Residuals, inputs_to, net_residuals
 from stepserve.engine.addons.source import AddonKind, AddonSource, controlnet_model
 from stepserve.engine.families import ModelSource

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 from ray import serve
 
-from stepserve.actors.denoiser import resolve_device
+from stepserve.engine.families import resolve_device
 from stepserve.engine.families import TEXT, ModelSource, load_family
 from stepserve.engine.text_encoding import CachedTextEncoder, Item, Pair, encode_items
 

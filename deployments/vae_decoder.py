@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from stepserve.actors.denoiser import resolve_device
+from stepserve.engine.families import resolve_device
 from stepserve.engine.families import VAE, ModelSource, load_family
 from stepserve.engine.png import encode_png
 

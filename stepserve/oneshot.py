@@ -124,7 +124,9 @@ def generate(app: AppConfig, spec: RequestSpec, progress: Progress | None = None
     # else every core: nothing else runs here.
     torch.set_num_threads(workers.torch_threads or os.cpu_count() or 1)
     try:
-        return run_request(load_model(app.model(spec.model), _device(workers.device)), spec, progress)
+        from stepserve.engine.families import resolve_device
+
+        return run_request(load_model(app.model(spec.model), resolve_device(workers.device)), spec, progress)
     finally:
         torch.set_num_threads(threads)
 
@@ -164,12 +166,3 @@ def run_request(family: DiffusionFamily, spec: RequestSpec, progress: Progress |
         if progress is not None:
             progress(done, total)
     return payloads[0]
-
-
-def _device(device: str) -> str:
-    # As the workers resolve it (`actors.denoiser.resolve_device`, which lives beside Ray).
-    if device == "auto":
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device

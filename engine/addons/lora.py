@@ -14,11 +14,13 @@ the key formats it converts (kohya, PEFT, diffusers) are the ones served.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from diffusers import StableDiffusionPipeline  # its LoRA reader (`lora_state_dict`) is the SD/SDXL one
@@ -74,6 +76,24 @@ class LoraWeights:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for layer in self.layers.values() for t in (layer.down, layer.up))
+
+
+# A LoRA as the node's LoRA store hands it out (actors.lora_store): (name, {module: (down, up, scaling)}) in numpy.
+LoraArrays = tuple[str, dict[str, tuple[np.ndarray, np.ndarray, float]]]
+
+
+def to_arrays(lora: LoraWeights) -> LoraArrays:
+    return lora.name, {m: (layer.down.numpy(), layer.up.numpy(), layer.scaling) for m, layer in lora.layers.items()}
+
+
+def from_arrays(arrays: LoraArrays) -> LoraWeights:
+    """The weights, as tensors over the arrays' memory (read-only: the object store's; nothing
+    writes LoRA weights, so torch's warning about it is silenced)."""
+    name, layers = arrays
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return LoraWeights(name, {m: LoraLayer(torch.from_numpy(down), torch.from_numpy(up), scaling)
+                                  for m, (down, up, scaling) in layers.items()})
 
 
 def _alpha(module: str, rank: int, alphas: dict[str, float] | None, config: dict) -> float:

@@ -47,6 +47,13 @@ def family_class(name: str) -> type[DiffusionFamily]:
         raise ValueError(f"unknown model family {name!r}; known: {sorted(FAMILIES)}") from None
 
 
+def resolve_device(device: str) -> str:
+    """A configured device: "auto" is CUDA where there is one, else the CPU."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
 def load_family(source: ModelSource, parts: Collection[str], device: str | torch.device = "cpu",
                 remote: RemoteControlNets | None = None) -> DiffusionFamily:
     """`remote`: where the family's ControlNets run when not on this worker (families that take

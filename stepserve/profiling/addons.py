@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from stepserve.actors.lora_store import from_arrays, to_arrays
 from stepserve.engine.addons import ControlRows, LoraRows, StepAddons
 from stepserve.engine.addons.controlnet import control_residuals
+from stepserve.engine.addons.lora import from_arrays, to_arrays
 from stepserve.engine.addons.source import AddonKind, controlnet_model, load_addon
 from stepserve.engine.text_encoding import embed
 from stepserve.policies.cost_model import CONTROLNET, DENOISE_ENCODER, LORA, LORA_LOAD, ProfileRow

@@ -257,7 +257,7 @@ def measure_vae_decode(ctx: Context, threads: int) -> list[ProfileRow]:
 
 
 def run_profile(args: argparse.Namespace) -> int:
-    from stepserve.actors.denoiser import resolve_device
+    from stepserve.engine.families import resolve_device
     from stepserve.deployments.config import AppConfig
     from stepserve.engine.families import ALL_PARTS, load_family
 
@@ -315,7 +315,7 @@ def run_profile(args: argparse.Namespace) -> int:
         lambda: measure_live(ctx, serve_config, min(grid.sizes), what=guided,
                              model_work=image_model_work(ctx.family, min(grid.sizes), request_rows))))
     if live_result is None:
-        rows.append(echo)
+        rows += [echo] if echo is not None else []
     else:
         size = live_result.size
         in_process = ProfiledCostModel(rows).round_seconds([BatchShape(model_config.name, size, size, request_rows)])

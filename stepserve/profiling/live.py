@@ -4,6 +4,7 @@ the config's real app over HTTP, the idle host, and the rows derived from them."
 from __future__ import annotations
 
 import copy
+import importlib.util
 import socket
 import statistics
 import time
@@ -61,9 +62,18 @@ def measure_rpc(ctx: Context, batch: int) -> ProfileRow:
 
 
 def measure_on_ray(ctx: Context, num_cpus: int | None, batch: int,
-                   live: Callable[[], LiveResult] | None) -> tuple[ProfileRow, LiveResult | None]:
+                   live: Callable[[], LiveResult] | None) -> tuple[ProfileRow | None, LiveResult | None]:
     """On a lean local Ray started here and shut down after: the actor round trip of a plan of
-    `batch` requests (`measure_rpc`), and `live()` (a `measure_live` call) unless it is None."""
+    `batch` requests (`measure_rpc`), and `live()` (a `measure_live` call) unless it is None.
+
+    Without Ray installed (a bare GPU machine profiling the model's own work), no round trip: the
+    profile then has no fixed round row, which the cost model reads as 0; the live measurements
+    need Ray and are refused."""
+    if importlib.util.find_spec("ray") is None:
+        if live is not None:
+            raise RuntimeError("the live measurements need Ray, which is not installed here: pass --no-live")
+        log("[round_overhead] Ray is not installed here: the actor round trip is not measured (read as 0)")
+        return None, None
     import ray
     from ray import serve
 

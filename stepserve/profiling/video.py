@@ -352,7 +352,7 @@ def send_video(frames: int):
 
 def run_video_profile(args: argparse.Namespace, serve_config: dict, app, model_config) -> int:
     """`stepserve profile` for a video model; `app` is `serve_config`'s validated `AppConfig`."""
-    from stepserve.actors.denoiser import resolve_device
+    from stepserve.engine.families import resolve_device
     from stepserve.engine.families import ALL_PARTS, load_family
 
     started = time.perf_counter()
@@ -384,7 +384,7 @@ def run_video_profile(args: argparse.Namespace, serve_config: dict, app, model_c
         lambda: measure_live(ctx, serve_config, h, send_video(f), what=f"{f}-frame CFG",
                              model_work=video_model_work(family, (h, w, f)))))
     if live_result is None:
-        rows.append(echo)
+        rows += [echo] if echo is not None else []
     else:
         in_process = ProfiledCostModel(rows).video_step_seconds(model_config.name, h, w, f, 1)
         text = next(r for r in rows if r.component == TEXT_ENCODE and r.rows == 2).seconds

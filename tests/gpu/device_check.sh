@@ -17,14 +17,23 @@
 #    runs the Triton kernels on CUDA);
 # 4. stepserve profile-concurrency on full-size SD1.5 in float16 (configs/profiles/
 #    sd15-h200-profile.yaml) at 512 px into $OUT/profile/ (concurrency.csv/json/png), the decode
-#    chunks on a CUDA stream of their own as engine/decode_lane.py runs them.
+#    chunks on a CUDA stream of their own as engine/decode_lane.py runs them;
+# 5. only when STEPS names `profiles`: `stepserve profile` (no Ray: no live rows) of
+#    configs/cluster.yaml's models at full size (configs/profiles/h200-cluster-profile.yaml) into
+#    $OUT/profiles/: SDXL (512/768/1024 px, packed mixes), SD3.5-Medium (the same, and masked
+#    template edits) and Wan 2.2 TI2V-5B (256/480/768 px, 17/49/81 frames, SP degree 1), each
+#    bounded by $MODEL_LIMIT_S; PROFILE_MODELS (default "sd3 sdxl wan") picks them and SD3_ARGS,
+#    SDXL_ARGS, WAN_ARGS their grids.
 #
+# STEPS (default "pytest concurrency") picks steps 3-5; the installs and imports always run.
 # Each step is bounded by `timeout` (550 s of limits in all; 3 to 5 minutes expected on an H200);
 # a failing step is reported and the later steps still run; the script exits non-zero if any
 # step failed. Files under $OUT:
-# env.log, pytest_gpu.log, profile.log, summary.txt, profile/concurrency.{csv,json,png}.
+# env.log, pytest_gpu.log, profile.log, summary.txt, profile/concurrency.{csv,json,png},
+# profiles/<name>-h200.{csv,log} (the device tool returns at most 8 files: pick steps to fit).
 # Overridable for a dry run elsewhere: PYTHON, WHL_DIR, SITE_DIR, DEVICE, PROFILE_CONFIG,
-# PROFILE_ARGS, PYTEST_LIMIT_S, PROFILE_LIMIT_S.
+# PROFILE_ARGS, PYTEST_LIMIT_S, PROFILE_LIMIT_S, MODEL_LIMIT_S, CLUSTER_PROFILE, PROFILE_MODELS and the
+# *_ARGS above.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 MPLBACKEND=Agg
@@ -39,8 +48,14 @@ PROFILE_CONFIG=${PROFILE_CONFIG:-configs/profiles/sd15-h200-profile.yaml}
 PROFILE_ARGS=${PROFILE_ARGS:---size 512 --max-batch 6 --most-chunks 6 --repeats 3}
 PYTEST_LIMIT_S=${PYTEST_LIMIT_S:-200}
 PROFILE_LIMIT_S=${PROFILE_LIMIT_S:-200}
+MODEL_LIMIT_S=${MODEL_LIMIT_S:-170}
+STEPS=" ${STEPS:-pytest concurrency} "
+PROFILE_MODELS=${PROFILE_MODELS:-sd3 sdxl wan}
+SD3_ARGS=${SD3_ARGS:---sizes 512 768 1024 --batches 1 2 4 8 --repeats 5}
+SDXL_ARGS=${SDXL_ARGS:---sizes 512 768 1024 --batches 1 2 4 8 --repeats 5}
+WAN_ARGS=${WAN_ARGS:---sizes 256 480 768 --repeats 3}
 REPO=$(pwd)
-mkdir -p "$OUT/profile"
+mkdir -p "$OUT/profile" "$OUT/profiles"
 ENV_LOG=$OUT/env.log
 SUMMARY=$OUT/summary.txt
 : > "$SUMMARY"
@@ -136,14 +151,34 @@ print('no ray, fastapi, starlette, av or openai imported')
 EOF"
 
 # ---- 3. the GPU tests -----------------------------------------------------------------------------
-step pytest-gpu "$PYTEST_LIMIT_S" "$OUT/pytest_gpu.log" \
+[[ $STEPS == *" pytest "* ]] && step pytest-gpu "$PYTEST_LIMIT_S" "$OUT/pytest_gpu.log" \
     "$PY" -m pytest tests/gpu -m gpu -q -p no:cacheprovider -rfEs --durations=25
 
 # ---- 4. SynerDiff's concurrency profile -------------------------------------------------------------
 # shellcheck disable=SC2086  # PROFILE_ARGS is a list of arguments
-step profile-concurrency "$PROFILE_LIMIT_S" "$OUT/profile.log" \
+[[ $STEPS == *" concurrency "* ]] && step profile-concurrency "$PROFILE_LIMIT_S" "$OUT/profile.log" \
     "$PY" -m stepserve.cli profile-concurrency --config "$PROFILE_CONFIG" --device "$DEVICE" $PROFILE_ARGS \
     --out "$OUT/profile"
+
+# ---- 5. the cluster's profiles ------------------------------------------------------------------
+CLUSTER_PROFILE=${CLUSTER_PROFILE:-configs/profiles/h200-cluster-profile.yaml}
+profile_model() {  # profile_model NAME CSV ARGS...: one model of the cluster's profile config
+    local name=$1 csv=$2
+    shift 2
+    step "profile-$csv" "$MODEL_LIMIT_S" "$OUT/profiles/$csv.log" "$PY" -m stepserve.cli profile \
+        --config "$CLUSTER_PROFILE" --model "$name" --device "$DEVICE" --no-live "$@" --out "$OUT/profiles/$csv.csv"
+}
+# shellcheck disable=SC2086  # the *_ARGS are lists of arguments
+if [[ $STEPS == *" profiles "* ]]; then
+    for model in $PROFILE_MODELS; do
+        case $model in
+            sd3) profile_model stable-diffusion-3.5-medium sd3-h200 $SD3_ARGS ;;
+            sdxl) profile_model stable-diffusion-xl-base-1.0 sdxl-h200 $SDXL_ARGS ;;
+            wan) profile_model wan2.2-ti2v-5b wan22-ti2v-h200 $WAN_ARGS ;;
+            *) echo "unknown model in PROFILE_MODELS: $model" | tee -a "$SUMMARY"; FAILED+=("profile-$model") ;;
+        esac
+    done
+fi
 
 # ---- the verdict --------------------------------------------------------------------------------------
 echo "total: $(( $(date +%s) - T0 )) s" >> "$SUMMARY"

@@ -5,7 +5,8 @@ LoRA it cannot read."""
 import pytest
 import ray
 
-from stepserve.actors.lora_store import LoraStore, from_arrays
+from stepserve.actors.lora_store import LoraStore
+from stepserve.engine.addons.lora import from_arrays
 from stepserve.engine.addons.presets import preset_lora, save_lora_file
 from stepserve.engine.addons.source import AddonKind, AddonSource
 from stepserve.engine.families import DENOISER, load_family
