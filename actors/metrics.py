@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from stepserve.policies.patchedserve.predictor import HoldoutReport
 from stepserve.policies.types import RequestKind
 from stepserve.routing.core import RequestState
 
@@ -84,6 +86,14 @@ class RouterMetrics:
             "stepserve_split_steps", "Denoising steps of one request split over several workers, counted once "
             "per request and step, by how: cfg (its two CFG rows, latent parallelism) or sequence (Ulysses).",
             ["split"], registry=r)
+        # PatchedServe's Throughput Analyzer (issue 36: served = measured); set once, when the policy is built.
+        self.throughput_analyzer = Gauge(
+            "stepserve_throughput_analyzer",
+            "The latency predictor each model's policy trained (PatchedServe's Throughput Analyzer): "
+            "measured_samples and filled_samples (batches the profile measured, and the cost model's where none "
+            "was measured, it trained on), holdout_mean_rel_err and holdout_max_rel_err (its relative error on the "
+            "20% of measured batches held out of training; absent where none could be held out).",
+            ["model", "stat"], registry=r)
         self.request_stage = Histogram(
             "stepserve_request_stage_seconds",
             "Where a finished request's time went in the router: text_encode (arrival to embeddings), queue "
@@ -103,6 +113,15 @@ class RouterMetrics:
                 state.ready_time - state.arrival_time, state.admit_time - state.ready_time, denoise,
                 denoise / max(1, state.steps_total), now - state.denoised_time)):
             self.request_stage.labels(kind, stage).observe(max(0.0, seconds))
+
+    def observe_analyzers(self, reports: Mapping[str, HoldoutReport]) -> None:
+        """Each model's `HoldoutReport` (the patchedserve policy's `holdout`)."""
+        for model, report in reports.items():
+            stats = {"measured_samples": report.measured, "filled_samples": report.filled,
+                     "holdout_mean_rel_err": report.mean_rel_err, "holdout_max_rel_err": report.max_rel_err}
+            for stat, value in stats.items():
+                if value is not None:
+                    self.throughput_analyzer.labels(model, stat).set(value)
 
     def observe_activation_cache(self, node: str, stats: Any) -> None:
         """A node's `actors.activation_cache.CacheStats`."""

@@ -142,6 +142,7 @@ class Router:
         self.core = RouterCore(policy, slots, spec.core, costs)
         self.costs = costs
         self.metrics = RouterMetrics()
+        self.metrics.observe_analyzers(getattr(policy, "holdout", {}))  # patchedserve's analyzers; others have none
         if not pool.preload_loras:  # (preloaded LoRAs are on every worker: none ever joins late)
             for lora in pool.loras:
                 self.metrics.lora_join_bound.labels(lora.model, lora.name).set(

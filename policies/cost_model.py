@@ -60,7 +60,8 @@ CSV schema (one for every device), one row per measured point:
   forward that ran them together (PatchedServe §4: a DiT's tokens packed, a UNet patched), as
   `rows@HEIGHTxWIDTH` joined by `+` (`2@64x64+4@128x128`). Such a row's height and width are its
   largest group's and its rows are all the groups' rows. `ProfiledCostModel` keeps these rows
-  aside for `policies/patchedserve/packed_profile.py`. Optional (older files): empty.
+  aside for `policies/patchedserve/packed_profile.py`; PatchedServe's Throughput Analyzer trains on
+  them and the one-resolution rows (`policies/patchedserve/samples.py`). Optional (older files): empty.
 - `latency_ms`: the median of `samples` repeats; `source`: "measured <date> <device>" or a
   citation (derived tables say so).
 """
@@ -321,6 +322,11 @@ class ProfileRow:
     @property
     def seconds(self) -> float:
         return self.latency_ms / 1000.0
+
+    @property
+    def measured(self) -> bool:
+        """Timed on its device by `stepserve profile`, not derived from published figures."""
+        return self.source.startswith("measured")
 
     def to_csv(self) -> dict[str, str]:
         return {
@@ -740,8 +746,9 @@ class ProfiledCostModel:
 
     def __init__(self, rows: Iterable[ProfileRow], controlnets: ControlNetPlacement = ControlNetPlacement.INLINE):
         self.controlnets = ControlNetPlacement(controlnets)
+        self.profile_rows = tuple(rows)  # as given: what the fits summarise (the Throughput Analyzer trains on them)
         by_model: dict[str, list[ProfileRow]] = {}
-        for row in rows:
+        for row in self.profile_rows:
             by_model.setdefault(row.model, []).append(row)
         if not by_model:
             raise ProfileError("no profile rows")

@@ -1,9 +1,10 @@
 """How long one worker step of a batch takes, as the scheduler predicts it.
 
 The Throughput Analyzer (predictor.py) answers where it covers the batch: plain images of one
-model it was trained for, at sizes of its vocabulary, within the rows it saw. Anything else
-(another model or size, a bigger batch, videos, add-ons, cached edits) is priced exactly by
-the cost model the analyzers were trained from, as is everything when no analyzer is given.
+model it was trained for (on the batches its profile measured, the cost model filling in the
+rest: samples.py), at sizes of its vocabulary, within the rows it saw. Anything else (another
+model or size, a bigger batch, videos, add-ons, cached edits) is priced by the cost model, as is
+everything when no analyzer is given.
 Answers are remembered per batch: a round asks about the same few batches many times.
 """
 

@@ -1,22 +1,31 @@
-"""The Throughput Analyzer's dataset (patchedserve.txt §6.1): random resolution combinations and
-the step latency of each.
+"""The Throughput Analyzer's dataset (patchedserve.txt §6.1): batches of mixed resolutions and the
+step latency of each, measured where the profile has the batch, filled in by the cost model else.
 
-The paper generates 200 diverse combinations of requests at its three resolutions (up to its
-batch cap of 12), measures each batch's latency, and trains on 80% of them. Here a batch is a
-`Composition` (rows per resolution: a CFG request adds two rows, so requests with and without
-CFG are both covered), and its latency is what a `CostModel` says one worker round of it costs:
-`PackedForwardCosts` (mixed_costs.py) where the workers pack resolutions into one forward, the
-profile itself where they run one forward per resolution. Nothing is read from disk; the
-caller hands the cost model in.
+The paper measures 200 diverse combinations of requests at its three resolutions (up to its
+batch cap of 12) and trains on 80% of them. Here a batch is a `Composition` (rows per
+resolution: a CFG request adds two rows, so requests with and without CFG are both covered) and
+a sample's latency is one worker round of it, from one of two sources (`LatencySample.measured`):
+
+- measured (`measured_samples`): what `stepserve profile` timed on this device, the denoise rows
+  of one size and the packed rows of several (`groups`), plus the round's overheads the profile
+  times apart (the analyzer predicts a whole round, as the cost model's price does);
+- filled in (`training_samples`): the paper's random combinations that no measured row has,
+  priced by a `CostModel` (`PackedForwardCosts` where the workers pack resolutions into one
+  forward, the profile itself where they run one forward per resolution). A profile measures a
+  grid; the analyzer must also answer between its points, and a measured batch keeps its
+  measured price.
+
+Nothing is read from disk: the caller hands in the rows and the cost model.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+import statistics
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from stepserve.policies.cost_model import BatchShape, CostModel
+from stepserve.policies.cost_model import DENOISE, BatchShape, CostModel, ProfileRow
 
 Size = tuple[int, int]  # (height, width)
 # Rows of each resolution present in one batch, sorted by size; no resolution with 0 rows.
@@ -28,11 +37,37 @@ class LatencySample:
     model: str
     composition: Composition
     seconds: float  # one worker round (one denoising step of every member)
+    measured: bool  # timed on the device (`measured_samples`); False: filled in by the cost model
 
 
 def composition_of(rows: Mapping[Size, int]) -> Composition:
     """The canonical composition of a rows-per-size mapping."""
     return tuple(sorted((size, n) for size, n in rows.items() if n))
+
+
+def batches_of(model: str, composition: Composition) -> list[BatchShape]:
+    """The plain image batches, one per resolution, of a composition."""
+    return [BatchShape(model, h, w, rows) for (h, w), rows in composition]
+
+
+def measured_samples(rows: Iterable[ProfileRow], model: str, sizes: Collection[Size],
+                     overhead: Callable[[Sequence[BatchShape]], float]) -> list[LatencySample]:
+    """One sample per batch the profile `rows` measured for `model` at `sizes`: its plain image
+    forwards at SP degree 1, of one size or of several packed into one (`groups`). A sample's
+    seconds are the measured forward plus `overhead` of its batches (the profile's round
+    overheads: `ProfiledCostModel.round_overhead_seconds`). Rows that are not measurements (a
+    derived profile's citations) are no samples; a batch measured more than once (a rerun, two
+    profiles) keeps the median of its forwards."""
+    forwards: dict[Composition, list[float]] = {}
+    for row in rows:
+        if (row.model != model or row.component != DENOISE or row.frames != 1 or row.sp_degree != 1
+                or row.mask_ratio < 1.0 or not row.measured):
+            continue
+        composition = composition_of({(h, w): n for h, w, n in row.groups or ((row.height, row.width, row.rows),)})
+        if all(size in sizes for size, _ in composition):
+            forwards.setdefault(composition, []).append(row.seconds)
+    return [LatencySample(model, c, statistics.median(s) + overhead(batches_of(model, c)), True)
+            for c, s in forwards.items()]
 
 
 def random_compositions(sizes: Sequence[Size], max_requests: int, count: int, seed: int,
@@ -62,11 +97,14 @@ def random_compositions(sizes: Sequence[Size], max_requests: int, count: int, se
 
 def round_seconds(costs: CostModel, model: str, composition: Composition) -> float:
     """What `costs` says one worker round of the batch costs."""
-    return costs.round_seconds([BatchShape(model, h, w, rows) for (h, w), rows in composition])
+    return costs.round_seconds(batches_of(model, composition))
 
 
 def training_samples(costs: CostModel, model: str, sizes: Sequence[Size], max_requests: int = 12,
-                     count: int = 200, seed: int = 0) -> list[LatencySample]:
-    """The paper's dataset for one model: `count` random combinations priced by `costs`."""
-    return [LatencySample(model, c, round_seconds(costs, model, c))
-            for c in random_compositions(sizes, max_requests, count, seed)]
+                     count: int = 200, seed: int = 0,
+                     measured: Sequence[LatencySample] = ()) -> list[LatencySample]:
+    """The analyzer's dataset for one model: the `measured` samples, then the paper's `count`
+    random combinations priced by `costs` (filled in), less those a measured sample has."""
+    known = {s.composition for s in measured}
+    return [*measured, *(LatencySample(model, c, round_seconds(costs, model, c), False)
+                         for c in random_compositions(sizes, max_requests, count, seed) if c not in known)]

@@ -2,7 +2,8 @@
 
     §6.2 slack score Slack_i = (DDL_i - C_i - P_i) / SA_i           slack.py
     §6.1 Throughput Analyzer: an MLP over rows per resolution,      predictor.py, on the dataset
-         distinct resolutions and total patches                     of samples.py; latency.py
+         distinct resolutions and total patches, trained on the     of samples.py; latency.py
+         profile's measured batches (the cost model fills the rest)
     §4   one forward over several resolutions, priced               mixed_costs.py
     Alg. 1 lines 8-12: SLO violation analysis, discard              here, with slack.time_out
     Alg. 1 lines 15-19: schedule mode (throughput when slack is loose) here
@@ -48,7 +49,7 @@ from stepserve.policies.base import batch_limit, group_by_shape, residents_of
 from stepserve.policies.cost_model import CostModel
 from stepserve.policies.patchedserve.latency import BatchLatency
 from stepserve.policies.patchedserve.predictor import HoldoutReport, ThroughputAnalyzer, holdout_error
-from stepserve.policies.patchedserve.samples import training_samples
+from stepserve.policies.patchedserve.samples import measured_samples, training_samples
 from stepserve.policies.patchedserve.schedulability import finish_times, harmed
 from stepserve.policies.patchedserve.slack import request_slack, time_out
 from stepserve.policies.patchedserve.types import PatchedServeConfig, Predictor
@@ -183,17 +184,24 @@ class PatchedServePolicy:
     splits_cfg = False
 
     def __init__(self, config: PatchedServeConfig, costs: CostModel) -> None:
-        """Trains a Throughput Analyzer for every model `costs` lists (`ProfiledCostModel.models`)
-        on 80% of its dataset; `holdout` keeps each one's error on the other 20%."""
+        """Trains a Throughput Analyzer for every model `costs` lists (`ProfiledCostModel.models`,
+        wrapped or not) on the batches its profile measured (`ProfiledCostModel.profile_rows`) and
+        the ones `costs` fills in. `holdout` keeps each one's error on 20% of the measured batches
+        held out of a first fit; the analyzer served is fitted on all of them, since a measured
+        batch left out is a corner of the grid it would price from its neighbours alone."""
         self.config = config
         self.pricing = costs
         self.holdout: dict[str, HoldoutReport] = {}
         analyzers: dict[str, ThroughputAnalyzer] = {}
         if config.predictor is Predictor.MLP:
-            for model in getattr(costs, "models", ()):
+            for model in getattr(costs, "models", ()):  # only a profiled model lists them, and has rows
+                measured = measured_samples(costs.profile_rows, model, config.sizes,  # type: ignore[attr-defined]
+                                            costs.round_overhead_seconds)  # type: ignore[attr-defined]
                 samples = training_samples(self.pricing, model, config.sizes, config.training_batch,
-                                           config.training_samples, config.seed)
+                                           config.training_samples, config.seed, measured)
                 analyzers[model], self.holdout[model] = holdout_error(samples, config.seed)
+                if self.holdout[model].train < len(samples):  # some were held out: the served fit sees them
+                    analyzers[model] = ThroughputAnalyzer.fit(samples, seed=config.seed)
         self.latency = BatchLatency(self.pricing, analyzers)
 
     def schedule(self, snapshot: ClusterSnapshot) -> Decision:

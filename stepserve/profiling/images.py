@@ -331,7 +331,7 @@ def run_profile(args: argparse.Namespace) -> int:
     if model.masked_rows:
         print(masked_fit_report(ctx, app.edit_cache.cache, model.masked_rows))
     if model.packed_rows:
-        print(packed_fit_report(model))
+        print(packed_fit_report(model, grid.sizes))
     if live_result is not None:
         size, hi = live_result.size, live_result.steps[1]
         batch = BatchShape(model_config.name, size, size, request_rows)

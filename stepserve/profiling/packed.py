@@ -21,7 +21,9 @@ import torch
 from stepserve.engine.forward_modes.base import ModeName
 from stepserve.engine.text_encoding import embed
 from stepserve.policies.cost_model import DENOISE, ProfiledCostModel, ProfileRow
-from stepserve.policies.patchedserve.packed_profile import packing_report
+from stepserve.policies.patchedserve import (PatchedServeConfig, holdout_error, measured_samples, packed,
+                                             training_samples)
+from stepserve.policies.patchedserve.packed_profile import packing_fits, packing_report
 from stepserve.profiling.common import PROMPT, Context, first_timestep, forward_inputs, interleaved_times, log
 
 PACKED, IN_TURN = "packed", "in turn"
@@ -68,6 +70,16 @@ def measure_packed(ctx: Context, threads: int) -> list[ProfileRow]:
     return out
 
 
-def packed_fit_report(profile: ProfiledCostModel) -> str:
-    """How the packed pricing meets the profile's packed rows (`packing_report`), one line a model."""
-    return "\n".join(report.format(model) for model, report in packing_report(profile, profile).items())
+def packed_fit_report(profile: ProfiledCostModel, sizes: tuple[int, ...]) -> str:
+    """How the packed pricing meets the profile's packed rows (`packing_report`), and how the
+    Throughput Analyzer a packing router's patchedserve policy trains on `sizes` meets the measured
+    batches it held out (`holdout_error`), one line each a model."""
+    lines = [report.format(model) for model, report in packing_report(profile, profile).items()]
+    config = PatchedServeConfig(sizes=tuple((size, size) for size in sizes))
+    pricing = packed(profile, fits=packing_fits(profile, profile))
+    for model in sorted({row.model for row in profile.packed_rows}):
+        measured = measured_samples(profile.profile_rows, model, config.sizes, profile.round_overhead_seconds)
+        samples = training_samples(pricing, model, config.sizes, config.training_batch, config.training_samples,
+                                   config.seed, measured)
+        lines.append(holdout_error(samples, config.seed)[1].format(model))
+    return "\n".join(lines)

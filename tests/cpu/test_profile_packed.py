@@ -32,8 +32,11 @@ def test_packed_rows_per_mix_and_requests_and_their_fit_report(tmp_path, name, f
     write_profile(tmp_path / "p.csv", measure_denoise(ctx, 1) + rows)
     profile = ProfiledCostModel(read_profile(tmp_path / "p.csv"))
     assert len(profile.packed_rows) == 2
-    report = packed_fit_report(profile)
+    report = packed_fit_report(profile, GRID.sizes)
     assert report.startswith(f"  {name} denoise (packed) 2 pts") and "held-out n/a" in report
+    # The Throughput Analyzer on the 8 measured batches (2 sizes x 3 rows, 2 packed): 2 held out.
+    assert f"\n  {name} throughput analyzer: trained on 6 measured + " in report
+    assert "held-out error on 2 measured batches" in report
 
 
 def test_no_packed_rows_where_the_grid_has_one_size_or_no_packed_batches():

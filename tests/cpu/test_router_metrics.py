@@ -1,6 +1,7 @@
 from prometheus_client.parser import text_string_to_metric_families
 
 from stepserve.actors.metrics import ROUTER_STAGES, RouterMetrics
+from stepserve.policies.patchedserve import HoldoutReport
 from stepserve.policies.types import RequestKind, RequestStatus
 from stepserve.routing.core import RequestState
 
@@ -36,3 +37,15 @@ def test_a_request_that_skipped_a_stage_is_counted_but_not_split():
     metrics.finished(state(ready=None), now=7.0)
     assert stage_sums(metrics) == {}
     assert "stepserve_requests_total{status=\"finished\"} 1.0" in metrics.exposition().decode()
+
+
+def test_each_models_throughput_analyzer_is_exported_and_no_error_where_none_was_held_out():
+    metrics = RouterMetrics()
+    metrics.observe_analyzers({"tiny-sd3": HoldoutReport(38, 162, 10, 0.063, 0.275),
+                               "sdxl": HoldoutReport(0, 200, 0, None, None)})
+    values = {(s.labels["model"], s.labels["stat"]): s.value
+              for family in text_string_to_metric_families(metrics.exposition().decode())
+              for s in family.samples if s.name == "stepserve_throughput_analyzer"}
+    assert values == {("tiny-sd3", "measured_samples"): 38, ("tiny-sd3", "filled_samples"): 162,
+                      ("tiny-sd3", "holdout_mean_rel_err"): 0.063, ("tiny-sd3", "holdout_max_rel_err"): 0.275,
+                      ("sdxl", "measured_samples"): 0, ("sdxl", "filled_samples"): 200}

@@ -73,3 +73,13 @@ def test_a_handle_caller_gets_the_same_error(patchedserve_app):
         handle.generate.remote(DOOMED, "doomed-through-a-handle").result(timeout_s=60)
     assert (info.value.status, info.value.code, info.value.type) == (429, "deadline_unattainable", "rate_limit_error")
     assert handle.progress.remote("doomed-through-a-handle").result() is None  # nothing holds it any more
+
+
+def test_the_served_analyzer_and_its_error_on_measured_batches_are_in_the_metrics(patchedserve_app):
+    """tiny-sd-cpu measured 48 batches of tiny-sd at the policy's sizes, 12 of them packed forwards."""
+    url, _ = patchedserve_app
+    stats = {s.labels["stat"]: s.value for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
+             for s in family.samples if s.name == "stepserve_throughput_analyzer" and s.labels["model"] == "tiny-sd"}
+    assert set(stats) == {"measured_samples", "filled_samples", "holdout_mean_rel_err", "holdout_max_rel_err"}
+    assert stats["measured_samples"] == 38 and stats["filled_samples"] > 100
+    assert 0 < stats["holdout_mean_rel_err"] <= stats["holdout_max_rel_err"]

@@ -3,6 +3,8 @@ batch latency the scheduler reads from it."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from stepserve.policies.cost_model import BatchShape, load_profile
@@ -29,10 +31,12 @@ def view(rid: str, size: int, model: str, rows: int = 2, loras: tuple[str, ...] 
 @pytest.fixture(scope="module", params=sorted(MODELS))
 def trained(request):
     """Each profile's packed pricing, its dataset (§6.1: 200 combinations) and the analyzer fitted
-    on 80% of it with the held-out report."""
+    on 80% of it with the held-out report. The profiles are derived, so the cost model's prices
+    stand for measured ones here: what is scored is how well the MLP learns a pricing."""
     pricing = PackedForwardCosts(load_profile(request.param))
     model = MODELS[request.param]
-    samples = training_samples(pricing, model, SIZES, max_requests=12, count=200, seed=0)
+    samples = [replace(s, measured=True)
+               for s in training_samples(pricing, model, SIZES, max_requests=12, count=200, seed=0)]
     analyzer, report = holdout_error(samples, seed=0)
     return pricing, model, samples, analyzer, report
 
@@ -56,7 +60,7 @@ def test_asking_for_more_batches_than_exist_is_an_error():
 
 def test_held_out_error_on_mixed_resolution_pricing_is_within_the_papers(trained):
     _, model, samples, _, report = trained
-    assert report.train == 160 and 30 <= report.test <= 40
+    assert (report.measured, report.filled) == (160, 0) and 30 <= report.test <= 40
     # The paper: under 3.7% on its held-out 20%. Measured here (seed 0): SDXL 0.4% mean / 2.0%
     # max, SD3 0.8% / 8.6%; the bound on the max leaves room for another BLAS.
     assert report.mean_rel_err < 0.037, report
@@ -79,7 +83,7 @@ def test_the_analyzer_is_deterministic_and_answers_only_what_it_covers(trained):
 def test_one_analyzer_per_model():
     pricing = PackedForwardCosts(load_profile("sdxl-h800"))
     samples = training_samples(pricing, MODELS["sdxl-h800"], SIZES, count=20)
-    other = [s.__class__("other", s.composition, s.seconds) for s in samples[:5]]
+    other = [replace(s, model="other") for s in samples[:5]]
     with pytest.raises(ValueError, match="one analyzer per model"):
         ThroughputAnalyzer.fit(samples + other)
 
