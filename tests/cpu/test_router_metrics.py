@@ -36,3 +36,17 @@ def test_a_request_that_skipped_a_stage_is_counted_but_not_split():
     metrics.finished(state(ready=None), now=7.0)
     assert stage_sums(metrics) == {}
     assert "stepserve_requests_total{status=\"finished\"} 1.0" in metrics.exposition().decode()
+
+
+def test_the_blocks_of_masked_edits_are_counted_by_how_they_ran():
+    from stepserve.policies.types import EditBlockCounts
+
+    metrics = RouterMetrics()
+    metrics.observe_edit_blocks(EditBlockCounts(loaded=3, computed=1))
+    metrics.observe_edit_blocks(EditBlockCounts(loaded=2, unplanned=1))
+    metrics.observe_edit_blocks(EditBlockCounts())  # a plan without masked forwards
+    samples = {(s.name, s.labels.get("how")): s.value for family in text_string_to_metric_families(
+        metrics.exposition().decode()) for s in family.samples}
+    assert samples[("stepserve_edit_blocks_total", "loaded")] == 5
+    assert samples[("stepserve_edit_blocks_total", "computed")] == 1
+    assert samples[("stepserve_edit_unplanned_forwards_total", None)] == 1
