@@ -230,7 +230,7 @@ def mode_settings(options: WorkerPoolSpec, families: Mapping[str, DiffusionFamil
     if services.activation_stores:
         local = ActivationCache(options.edit_cache_worker_bytes) if options.edit_cache_worker_bytes else None
         templates = TemplateCache(StoreActivations(node_store(services.activation_stores), local),
-                                  options.edit_cache_kind)
+                                  options.edit_cache_kind, options.edit_cache_loading)
     patch_reuse = {}
     if options.patch_cache is not None:
         patch_reuse = {name: calibrate(family, name, options.patch_cache) for name, family in families.items()

@@ -8,7 +8,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from stepserve.policies.patchedserve.predictor import HoldoutReport
-from stepserve.policies.types import RequestKind
+from stepserve.policies.types import EditBlockCounts, RequestKind
 from stepserve.routing.core import RequestState
 
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -65,6 +65,15 @@ class RouterMetrics:
             "bytes held in memory and on disk, bytes read back from and spilled to disk, evictions and drops.",
             ["node", "stat"], registry=r,
         )
+
+        # InstGenIE's loading DP on the workers (`edit_cache.loading`), from each plan's report.
+        self.edit_blocks = Counter(
+            "stepserve_edit_blocks", "Blocks of masked forwards of template edits, by how: loaded (the block used "
+            "its template's cached activations) or computed (the loading DP had it compute every token instead).",
+            ["how"], registry=r)
+        self.edit_unplanned = Counter(
+            "stepserve_edit_unplanned_forwards", "Masked forwards of template edits whose shape the profile had no "
+            "block costs for: they loaded every block.", registry=r)
         self.worker_restarts = Counter("stepserve_worker_restarts", "Denoiser workers lost and restarted.",
                                        registry=r)
         self.recoveries = Counter(
@@ -127,6 +136,12 @@ class RouterMetrics:
         """A node's `actors.activation_cache.CacheStats`."""
         for stat, value in vars(stats).items():
             self.activation_cache.labels(node[:8], stat).set(value)
+
+    def observe_edit_blocks(self, counts: EditBlockCounts) -> None:
+        """One plan's `StepReport.edit_blocks`."""
+        self.edit_blocks.labels("loaded").inc(counts.loaded)
+        self.edit_blocks.labels("computed").inc(counts.computed)
+        self.edit_unplanned.inc(counts.unplanned)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -434,6 +434,7 @@ class Router:
                 self.metrics.batch_size.observe(report.batch_size)
             if report.lora_wait_s:
                 self.metrics.lora_wait.labels("batch").observe(report.lora_wait_s * max(1, report.batch_size))
+            self.metrics.observe_edit_blocks(report.edit_blocks)
             self._handle(self.core.apply(report, now))
             self._kick.set()
 

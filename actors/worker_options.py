@@ -10,6 +10,7 @@ from typing import Any
 
 from stepserve.actors.activation_store import ActivationStoreSpec
 from stepserve.engine.addons.source import AddonKind, AddonSource, LoraJoinBounds
+from stepserve.engine.editing.loading_plan import LoadingPlanner
 from stepserve.engine.editing.masked_sd3 import CacheKind
 from stepserve.engine.patch_cache.calibration import PatchCacheSpec
 from stepserve.policies.synerdiff.types import ConcurrencyTable
@@ -39,6 +40,8 @@ class WorkerPoolSpec:
     edit_cache: ActivationStoreSpec | None = None  # `edit_cache` when enabled: each node's activation store
     edit_cache_kind: CacheKind = CacheKind.KEYS_VALUES  # `edit_cache.cache`: what a template's record holds
     edit_cache_worker_bytes: int = 4 << 30  # `edit_cache.worker_bytes`: each worker's LRU of records it used
+    # `edit_cache.loading` over the block costs of `router.profiles`: the slots a masked forward loads
+    edit_cache_loading: LoadingPlanner = LoadingPlanner()
     patch_cache: PatchCacheSpec | None = None  # `patch_cache` when enabled: each worker calibrates and serves it
 
     @property

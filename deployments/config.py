@@ -15,12 +15,16 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from stepserve.engine.addons.source import AddonKind, AddonSource
+from stepserve.engine.editing.loading_plan import SERVED_LOADINGS, LoadingPlanner
 from stepserve.engine.editing.masked_sd3 import CacheKind
 from stepserve.engine.families import FAMILIES, ModelSource, family_class
 from stepserve.engine.forward_modes.base import ModeName
 from stepserve.engine.patch_cache.calibration import PatchCacheSpec
 from stepserve.policies import needs_costs, options_for_workers
 from stepserve.policies.addon_costs import ControlNetPlacement
+from stepserve.policies.cost_model import read_profile, resolve_profile
+from stepserve.policies.instgenie.block_profile import MeasuredBlockCosts
+from stepserve.policies.instgenie.pipeline_dp import Loading
 from stepserve.policies.registry import validate_policy
 from stepserve.policies.synerdiff.skip_cfg import SkipCfgCurve
 from stepserve.policies.synerdiff.types import ConcurrencyTable
@@ -283,6 +287,31 @@ class EditCacheConfig(_Strict):
                                                            "used templates to (safetensors); None: they are dropped.")
     disk_bytes: int | None = Field(default=None, ge=1 << 20, description="Disk per node for spilled templates (LRU); "
                                                                          "None: unbounded.")
+    loading: Loading = Field(
+        default=Loading.ALGORITHM1,
+        description="Which cache slots a masked forward with cached block outputs ('outputs') loads, decided by "
+                    "the worker per forward from the block costs in `router.profiles` (`stepserve profile` measures "
+                    "them) at the forward's size, rows and mask ratio (InstGenIE §4.2): 'algorithm1' (the paper's "
+                    "Algorithm 1), 'optimal' (the exact optimum of the same pipeline) or 'always_load' (every slot). "
+                    "A block that does not load computes every token, which is at least as exact. Without costs for "
+                    "a shape every slot loads (counted in stepserve_edit_unplanned_forwards); a 'keys_values' "
+                    "record always loads every slot.")
+
+    @field_validator("loading", mode="before")
+    @classmethod
+    def _served_loading(cls, value: Any) -> Any:
+        if str(getattr(value, "value", value)) not in [m.value for m in SERVED_LOADINGS]:
+            raise ValueError(f"edit_cache.loading {value!r} is not a way to serve; one of "
+                             f"{[m.value for m in SERVED_LOADINGS]}")
+        return value
+
+    def planner(self, profiles: list[str]) -> LoadingPlanner:
+        """How workers choose the slots a masked forward loads: `loading` over the block costs of
+        `profiles` (read once here; none needed for 'always_load' or a 'keys_values' record)."""
+        if not self.enabled or self.loading is Loading.ALWAYS_LOAD or self.cache is CacheKind.KEYS_VALUES:
+            return LoadingPlanner(self.loading)
+        rows = [row for name in profiles for row in read_profile(resolve_profile(name))]
+        return LoadingPlanner(self.loading, MeasuredBlockCosts.from_rows(rows))
 
     def store_spec(self) -> "ActivationStoreSpec | None":
         from stepserve.actors.activation_store import ActivationStoreSpec  # imports Ray: not for the one-shot CLI
@@ -667,7 +696,8 @@ class AppConfig(_Strict):
             lora_store_bytes=self.lora_loading.store_bytes, max_resident_loras=self.lora_loading.max_resident,
             preload_loras=self.lora_loading.preload, controlnet_stale=self.controlnet_service.stale,
             edit_cache=self.edit_cache.store_spec(), edit_cache_kind=self.edit_cache.cache,
-            edit_cache_worker_bytes=self.edit_cache.worker_bytes, patch_cache=self.patch_cache.spec())
+            edit_cache_worker_bytes=self.edit_cache.worker_bytes,
+            edit_cache_loading=self.edit_cache.planner(self.router.profiles), patch_cache=self.patch_cache.spec())
 
     def addon(self, kind: AddonKind, model: str, name: str) -> AddonConfig | None:
         addons = self.controlnets if kind is AddonKind.CONTROLNET else self.loras

@@ -36,6 +36,7 @@ from stepserve.engine.png import encode_png
 from stepserve.engine.round_sequencer import RoundSequencer
 from stepserve.engine.sampler import Conditioning, Sampler
 from stepserve.policies.types import (
+    EditBlockCounts,
     RequestFailure,
     RequestProgress,
     RequestSpec,
@@ -153,9 +154,16 @@ class StepRunner:
             incarnation=self.incarnation,
             steps_run=steps_run if cut else None,
             lora_wait_s=run.lora_wait_s,
+            edit_blocks=self._edit_blocks(),
         )
         return report, payloads
 
+
+    def _edit_blocks(self) -> EditBlockCounts:
+        """What this plan's masked forwards of template edits loaded and computed (none without
+        the template-edit mode)."""
+        edits = self.modes.get(ModeName.TEMPLATE_EDIT)
+        return EditBlockCounts() if edits is None else edits.tally.take()
 
     def _sequenced_step(self, run: _PlanRun, groups, sp_group) -> None:
         """One step of every group, each as its sequencer's sub-rounds; the lane's decodes ride

@@ -13,7 +13,9 @@ activation store when the recording request finishes, and come back from it for 
 tests). What a record holds is the `CacheKind`: each block's outputs (the paper's main design:
 keys and values are recomputed over every token) or each block's keys and values (its Fig. 7
 alternative: twice the bytes, nothing but the masked tokens computed). A forward's record is
-loaded slot by slot beside the computation (`BlockLoader`: pinned copies on a side CUDA stream).
+loaded slot by slot beside the computation (`BlockLoader`: pinned copies on a side CUDA stream), the
+slots the worker's loading DP picks for that forward (`engine.editing.loading_plan`: the others'
+blocks compute every token), counted in a `BlockTally`.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any, Protocol
 import torch
 
 from stepserve.engine.editing.block_loader import BlockLoader
+from stepserve.engine.editing.loading_plan import BlockTally, LoadingPlanner
 from stepserve.engine.editing.masked_sd3 import CacheKind, MaskedPlan
 from stepserve.policies.types import RequestSpec
 
@@ -43,10 +46,12 @@ class ActivationSource(Protocol):
 
 @dataclass(frozen=True)
 class TemplateCache:
-    """A worker's templates: where their records are, and what a record holds."""
+    """A worker's templates: where their records are, what a record holds, and how a masked
+    forward chooses the slots it loads (`edit_cache.loading`)."""
 
     source: ActivationSource
     kind: CacheKind = CacheKind.KEYS_VALUES
+    planner: LoadingPlanner = LoadingPlanner()
 
 
 def template_key(spec: RequestSpec, kind: CacheKind) -> str:
@@ -83,12 +88,17 @@ class EditMember:
 
 
 def template_forward(family: Any, samplers: Sequence[EditMember], sample: torch.Tensor, timesteps: torch.Tensor,
-                     cond: dict[str, torch.Tensor]) -> torch.Tensor:
+                     cond: dict[str, torch.Tensor], planner: LoadingPlanner = LoadingPlanner(),
+                     tally: BlockTally | None = None) -> torch.Tensor:
     """One forward of a group of template edits: masked when every member has its template's
-    activations, else exact, recording the block outputs of the members that record."""
+    activations (the slots `planner` picks loaded, counted in `tally`), else exact, recording the
+    block outputs of the members that record."""
     kind = samplers[0].template.kind
     if all(not s.template.records for s in samplers):
-        return family.denoise_masked(sample, timesteps, cond, _plan(family, samplers, sample.device, kind))
+        plan, planned = _plan(family, samplers, sample, kind, planner)
+        if tally is not None:
+            tally.count(tuple(plan.use_cache), planned)
+        return family.denoise_masked(sample, timesteps, cond, plan)
     noise_pred, slots = family.denoise_recording(sample, timesteps, cond, kind)
     first = 0
     for sampler in samplers:
@@ -100,17 +110,23 @@ def template_forward(family: Any, samplers: Sequence[EditMember], sample: torch.
     return noise_pred
 
 
-def _plan(family: Any, samplers: Sequence[EditMember], device: torch.device, kind: CacheKind) -> MaskedPlan:
+def _plan(family: Any, samplers: Sequence[EditMember], sample: torch.Tensor, kind: CacheKind,
+          planner: LoadingPlanner) -> tuple[MaskedPlan, bool]:
     """The members' masked tokens, padded to the longest (each row repeats its own first token:
-    duplicate queries give identical outputs), and their records at their steps, every slot
-    loaded beside the computation (the bubble-free DP picks every block at these mask ratios on
-    an H100: docs/results/cache-loading-h100)."""
-    width = max(s.template.index.shape[1] for s in samplers)
-    index = torch.cat([_pad(s.template.index, width) for s in samplers]).to(device)
-    use_cache = [True] * family.cache_slots(kind)
+    duplicate queries give identical outputs), and their records at their steps, the slots the
+    planner picks for this forward's shape and mask ratio (the padded share: the forward computes
+    that many tokens per row) loaded beside the computation; and whether measured costs picked
+    them. (On an H100, sd3-medium at 1024 px, the DP loads all 24 blocks at 10-20% of the tokens and
+    23 at 50%: docs/results/cache-loading-h100.)"""
+    masked = max(s.template.index.shape[1] for s in samplers)
+    index = torch.cat([_pad(s.template.index, masked) for s in samplers]).to(sample.device)
+    rows, _, height, width = sample.shape
+    patch, scale = family.patch_size, family.vae_scale_factor
+    use_cache, planned = planner.use_cache(kind, family.cache_slots(kind), family.source.name, height * scale,
+                                           width * scale, rows, masked / ((height // patch) * (width // patch)))
     loader = BlockLoader(lambda slot: [s.template.cached[f"{s.step_index}.{slot}"] for s in samplers], use_cache,
-                         device)
-    return MaskedPlan(index, loader, use_cache, kind)
+                         sample.device)
+    return MaskedPlan(index, loader, use_cache, kind), planned
 
 
 def _pad(index: torch.Tensor, width: int) -> torch.Tensor:

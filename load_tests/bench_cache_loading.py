@@ -17,6 +17,9 @@ measured (`engine.editing.block_costs`), the DP plans from them, and whole forwa
 - `exact`: the plain forward, every token of every block (one case: it does not depend on the
   mask).
 
+The workers serve the same choice (`edit_cache.loading`: `engine.editing.loading_plan`, per
+forward, from the block costs `stepserve profile` writes with this module's cost measurement).
+
 `--cache keys_values` runs the same with the keys-and-values record (InstGenIE Fig. 7,
 `engine.editing.masked_sd3.CacheKind`): one slot per block (its keys and values: twice a block
 output's size, four times in a dual-attention block) and one for the final image tokens, all of

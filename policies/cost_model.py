@@ -15,11 +15,11 @@ policy can rely on "more work never costs less".
 
 CSV schema (one for every device), one row per measured point:
 
-    model,device,component,height,width,rows,frames,latency_ms,samples,source,sp_degree,mask_ratio,groups
+    model,device,component,height,width,rows,frames,latency_ms,samples,source,sp_degree,mask_ratio,groups,slot
 
 - `component`: denoise | round_overhead | text_encode | vae_decode | request_overhead | host_probe |
   host_idle | router_cpu | controlnet | controlnet_transfer | denoise_encoder | lora | cfg_exchange |
-  lora_load
+  lora_load | block_cached | block_full | block_load
 - `rows`: batch rows of one denoiser forward (2 per CFG request, 1 otherwise) for denoise and
   for the per-group part of round_overhead; the number of texts for text_encode; for
   host_probe, how many copies of one fixed forward ran at once on the host; 1 otherwise.
@@ -62,6 +62,13 @@ CSV schema (one for every device), one row per measured point:
   largest group's and its rows are all the groups' rows. `ProfiledCostModel` keeps these rows
   aside for `policies/patchedserve/packed_profile.py`; PatchedServe's Throughput Analyzer trains on
   them and the one-resolution rows (`policies/patchedserve/samples.py`). Optional (older files): empty.
+- block_cached, block_full and block_load rows (with `slot`, the cache slot: a transformer block)
+  price one slot of a masked forward with cached block outputs (InstGenIE §4.2, Algorithm 1's
+  C_w, C_wo and L): computing its masked tokens with the rest from the cache (`mask_ratio`: the
+  share of tokens computed), computing every token, and loading its cached activations to the
+  device; per shape and rows. `ProfiledCostModel` keeps them aside (`block_rows`) for
+  `policies/instgenie/block_profile.py`, which the worker's loading DP reads. Optional; `slot` is
+  empty on every other row.
 - `latency_ms`: the median of `samples` repeats; `source`: "measured <date> <device>" or a
   citation (derived tables say so).
 """
@@ -98,18 +105,23 @@ DENOISE_ENCODER = "denoise_encoder"
 LORA = "lora"
 CFG_EXCHANGE = "cfg_exchange"
 LORA_LOAD = "lora_load"
+BLOCK_CACHED = "block_cached"
+BLOCK_FULL = "block_full"
+BLOCK_LOAD = "block_load"
+# One cache slot of a masked forward with cached block outputs: Algorithm 1's C_w, C_wo and L.
+BLOCK_COMPONENTS = (BLOCK_CACHED, BLOCK_FULL, BLOCK_LOAD)
 # Optional prices of work beyond the plain forward: add-ons, and the exchange of a CFG split.
 EXTRA_COMPONENTS = (CONTROLNET, CONTROLNET_TRANSFER, DENOISE_ENCODER, LORA, CFG_EXCHANGE)
 COMPONENTS = (DENOISE, ROUND_OVERHEAD, TEXT_ENCODE, VAE_DECODE, REQUEST_OVERHEAD, HOST_PROBE, HOST_IDLE, ROUTER_CPU,
-              *EXTRA_COMPONENTS, LORA_LOAD)
+              *EXTRA_COMPONENTS, LORA_LOAD, *BLOCK_COMPONENTS)
 HOST_COMPONENTS = (HOST_PROBE, HOST_IDLE, ROUTER_CPU)  # what the host does besides the model: optional
-SHAPED = (DENOISE, VAE_DECODE, HOST_PROBE, *EXTRA_COMPONENTS)  # rows that need a height and width
+SHAPED = (DENOISE, VAE_DECODE, HOST_PROBE, *EXTRA_COMPONENTS, *BLOCK_COMPONENTS)  # rows that need a height and width
 
 CSV_COLUMNS = ("model", "device", "component", "height", "width", "rows", "frames", "latency_ms", "samples", "source",
-               "sp_degree", "mask_ratio", "groups")
-# Absent in profiles written before video support (sp_degree), masked forwards (mask_ratio) and
-# packed forwards (groups).
-OPTIONAL_COLUMNS = {"sp_degree": "1", "mask_ratio": "1", "groups": ""}
+               "sp_degree", "mask_ratio", "groups", "slot")
+# Absent in profiles written before video support (sp_degree), masked forwards (mask_ratio),
+# packed forwards (groups) and per-block costs (slot).
+OPTIONAL_COLUMNS = {"sp_degree": "1", "mask_ratio": "1", "groups": "", "slot": ""}
 
 # Methods are tried in this order; a later one must beat an earlier one's held-out error by
 # more than this factor to be chosen.
@@ -280,6 +292,7 @@ class ProfileRow:
     sp_degree: int = 1
     mask_ratio: float = 1.0
     groups: tuple[tuple[int, int, int], ...] = ()  # (height, width, rows) of each group of a packed forward
+    slot: int | None = None  # the cache slot of a block row (`BLOCK_COMPONENTS`), else None
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -291,9 +304,11 @@ class ProfileRow:
         if self.sp_degree < 1 or (self.sp_degree > 1 and self.component != DENOISE):
             raise ProfileError(f"sp_degree must be 1, or > 1 on denoise rows only: {self}")
         if not 0.0 < self.mask_ratio <= 1.0 or (self.mask_ratio < 1.0 and (
-                self.component != DENOISE or self.sp_degree != 1 or self.frames != 1)):
-            raise ProfileError(f"mask_ratio must be in (0, 1], and < 1 on image denoise rows at sp_degree 1 only: "
-                               f"{self}")
+                self.component not in (DENOISE, BLOCK_CACHED) or self.sp_degree != 1 or self.frames != 1)):
+            raise ProfileError(f"mask_ratio must be in (0, 1], and < 1 on image denoise or block_cached rows at "
+                               f"sp_degree 1 only: {self}")
+        if (self.slot is not None) != (self.component in BLOCK_COMPONENTS) or (self.slot or 0) < 0:
+            raise ProfileError(f"block rows ({', '.join(BLOCK_COMPONENTS)}) and only they name a slot >= 0: {self}")
         if not (math.isfinite(self.latency_ms) and self.latency_ms >= 0):
             raise ProfileError(f"latency_ms must be finite and >= 0, got {self.latency_ms!r}")
         shaped = self.height > 0 and self.width > 0
@@ -334,7 +349,7 @@ class ProfileRow:
             "height": str(self.height), "width": str(self.width), "rows": str(self.rows),
             "frames": str(self.frames), "latency_ms": f"{self.latency_ms:.4f}", "samples": str(self.samples),
             "source": self.source, "sp_degree": str(self.sp_degree), "mask_ratio": f"{self.mask_ratio:.6g}",
-            "groups": format_groups(self.groups),
+            "groups": format_groups(self.groups), "slot": "" if self.slot is None else str(self.slot),
         }
 
 
@@ -364,6 +379,7 @@ def _parse_row(raw: dict[str, str], where: str) -> ProfileRow:
             sp_degree=int(raw.get("sp_degree") or OPTIONAL_COLUMNS["sp_degree"]),
             mask_ratio=float(raw.get("mask_ratio") or OPTIONAL_COLUMNS["mask_ratio"]),
             groups=parse_groups(raw.get("groups") or OPTIONAL_COLUMNS["groups"]),
+            slot=int(raw["slot"]) if (raw.get("slot") or "").strip() else None,
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ProfileError(f"{where}: {exc}") from None
@@ -381,7 +397,7 @@ def read_profile(path: str | os.PathLike) -> list[ProfileRow]:
 def write_profile(path: str | os.PathLike, rows: Iterable[ProfileRow]) -> None:
     """Write rows sorted by model, component, shape: diffs between two profiles stay readable."""
     ordered = sorted(rows, key=lambda r: (r.model, COMPONENTS.index(r.component), r.sp_degree, -r.mask_ratio,
-                                          len(r.groups), r.groups, r.pixels, r.height, r.rows))
+                                          len(r.groups), r.groups, r.pixels, r.height, r.rows, r.slot or 0))
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, lineterminator="\n")
         writer.writeheader()
@@ -633,8 +649,10 @@ class _ModelCosts:
         by_component: dict[str, list[ProfileRow]] = {c: [] for c in COMPONENTS}
         self.masked: list[ProfileRow] = []  # forwards with cached activations: not fitted here
         self.packed: list[ProfileRow] = []  # forwards of several resolutions: not fitted here
+        self.blocks: list[ProfileRow] = []  # per-slot costs of masked forwards: not fitted here
         for r in rows:
-            (self.masked if r.mask_ratio < 1.0 else self.packed if r.groups else by_component[r.component]).append(r)
+            (self.blocks if r.slot is not None else self.masked if r.mask_ratio < 1.0 else self.packed if r.groups
+             else by_component[r.component]).append(r)
         self.fits: dict[str, FitResult] = {}
         degrees = sorted({r.sp_degree for r in by_component[DENOISE]})
         # One fit per SP degree; degree 1 reports as plain "denoise", others as "denoise@spD".
@@ -658,7 +676,7 @@ class _ModelCosts:
         self._addons = {c: self._fit(c, [((r.pixels / MEGA, float(r.rows)), r.seconds) for r in by_component[c]])
                         for c in EXTRA_COMPONENTS}
         self.lora_load = _median_seconds(by_component[LORA_LOAD])
-        optional = (*HOST_COMPONENTS, *EXTRA_COMPONENTS, LORA_LOAD)
+        optional = (*HOST_COMPONENTS, *EXTRA_COMPONENTS, LORA_LOAD, *BLOCK_COMPONENTS)
         self.missing = [c for c in COMPONENTS if not by_component[c] and c not in optional]
         self.missing_extras = [c for c in (*EXTRA_COMPONENTS, LORA_LOAD) if not by_component[c]]
         self.host_slowdowns = _host_slowdowns(by_component[HOST_PROBE])
@@ -770,6 +788,12 @@ class ProfiledCostModel:
         """The denoise rows of forwards with cached activations (mask_ratio < 1), which this model
         does not fit: `policies/instgenie/edit_profile.py` prices edits from them."""
         return tuple(r for costs in self._models.values() for r in costs.masked)
+
+    @property
+    def block_rows(self) -> tuple[ProfileRow, ...]:
+        """The per-slot costs of masked forwards (`BLOCK_COMPONENTS`), which this model does not
+        fit: `policies/instgenie/block_profile.py` hands them to the loading DP."""
+        return tuple(r for costs in self._models.values() for r in costs.blocks)
 
     @property
     def packed_rows(self) -> tuple[ProfileRow, ...]:

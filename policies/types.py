@@ -513,6 +513,17 @@ class RequestFailure:
 
 
 @dataclass(frozen=True)
+class EditBlockCounts:
+    """What a worker's masked forwards of template edits did (InstGenIE §4.2's loading DP): cache
+    slots that used their cached activations, blocks that computed every token instead, and
+    forwards whose choice had no measured block costs (they loaded every slot)."""
+
+    loaded: int = 0
+    computed: int = 0
+    unplanned: int = 0
+
+
+@dataclass(frozen=True)
 class StepReport:
     """A worker's answer to a `WorkerPlan`. `incarnation` changes when the worker restarts, so a
     router can tell a fresh worker (which lost every resident request) from the one it knew.
@@ -536,3 +547,4 @@ class StepReport:
     # Seconds of the plan spent bringing LoRAs to the worker (waiting for the store, adding
     # them): time every request of the batch waited for them.
     lora_wait_s: float = 0.0
+    edit_blocks: EditBlockCounts = EditBlockCounts()  # the plan's masked forwards, block by block

@@ -21,6 +21,7 @@ from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import c
 from diffusers.utils.torch_utils import randn_tensor
 from transformers import CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel, T5Tokenizer
 
+from stepserve.engine.editing.block_costs import BlockCosts, measure_block_costs
 from stepserve.engine.editing.masked_sd3 import (
     CacheKind, MaskedPlan, SD3Inputs, cache_slots, masked_forward, recording_forward,
 )
@@ -266,6 +267,13 @@ class SD3Family(FlowMatchingImageFamily):
                        plan: MaskedPlan) -> torch.Tensor:
         """`denoise` computing only `plan`'s masked tokens in the blocks it says, the rest cached."""
         return masked_forward(self.denoiser, self._inputs(sample, timesteps, cond), plan)
+
+    def block_costs(self, sample: torch.Tensor, timesteps: torch.Tensor, cond: RowConditioning, index: torch.Tensor,
+                    cached: Sequence[torch.Tensor], kind: CacheKind, warmup: int, repeats: int) -> BlockCosts:
+        """Each cache slot's measured costs in a masked forward of these inputs computing the tokens
+        `index`, with `cached` its record of `kind` in host memory (`engine.editing.block_costs`)."""
+        return measure_block_costs(self.denoiser, self._inputs(sample, timesteps, cond), index, cached, self.device,
+                                   warmup, repeats, kind)
 
     # ---- reuse of a request's patches across steps (`engine.patch_cache`) ---------------------
 

@@ -1,12 +1,14 @@
 """InstGenIE's edits of templates with cached activations (`engine.template_edits`): an edit of
 a template gets the template's record at admission, or records one; a group of such edits runs
-masked when each has its record, else exact and recording. Approximate (`edit_cache.enabled`)."""
+masked when each has its record (the slots the worker's loading DP picks loaded, counted in
+`tally` for the plan's report), else exact and recording. Approximate (`edit_cache.enabled`)."""
 
 from __future__ import annotations
 
 import torch
 
 from stepserve.engine.editing.block_loader import pin
+from stepserve.engine.editing.loading_plan import BlockTally
 from stepserve.engine.editing.masked_sd3 import token_index
 from stepserve.engine.forward_modes.base import ForwardBatch, ForwardMode, ModeName
 from stepserve.engine.template_edits import EditMember, TemplateCache, TemplateEdit, template_forward, template_key
@@ -17,6 +19,7 @@ class TemplateEdits(ForwardMode):
 
     def __init__(self, templates: TemplateCache):
         self.templates = templates
+        self.tally = BlockTally()
 
     def admit(self, sampler, family) -> None:
         """Its `TemplateEdit`: the template's record if the store has one (pinned for
@@ -36,7 +39,8 @@ class TemplateEdits(ForwardMode):
 
     def forward(self, batch: ForwardBatch) -> list[torch.Tensor]:
         members = [EditMember(s.mode_state, s.rows, s.step_index) for s in batch.samplers]
-        return batch.split(template_forward(batch.family, members, *batch.joined()))
+        return batch.split(template_forward(batch.family, members, *batch.joined(), self.templates.planner,
+                                            self.tally))
 
     def missed(self, sampler) -> None:
         sampler.leave()  # a record missing this step would be no record

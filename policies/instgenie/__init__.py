@@ -4,6 +4,8 @@
                                  fitted latency lines, per-block costs       edit_costs.py
     §4.2 Algorithm 1, Fig. 9     which blocks load their cached activations (and the naive,
                                  always-load, exact and ideal ways to compare) pipeline_dp.py
+    §4.2 Algorithm 1             its measured per-block costs by shape, for the
+                                 workers' DP (`stepserve profile`)            block_profile.py
     §4.3                         step-level continuous batching                policies/continuous.py
     §4.4 Algorithm 2             mask-aware placement, policy "mask_aware"    placement.py
     §4.4 Fig. 11                 the FLOPs line fitted to a profile's masked

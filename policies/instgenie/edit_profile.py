@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from stepserve.policies.cost_model import BatchShape, CostModel, ProfiledCostModel, ProfileError, ProfileRow
+from stepserve.policies.cost_model import DENOISE, BatchShape, CostModel, ProfiledCostModel, ProfileError, ProfileRow
 from stepserve.policies.instgenie.edit_costs import DiTDims, EditCostModel, LinearFit, MaskAwareCosts
 from stepserve.policies.instgenie.pipeline_dp import Loading
 
@@ -29,7 +29,7 @@ def fitted_edit_models(rows: Iterable[ProfileRow], dims: Mapping[str, Sequence[D
     Raises `ProfileError` where a model's masked rows cannot make a line (one FLOPs count only)."""
     samples: dict[str, list[tuple[BatchShape, float]]] = {}
     for row in rows:
-        if row.mask_ratio < 1.0 and row.model in dims:
+        if row.component == DENOISE and row.mask_ratio < 1.0 and row.model in dims:
             batch = BatchShape(row.model, row.height, row.width, row.rows, mask_ratio=row.mask_ratio)
             samples.setdefault(row.model, []).append((batch, row.seconds))
     models = {}

@@ -8,6 +8,9 @@ What is measured, each the median of interleaved repeats after a warm-up:
 - denoise with mask_ratio < 1 (where the family edits with cached activations): the forward the
   workers serve for a batch of edits of templates they hold a record of, at the grid's mask
   ratios, per resolution and number of edits (`masked_batches`); see profiling/edits.py.
+- block_cached, block_full, block_load (the same families and grid): each cache slot's costs in
+  such a forward over a record of block outputs, what the workers' loading DP plans with; see
+  profiling/edit_blocks.py.
 - denoise of several resolutions (where the family runs them in one forward): that forward for
   every mix of the grid's sizes, with `packed_batches` requests of each, timed beside the same
   groups run in turn; see profiling/packed.py.
@@ -39,6 +42,6 @@ Threads follow the config: the denoiser with `workers.torch_threads`, the encode
 with their own, so the numbers are what each deployment would see.
 
 Modules: `images` (the command, `run_profile`, and the model's own work), `live` (Ray and the
-live app), `addons`, `edits`, `packed`, `video` (each one kind of row, or a video model's whole
+live app), `addons`, `edits`, `edit_blocks`, `packed`, `video` (each one kind of row, or a video model's whole
 profile), and `common`, the helpers they all share (none of them imports another's helpers).
 """

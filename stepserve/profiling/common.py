@@ -137,9 +137,9 @@ class Context:
 
     def row(self, component: str, latency_s: float, samples: int, height: int = 0, width: int = 0, rows: int = 1,
             note: str = "", frames: int = 1, sp_degree: int = 1, mask_ratio: float = 1.0,
-            groups: tuple[tuple[int, int, int], ...] = ()) -> ProfileRow:
+            groups: tuple[tuple[int, int, int], ...] = (), slot: int | None = None) -> ProfileRow:
         return ProfileRow(self.model, self.device, component, height, width, rows, frames, latency_s * 1e3, samples,
-                          f"{self.source}; {note}" if note else self.source, sp_degree, mask_ratio, groups)
+                          f"{self.source}; {note}" if note else self.source, sp_degree, mask_ratio, groups, slot)
 
 
 def choose_grid(args: argparse.Namespace, device: str) -> ProfileGrid:

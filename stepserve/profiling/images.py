@@ -40,6 +40,7 @@ from stepserve.profiling.common import (
     log,
     set_threads,
 )
+from stepserve.profiling.edit_blocks import measure_edit_blocks
 from stepserve.profiling.edits import masked_fit_report, measure_masked
 from stepserve.profiling.live import live_rows, measure_live, measure_on_ray
 from stepserve.profiling.packed import measure_packed, packed_fit_report
@@ -294,6 +295,7 @@ def run_profile(args: argparse.Namespace) -> int:
     rows = measure_denoise(ctx, worker_threads)
     rows += measure_addons(ctx, app, worker_threads)
     rows += measure_masked(ctx, app.edit_cache.cache, worker_threads)
+    rows += measure_edit_blocks(ctx, worker_threads)
     rows += measure_packed(ctx, worker_threads)
     rows += measure_round_bookkeeping(ctx, worker_threads)
     # Where prompts encode and images decode: on the workers (`text_encoder.on_workers`,

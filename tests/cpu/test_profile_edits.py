@@ -71,8 +71,11 @@ def test_quick_profile_of_tiny_sd3_writes_masked_rows(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_profile(out)
-    masked = [r for r in rows if r.mask_ratio < 1]
+    masked = [r for r in rows if r.component == DENOISE and r.mask_ratio < 1]
     assert sorted((r.rows, r.mask_ratio) for r in masked) == [(2, 0.25), (2, 0.5), (4, 0.25), (4, 0.5)]
+    # The loading DP's block costs, of an outputs record whatever the config's kind.
+    blocks = ProfiledCostModel.from_csv(out).block_rows  # rows 2 and 4: 2 slots x (C_w at 2 ratios, C_wo, L)
+    assert len(blocks) == 2 * 2 * 4 and all("outputs record" in r.source for r in blocks)
     assert all("cached keys_values" in r.source for r in masked)  # local-images.yaml's default cache kind
     assert sorted(r.rows for r in rows if r.component == DENOISE and r.mask_ratio == 1) == [1, 2, 4]
     assert "denoise (masked)     FLOPs line   4 pts" in proc.stdout
@@ -83,3 +86,25 @@ def test_quick_profile_of_tiny_sd3_writes_masked_rows(tmp_path):
     for r in masked:
         assert costs.denoise_seconds(BatchShape("tiny-sd3", 64, 64, r.rows, mask_ratio=r.mask_ratio)) == pytest.approx(
             r.seconds, rel=0.25)
+
+
+def test_block_rows_per_size_edits_slot_and_ratio_make_the_dps_costs(sd3):
+    from stepserve.policies.cost_model import BLOCK_CACHED, BLOCK_FULL, BLOCK_LOAD
+    from stepserve.policies.instgenie.block_profile import MeasuredBlockCosts
+    from stepserve.profiling.edit_blocks import measure_edit_blocks
+
+    ctx = Context("tiny-sd3", "cpu", sd3, GRID, Stopwatch("cpu"), "measured today")
+    rows = measure_edit_blocks(ctx, 1)
+    slots = sd3.cache_slots(CacheKind.OUTPUTS)
+    # C_w per (rows, share, slot) at 4 and 8 of 16 tokens; C_wo and L once per (rows, slot).
+    assert sorted((r.rows, r.mask_ratio, r.slot) for r in rows if r.component == BLOCK_CACHED) == [
+        (n, share, s) for n in (2, 4) for share in (0.25, 0.5) for s in range(slots)]
+    for component in (BLOCK_FULL, BLOCK_LOAD):
+        assert sorted((r.rows, r.slot) for r in rows if r.component == component) == [
+            (n, s) for n in (2, 4) for s in range(slots)]
+    assert all(r.latency_ms > 0 for r in rows if r.component != BLOCK_LOAD)
+    assert all(r.latency_ms == 0 for r in rows if r.component == BLOCK_LOAD)  # CPU: the record is read in place
+    costs = MeasuredBlockCosts.from_rows(rows).at("tiny-sd3", 64, 64, 3, 0.3)
+    assert costs is not None and all(len(part) == slots for part in costs)
+    sd15 = load_family(ModelSource("tiny-sd", "sd15", preset="tiny"), ALL_PARTS, "cpu")
+    assert measure_edit_blocks(Context("tiny-sd", "cpu", sd15, GRID, ctx.watch, "x"), 1) == []

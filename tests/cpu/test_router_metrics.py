@@ -49,3 +49,17 @@ def test_each_models_throughput_analyzer_is_exported_and_no_error_where_none_was
     assert values == {("tiny-sd3", "measured_samples"): 38, ("tiny-sd3", "filled_samples"): 162,
                       ("tiny-sd3", "holdout_mean_rel_err"): 0.063, ("tiny-sd3", "holdout_max_rel_err"): 0.275,
                       ("sdxl", "measured_samples"): 0, ("sdxl", "filled_samples"): 200}
+
+
+def test_the_blocks_of_masked_edits_are_counted_by_how_they_ran():
+    from stepserve.policies.types import EditBlockCounts
+
+    metrics = RouterMetrics()
+    metrics.observe_edit_blocks(EditBlockCounts(loaded=3, computed=1))
+    metrics.observe_edit_blocks(EditBlockCounts(loaded=2, unplanned=1))
+    metrics.observe_edit_blocks(EditBlockCounts())  # a plan without masked forwards
+    samples = {(s.name, s.labels.get("how")): s.value for family in text_string_to_metric_families(
+        metrics.exposition().decode()) for s in family.samples}
+    assert samples[("stepserve_edit_blocks_total", "loaded")] == 5
+    assert samples[("stepserve_edit_blocks_total", "computed")] == 1
+    assert samples[("stepserve_edit_unplanned_forwards_total", None)] == 1

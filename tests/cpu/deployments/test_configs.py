@@ -81,6 +81,29 @@ def test_a_loras_own_join_bound_reaches_the_workers_and_the_router():
         AppConfig.model_validate({**base, "controlnets": [{"name": "c", "model": "m", "preset": "tiny", "join_by": 0.1}]})
 
 
+def test_the_edit_loading_dp_reaches_the_workers_with_the_profiles_block_costs(tmp_path):
+    from stepserve.engine.editing.masked_sd3 import CacheKind
+    from stepserve.policies.cost_model import BLOCK_CACHED, BLOCK_FULL, BLOCK_LOAD, ProfileRow, write_profile
+    from stepserve.policies.instgenie.pipeline_dp import Loading
+
+    base = {"models": [{"name": "m", "family": "sd3", "preset": "tiny", "max_size": 512}]}
+    planner = AppConfig.model_validate({**base, "edit_cache": {"enabled": True}}).pool_spec().edit_cache_loading
+    assert planner.loading is Loading.ALGORITHM1 and planner.costs is None  # keys_values: every slot loads
+    profile = tmp_path / "blocks.csv"
+    write_profile(profile, [ProfileRow("m", "cpu", component, 64, 64, 2, 1, 1.0, 3, "measured", mask_ratio=ratio,
+                                       slot=slot)
+                            for component, ratio in ((BLOCK_CACHED, 0.25), (BLOCK_FULL, 1.0), (BLOCK_LOAD, 1.0))
+                            for slot in range(2)])
+    outputs = {**base, "router": {"profiles": [str(profile)]},
+               "edit_cache": {"enabled": True, "cache": "outputs", "loading": "optimal"}}
+    planner = AppConfig.model_validate(outputs).pool_spec().edit_cache_loading
+    assert planner.loading is Loading.OPTIMAL and planner.costs.at("m", 64, 64, 2, 0.25) is not None
+    assert planner.use_cache(CacheKind.OUTPUTS, 2, "m", 64, 64, 2, 0.25)[1]
+    for bad in ("naive", "ideal", "fastest"):
+        with pytest.raises(ValueError, match="edit_cache.loading .* is not a way to serve; one of"):
+            AppConfig.model_validate({**base, "edit_cache": {"enabled": True, "loading": bad}})
+
+
 def test_a_relative_weights_path_resolves_from_here_else_under_configs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     shipped = ModelConfig(name="shapes", family="sd15", path="models/shapes/sd")

@@ -10,6 +10,7 @@ import numpy as np
 import openai
 import pytest
 from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
 
 from stepserve.load_tests.bench_edit_cache import cache_stats
 from tests.cpu.deployments.test_edits_api import mask_png
@@ -40,6 +41,18 @@ def store_stats(url: str) -> dict[str, float]:
     return cache_stats(httpx.get(f"{url}/metrics", timeout=30).text)
 
 
+def edit_blocks(url: str) -> dict[str, float]:
+    """`stepserve_edit_blocks` by how, and the unplanned forwards."""
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+        for sample in family.samples:
+            if sample.name == "stepserve_edit_blocks_total":
+                out[sample.labels["how"]] = sample.value
+            elif sample.name == "stepserve_edit_unplanned_forwards_total":
+                out["unplanned"] = sample.value
+    return out
+
+
 def test_a_template_is_recorded_once_and_reused(app):
     url, _ = app
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
@@ -59,5 +72,7 @@ def test_a_template_is_recorded_once_and_reused(app):
     reused = edit(2, "sofa", box=(16, 16, 32, 32))  # reuses the record: another seed and mask
     after = store_stats(url)
     assert after["memory_hits"] == 1 and after["memory_values"] == 1
+    # Its 4 masked forwards loaded the whole keys-values record (2 blocks and the final tokens) each.
+    assert edit_blocks(url) == {"loaded": 4 * 3, "computed": 0, "unplanned": 0}
     exact = edit(2, None, box=(16, 16, 32, 32))
     assert reused.shape == exact.shape and np.abs(reused.astype(int) - exact.astype(int)).mean() < 8

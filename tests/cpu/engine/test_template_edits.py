@@ -91,3 +91,30 @@ def test_template_edits_batch_together_and_a_mixed_group_falls_back_to_exact(tin
     d, d_in = edit_spec(tiny_sd3, "d", seed=4, size=64)
     mixed = run(runner, tiny_sd3, [(templated(b), b_in), (d, d_in)])
     np.testing.assert_allclose(mixed["b"], run(exact, tiny_sd3, [(b, b_in)])["b"], atol=1e-5, rtol=1e-4)
+
+
+def test_each_report_counts_the_blocks_its_masked_forwards_loaded_and_computed(tiny_sd3, store, kind):
+    """The loading DP on the worker: measured costs where computing the first block in full wins
+    (outputs: one block loaded, one computed per step); a keys-values record loads every slot."""
+    from stepserve.engine.editing.loading_plan import LoadingPlanner
+    from stepserve.policies.instgenie.pipeline_dp import Loading
+    from stepserve.policies.types import EditBlockCounts
+
+    from tests.cpu.engine.editing.test_loading_plan import measured
+
+    first, first_in = edit_spec(tiny_sd3, "a", seed=1, size=64)
+    # The edit's share lies between the measured 1/16 and 1, where C_w runs up to C_wo: at it the
+    # optimum still computes the first block in full and loads the second.
+    costs = measured((0.0, 0.0), (0.011, 0.011), (0.010, 0.010), share=1 / 16, model=tiny_sd3.source.name)
+    runner = StepRunner("w0", {tiny_sd3.source.name: tiny_sd3},
+                        templates=TemplateCache(store, kind, LoadingPlanner(Loading.OPTIMAL, costs)))
+    run(runner, tiny_sd3, [(templated(first), first_in)])  # records: exact, no masked forward
+    again = templated(RequestSpec(**{**first.__dict__, "request_id": "b"}))
+    plan = WorkerPlan("w0", admit=("b",), groups=(StepGroup(("b",)),), plan_id=100)
+    report, _ = runner.execute(plan, {"b": edit_admission(tiny_sd3, again, first_in)})
+    assert not report.failed
+    slots = cache_slots(tiny_sd3.denoiser, kind)
+    expected = EditBlockCounts(loaded=1, computed=1) if kind is CacheKind.OUTPUTS else EditBlockCounts(loaded=slots)
+    assert report.edit_blocks == expected
+    plan = WorkerPlan("w0", groups=(StepGroup(("b",)),), steps=2, plan_id=101)
+    assert runner.execute(plan, {})[0].edit_blocks == EditBlockCounts(*(2 * n for n in vars(expected).values()))

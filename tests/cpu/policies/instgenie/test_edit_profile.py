@@ -65,8 +65,8 @@ def test_the_column_round_trips_and_old_files_still_read(tmp_path):
     path = tmp_path / "p.csv"
     write_profile(path, rows)
     lines = path.read_text().splitlines()
-    assert lines[0].endswith(",sp_degree,mask_ratio,groups") and lines[0] == ",".join(cm.CSV_COLUMNS)
-    assert lines[1].endswith(",1,1,")  # full forwards first, at ratio 1 (of one resolution: no groups)
+    assert lines[0].endswith(",sp_degree,mask_ratio,groups,slot") and lines[0] == ",".join(cm.CSV_COLUMNS)
+    assert lines[1].endswith(",1,1,,")  # full forwards first, at ratio 1 (of one resolution: no groups, no slot)
     back = read_profile(path)
     assert sorted(back, key=repr) == sorted(
         [ProfileRow(**{**r.__dict__, "latency_ms": round(r.latency_ms, 4)}) for r in rows], key=repr)
