@@ -127,9 +127,10 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
 
 
 def load_cost(profile: str) -> Any:
+    """One profile's cost model, or several's (comma-separated names or paths: one per model)."""
     from stepserve.policies.cost_model import load_profile
 
-    return load_profile(profile)
+    return load_profile(*profile.split(","))
 
 
 def run_sweep(spec: WorkloadSpec, cost: Any, config: SimConfig, policies: Sequence[str],

@@ -95,9 +95,9 @@ def test_sp_degree_round_trips_and_old_profiles_read_as_degree_one(tmp_path):
     path = tmp_path / "p.csv"
     write_profile(path, _rows())
     assert sorted(r.sp_degree for r in read_profile(path)) == sorted(r.sp_degree for r in _rows())
-    old = tmp_path / "old.csv"  # written before the column existed (and mask_ratio and groups, after it)
+    old = tmp_path / "old.csv"  # written before the column existed (and mask_ratio, groups and slot, after it)
     lines = path.read_text().splitlines()
-    old.write_text("\n".join(line.rsplit(",", 3)[0] for line in lines) + "\n")
+    old.write_text("\n".join(line.rsplit(",", 4)[0] for line in lines) + "\n")
     assert {r.sp_degree for r in read_profile(old)} == {1}
 
 
