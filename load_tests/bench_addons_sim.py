@@ -12,7 +12,8 @@ the live `RouterCore` and policy, time from a profile with add-on rows (`sdxl-h8
    adapter set per forward (`lora_batches: per_adapter`, the way vLLM-Omni and SGLang batch):
    throughput in images per minute of denoiser GPU time, and the latency of a Poisson run of each;
    and stepserve without LoRA-affinity placement (`lora_affinity_s: 0`): how often a LoRA is
-   brought to a worker (each stalls that worker's batch for the profile's `lora_load`).
+   brought to a worker (each stalls that worker's batch for the profile's `lora_load`); and the
+   composed policy (`configs/cluster.yaml`'s) on the same requests.
 
     python -m stepserve.load_tests.bench_addons_sim --out docs/results/addons-sim
 
@@ -121,11 +122,13 @@ def controlnet_runs(rows: list, args: argparse.Namespace) -> list[dict[str, Any]
 
 
 def lora_systems(args: argparse.Namespace) -> dict[str, SimConfig]:
-    """stepserve (mixed-LoRA forwards, LoRA-affinity placement), the same without affinity, and
-    one adapter set a forward."""
+    """stepserve (mixed-LoRA forwards, LoRA-affinity placement), the same without affinity, one
+    adapter set a forward, and the composed policy (mixed-LoRA forwards, no affinity: the
+    cluster's policy on SwiftDiffusion's own workload)."""
     return {"mixed": sim_config(args),
             "mixed, no affinity": sim_config(args, policy_options={"lora_affinity_s": 0.0}),
-            "per_adapter": sim_config(args, lora_batches=LoraBatching.PER_ADAPTER)}
+            "per_adapter": sim_config(args, lora_batches=LoraBatching.PER_ADAPTER),
+            "composed": sim_config(args, policy="composed")}
 
 
 def lora_runs(rows: list, args: argparse.Namespace) -> list[dict[str, Any]]:
