@@ -26,19 +26,26 @@ takes them):
 - vae_decode: SDXL's measured decode + PNG at the same size: SD3's VAE decoder has SDXL's layout
   (128-512 channels, 2 layers per block; only its 16 latent channels differ), and SDXL's decodes
   in float32 (force_upcast) where SD3's runs in float16, so this is an upper bound.
+- block_cached, block_full, block_load (the loading DP's C_w, C_wo, L per transformer block):
+  measured on an H100 for sd3-medium's transformer at 1024 px, one CFG edit (2 rows), bfloat16,
+  over a record pinned in host memory (`bench_cache_loading`, docs/results/cache-loading-h100);
+  the H200 has the H100's compute and more memory bandwidth, its host link the same PCIe. So the
+  workers plan single edits at 1024 px with them; other shapes load every block (unplanned).
 """
 
 from __future__ import annotations
 
+import json
 import re
 import statistics
 from pathlib import Path
 
-from stepserve.policies.cost_model import (DENOISE, ROUND_OVERHEAD, TEXT_ENCODE, VAE_DECODE, ProfileRow, read_profile,
-                                           write_profile)
+from stepserve.policies.cost_model import (BLOCK_CACHED, BLOCK_FULL, BLOCK_LOAD, DENOISE, ROUND_OVERHEAD, TEXT_ENCODE,
+                                           VAE_DECODE, ProfileRow, read_profile, write_profile)
 
 HERE = Path(__file__).resolve().parent
 LOG = HERE.parents[1] / "docs" / "results" / "profiles-h200" / "sd3-h200.log"
+H100_BLOCKS = HERE.parents[1] / "docs" / "results" / "cache-loading-h100" / "cache_loading.json"
 MODEL, DEVICE = "stable-diffusion-3.5-medium", "cuda"
 MEASURED = "measured 2026-11-28 NVIDIA H200, torch 2.11.0+cu130"
 FROM_LOG = "read from its run's log (stopped before it wrote this CSV)"
@@ -101,8 +108,26 @@ def derived_text_and_decode() -> list[ProfileRow]:
     return out
 
 
+def derived_block_costs() -> list[ProfileRow]:
+    bench = json.loads(H100_BLOCKS.read_text())
+    size, rows, results = bench["image_size"], bench["rows"], bench["results"]
+    source = (f"derived: measured on an {bench['device']} ({bench['dtype']}, {bench['config']}'s transformer, "
+              f"{bench['cost_repeats']} repeats; docs/results/cache-loading-h100)")
+
+    def row(component: str, seconds: float, slot: int, share: float = 1.0) -> ProfileRow:
+        return ProfileRow(MODEL, DEVICE, component, size, size, rows, 1, 1e3 * seconds, bench["cost_repeats"],
+                          source, mask_ratio=share, slot=slot)
+
+    first = results[0]["costs"]  # C_wo and L do not depend on the mask
+    out = [row(BLOCK_FULL, c, slot) for slot, c in enumerate(first["c_without"])]
+    out += [row(BLOCK_LOAD, c, slot) for slot, c in enumerate(first["load"])]
+    for result in results:
+        out += [row(BLOCK_CACHED, c, slot, result["token_ratio"]) for slot, c in enumerate(result["costs"]["c_with"])]
+    return out
+
+
 def main() -> None:
-    rows = rows_from_log(LOG.read_text().splitlines()) + derived_text_and_decode()
+    rows = rows_from_log(LOG.read_text().splitlines()) + derived_text_and_decode() + derived_block_costs()
     write_profile(HERE / "sd3-h200.csv", rows)
     print(f"wrote {len(rows)} rows to {HERE / 'sd3-h200.csv'}")
 

@@ -170,3 +170,19 @@ def test_the_cluster_runs_the_composed_policy(monkeypatch):
     monkeypatch.setenv("STEPSERVE_API_KEYS", "sk-test")
     (app,) = load_serve_config(CONFIGS / "cluster.yaml")["applications"]
     assert AppConfig.model_validate(app["args"]).router.policy == "composed"
+
+
+def test_the_clusters_workers_plan_template_edits_from_block_costs(monkeypatch):
+    """The loading DP runs on the cluster's workers: its SD3 edits (block outputs recorded) are planned
+    from the profile's block costs, which at half the tokens compute a block in full."""
+    from stepserve.engine.editing.masked_sd3 import CacheKind
+
+    monkeypatch.setenv("STEPSERVE_API_KEYS", "sk-test")
+    (app,) = load_serve_config(CONFIGS / "cluster.yaml")["applications"]
+    config = AppConfig.model_validate(app["args"])
+    assert config.edit_cache.enabled and config.edit_cache.cache is CacheKind.OUTPUTS
+    planner = config.edit_cache.planner(config.router.profiles)
+    use_cache, planned = planner.use_cache(CacheKind.OUTPUTS, 24, "stable-diffusion-3.5-medium", 1024, 1024, 2, 0.5)
+    assert planned and 0 < use_cache.count(False) < 24
+    assert planner.use_cache(CacheKind.OUTPUTS, 24, "stable-diffusion-3.5-medium", 1024, 1024, 2, 0.1) == ((True,) * 24,
+                                                                                                         True)
