@@ -16,54 +16,40 @@ may compute every token instead, so only its forwards are planned.
 
 from __future__ import annotations
 
-import torch
-
 from stepserve.engine.editing.block_loader import pin
 from stepserve.engine.editing.masked_sd3 import CacheKind
-from stepserve.engine.forward_modes.base import ModeName
-from stepserve.engine.text_encoding import embed
 from stepserve.policies.cost_model import BLOCK_CACHED, BLOCK_FULL, BLOCK_LOAD, ProfileRow
-from stepserve.profiling.common import PROMPT, Context, first_timestep, forward_inputs, log
-from stepserve.profiling.edits import masked_tokens
+from stepserve.profiling.common import Context, log
+from stepserve.profiling.edits import masked_forwards, masked_tokens
 
 
 def measure_edit_blocks(ctx: Context, threads: int) -> list[ProfileRow]:
     """The block rows of `ctx`'s model, or none where its family has no cached edits or the grid
     no mask ratios."""
     family, grid = ctx.family, ctx.grid
-    if ModeName.TEMPLATE_EDIT not in family.forward_modes or not grid.mask_ratios:
-        return []
-    per_edit = 2 if family.classifier_free_guidance else 1
-    log(f"[block costs] outputs records, sizes {list(grid.sizes)}, edits {list(grid.masked_batches)} of {per_edit} "
-        f"row(s), mask ratios {list(grid.mask_ratios)}, {threads} thread(s)")
-    text = embed(family, PROMPT)
-    t = first_timestep(family)
-    generator = torch.Generator("cpu").manual_seed(0)
     out = []
-    for size in grid.sizes:
-        for edits in grid.masked_batches:
-            rows = edits * per_edit
-            inputs = forward_inputs(family, text, t, rows, size, generator)
-            _, slots = family.denoise_recording(*inputs, CacheKind.OUTPUTS)
-            record = list(pin(dict(enumerate(s.cpu() for s in slots))).values()) if family.device.type == "cuda" \
-                else slots
-            note = f"{edits} edit(s) of {per_edit} row(s), outputs record, {threads} thread(s)"
-            for k, ratio in enumerate(grid.mask_ratios):
-                index, tokens = masked_tokens(family, size, rows, ratio)
-                costs = family.block_costs(*inputs, index, record, CacheKind.OUTPUTS, grid.warmup, grid.repeats)
-                share = index.shape[1] / tokens
-                log(f"  {size}px rows {rows} mask {share:.3g}: C_w {_ms(costs.c_with)}, C_wo {_ms(costs.c_without)}, "
-                    f"L {_ms(costs.load)} ms")
-                for slot, seconds in enumerate(costs.c_with):
-                    out.append(ctx.row(BLOCK_CACHED, seconds, grid.repeats, size, size, rows,
-                                       f"block {slot} masked ({index.shape[1]} of {tokens} tokens), the rest cached, "
-                                       f"{note}", mask_ratio=share, slot=slot))
-                if k == 0:
-                    for component, what, values in ((BLOCK_FULL, "every token", costs.c_without),
-                                                     (BLOCK_LOAD, "its cached outputs to the device", costs.load)):
-                        out += [ctx.row(component, seconds, grid.repeats, size, size, rows,
-                                        f"block {slot} {what}, {note}", slot=slot)
-                                for slot, seconds in enumerate(values)]
+    for size, edits, per_edit, inputs in masked_forwards(ctx, "[block costs] outputs records", threads):
+        rows = edits * per_edit
+        _, slots = family.denoise_recording(*inputs, CacheKind.OUTPUTS)
+        record = list(pin(dict(enumerate(s.cpu() for s in slots))).values()) if family.device.type == "cuda" \
+            else slots
+        note = f"{edits} edit(s) of {per_edit} row(s), outputs record, {threads} thread(s)"
+        for k, ratio in enumerate(grid.mask_ratios):
+            index, tokens = masked_tokens(family, size, rows, ratio)
+            costs = family.block_costs(*inputs, index, record, CacheKind.OUTPUTS, grid.warmup, grid.repeats)
+            share = index.shape[1] / tokens
+            log(f"  {size}px rows {rows} mask {share:.3g}: C_w {_ms(costs.c_with)}, C_wo {_ms(costs.c_without)}, "
+                f"L {_ms(costs.load)} ms")
+            for slot, seconds in enumerate(costs.c_with):
+                out.append(ctx.row(BLOCK_CACHED, seconds, grid.repeats, size, size, rows,
+                                   f"block {slot} masked ({index.shape[1]} of {tokens} tokens), the rest cached, "
+                                   f"{note}", mask_ratio=share, slot=slot))
+            if k == 0:
+                for component, what, values in ((BLOCK_FULL, "every token", costs.c_without),
+                                                 (BLOCK_LOAD, "its cached outputs to the device", costs.load)):
+                    out += [ctx.row(component, seconds, grid.repeats, size, size, rows,
+                                    f"block {slot} {what}, {note}", slot=slot)
+                            for slot, seconds in enumerate(values)]
     return out
 
 

@@ -15,7 +15,7 @@ rows' source names: a profile prices the kind it was measured with.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -31,39 +31,48 @@ from stepserve.profiling.common import PROMPT, Context, first_timestep, forward_
 PROFILE_KEY = "profile"  # the records never leave this process: any key will do
 
 
+def masked_forwards(ctx: Context, header: str, threads: int) -> Iterator[tuple[int, int, int, tuple]]:
+    """Every masked forward of the grid, after logging `header` and the grid: (size, edits, rows per
+    edit, the forward's sample, timesteps and conditioning for all the edits' rows); none where the
+    family has no cached edits or the grid no mask ratios. One prompt, timestep and noise seed."""
+    family, grid = ctx.family, ctx.grid
+    if ModeName.TEMPLATE_EDIT not in family.forward_modes or not grid.mask_ratios:
+        return
+    per_edit = 2 if family.classifier_free_guidance else 1
+    log(f"{header}, sizes {list(grid.sizes)}, edits {list(grid.masked_batches)} of {per_edit} row(s), mask ratios "
+        f"{list(grid.mask_ratios)}, {threads} thread(s)")
+    text = embed(family, PROMPT)
+    t = first_timestep(family)
+    generator = torch.Generator("cpu").manual_seed(0)
+    for size in grid.sizes:
+        for edits in grid.masked_batches:
+            yield size, edits, per_edit, forward_inputs(family, text, t, edits * per_edit, size, generator)
+
+
 def measure_masked(ctx: Context, kind: CacheKind, threads: int) -> list[ProfileRow]:
     """The masked rows of `ctx`'s model, or none where its family has no cached edits or the grid
     no mask ratios."""
     family, grid = ctx.family, ctx.grid
-    if ModeName.TEMPLATE_EDIT not in family.forward_modes or not grid.mask_ratios:
-        return []
     kind = CacheKind(kind)
-    per_edit = 2 if family.classifier_free_guidance else 1
-    log(f"[denoise, masked] {kind.value} records, sizes {list(grid.sizes)}, edits {list(grid.masked_batches)} of "
-        f"{per_edit} row(s), mask ratios {list(grid.mask_ratios)}, {threads} thread(s)")
-    text = embed(family, PROMPT)
-    t = first_timestep(family)
-    generator = torch.Generator("cpu").manual_seed(0)
     out = []
-    for size in grid.sizes:
-        for edits in grid.masked_batches:
-            rows = edits * per_edit
-            sample, timesteps, cond = forward_inputs(family, text, t, rows, size, generator)
-            records = self_records(family, kind, size, (sample, timesteps, cond), edits, per_edit)
-            cases, counts = {}, {}
-            for ratio in grid.mask_ratios:
-                index, tokens = masked_tokens(family, size, per_edit, ratio)
-                share = index.shape[1] / tokens
-                counts[share] = f"{index.shape[1]} of {tokens} tokens"
-                members = [EditMember(TemplateEdit(PROFILE_KEY, kind, index, record), per_edit)
-                           for record in records]
-                cases[share] = (lambda m=members: template_forward(family, m, sample, timesteps, cond))
-            medians = interleaved_medians(cases, ctx.watch, grid.warmup, grid.repeats,
-                                          lambda m: f"{size}px rows {rows} mask {m:.3g}")
-            out += [ctx.row(DENOISE, seconds, grid.repeats, size, size, rows,
-                            f"template_forward over cached {kind.value} ({counts[share]}), loads included, {edits} "
-                            f"edit(s) of {per_edit} row(s), {threads} thread(s)", mask_ratio=share)
-                    for share, seconds in medians.items()]
+    for size, edits, per_edit, inputs in masked_forwards(ctx, f"[denoise, masked] {kind.value} records", threads):
+        rows = edits * per_edit
+        sample, timesteps, cond = inputs
+        records = self_records(family, kind, size, inputs, edits, per_edit)
+        cases, counts = {}, {}
+        for ratio in grid.mask_ratios:
+            index, tokens = masked_tokens(family, size, per_edit, ratio)
+            share = index.shape[1] / tokens
+            counts[share] = f"{index.shape[1]} of {tokens} tokens"
+            members = [EditMember(TemplateEdit(PROFILE_KEY, kind, index, record), per_edit)
+                       for record in records]
+            cases[share] = (lambda m=members: template_forward(family, m, sample, timesteps, cond))
+        medians = interleaved_medians(cases, ctx.watch, grid.warmup, grid.repeats,
+                                      lambda m: f"{size}px rows {rows} mask {m:.3g}")
+        out += [ctx.row(DENOISE, seconds, grid.repeats, size, size, rows,
+                        f"template_forward over cached {kind.value} ({counts[share]}), loads included, {edits} "
+                        f"edit(s) of {per_edit} row(s), {threads} thread(s)", mask_ratio=share)
+                for share, seconds in medians.items()]
     return out
 
 
