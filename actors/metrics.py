@@ -138,7 +138,9 @@ class RouterMetrics:
             self.activation_cache.labels(node[:8], stat).set(value)
 
     def observe_edit_blocks(self, counts: EditBlockCounts) -> None:
-        """One plan's `StepReport.edit_blocks`."""
+        """One plan's `StepReport.edit_blocks` (most plans run no masked forward: nothing to count)."""
+        if not (counts.loaded or counts.computed or counts.unplanned):
+            return
         self.edit_blocks.labels("loaded").inc(counts.loaded)
         self.edit_blocks.labels("computed").inc(counts.computed)
         self.edit_unplanned.inc(counts.unplanned)

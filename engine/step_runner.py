@@ -158,7 +158,6 @@ class StepRunner:
         )
         return report, payloads
 
-
     def _edit_blocks(self) -> EditBlockCounts:
         """What this plan's masked forwards of template edits loaded and computed (none without
         the template-edit mode)."""

@@ -12,7 +12,7 @@ none of its blocks can compute them in full.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from stepserve.engine.editing.masked_sd3 import CacheKind
 from stepserve.policies.instgenie.block_profile import MeasuredBlockCosts
@@ -22,6 +22,7 @@ from stepserve.policies.types import EditBlockCounts
 # The ways a worker may serve (`edit_cache.loading`): the others of `Loading` are not ways to run a
 # forward (`ideal` loads for free) or only the paper's strawman baseline (`naive`).
 SERVED_LOADINGS = (Loading.ALWAYS_LOAD, Loading.ALGORITHM1, Loading.OPTIMAL)
+MEMO_LIMIT = 4096  # distinct forward shapes remembered before the memo starts over
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,10 @@ class LoadingPlanner:
 
     loading: Loading = Loading.ALWAYS_LOAD
     costs: MeasuredBlockCosts | None = None
+    # A group of edits runs the same shape for all its steps: its choice is made once (the exact
+    # `optimal` search takes milliseconds for 24 blocks, a step's forward tens of them).
+    _chosen: dict[tuple, tuple[tuple[bool, ...], bool]] = field(default_factory=dict, init=False, repr=False,
+                                                                 compare=False)
 
     def __post_init__(self) -> None:
         if Loading(self.loading) not in SERVED_LOADINGS:
@@ -42,6 +47,16 @@ class LoadingPlanner:
         px computing `share` of its image tokens; and whether measured costs decided it."""
         if CacheKind(kind) is CacheKind.KEYS_VALUES or Loading(self.loading) is Loading.ALWAYS_LOAD:
             return (True,) * slots, True
+        key = (slots, model, height, width, rows, share)
+        chosen = self._chosen.get(key)
+        if chosen is None:
+            if len(self._chosen) >= MEMO_LIMIT:
+                self._chosen.clear()
+            chosen = self._chosen[key] = self._choose(slots, model, height, width, rows, share)
+        return chosen
+
+    def _choose(self, slots: int, model: str, height: int, width: int, rows: int,
+                share: float) -> tuple[tuple[bool, ...], bool]:
         costs = None if self.costs is None else self.costs.at(model, height, width, rows, share)
         if costs is None or len(costs[0]) != slots:
             return (True,) * slots, False
