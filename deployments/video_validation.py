@@ -23,7 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from stepserve.deployments.config import AppConfig, ModelConfig
 from stepserve.deployments.errors import APIError, invalid
-from stepserve.deployments.validation import MAX_SEED, check_prompts, parse_body, parse_size, sampling_settings
+from stepserve.deployments.validation import (MAX_SEED, check_prompts, parse_body, parse_size, request_slo,
+                                               sampling_settings)
 from stepserve.engine.families import family_class
 from stepserve.policies.types import RequestKind, RequestSpec
 
@@ -52,6 +53,8 @@ class VideoCreateRequest(BaseModel):
     num_inference_steps: int | None = Field(default=None, description="Denoising steps.")
     guidance_scale: float | None = Field(default=None, description="Classifier-free guidance; <= 1 turns CFG off.")
     seed: int | None = Field(default=None, description="Noise seed; random when omitted (returned in `seed`).")
+    slo_s: float | None = Field(default=None, description="Latency objective in seconds from arrival, for SLO-aware "
+                                                          "policies; overrides the model's `slo_s` (extension).")
     input_reference: Any = Field(
         default=None, description="OpenAI's image-to-video reference; not supported, rejected with 400."
     )
@@ -164,5 +167,5 @@ def to_video_spec(payload: object, config: AppConfig, video_id: str | None = Non
     return RequestSpec(
         request_id=video_id or new_video_id(), model=model.name, prompt=req.prompt, width=width, height=height,
         num_inference_steps=steps, guidance_scale=guidance, seed=seed, negative_prompt=req.negative_prompt or "",
-        kind=RequestKind.T2V, num_frames=num_frames, fps=fps, slo_s=model.slo_s,
+        kind=RequestKind.T2V, num_frames=num_frames, fps=fps, slo_s=request_slo(req, model),
     )

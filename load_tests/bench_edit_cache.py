@@ -35,6 +35,7 @@ import PIL.Image
 from prometheus_client.parser import text_string_to_metric_families
 
 from stepserve.load_tests.fidelity import psnr, ssim
+from stepserve.load_tests.edit_workload import mask_png, template_png
 from stepserve.load_tests.live import wait_ready
 from stepserve.load_tests.local_app import deployed, free_port, local_ray, log
 from stepserve.load_tests.server_metrics import scrape_text
@@ -76,28 +77,6 @@ def serve_config(args: argparse.Namespace, port: int) -> dict[str, Any]:
                               "import_path": "stepserve.deployments.app:build_app", "args": app}]}
 
 
-def template_png(size: int) -> bytes:
-    """A smooth random picture (a template is a real image, not noise)."""
-    rng = np.random.default_rng(7)
-    small = PIL.Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).resize((size, size),
-                                                                                        PIL.Image.BICUBIC)
-    out = io.BytesIO()
-    small.save(out, format="PNG")
-    return out.getvalue()
-
-
-def mask_png(size: int, ratio: float) -> bytes:
-    """OpenAI's mask: opaque, a centred square of about `ratio` of the image fully transparent
-    (sides on the 16-pixel grid of SD3's 2x2 latent patches)."""
-    side = max(16, int(round(size * ratio ** 0.5 / 16)) * 16)
-    start = (size - side) // 2 // 16 * 16
-    alpha = np.full((size, size), 255, dtype=np.uint8)
-    alpha[start:start + side, start:start + side] = 0
-    out = io.BytesIO()
-    PIL.Image.fromarray(np.dstack([np.zeros((size, size, 3), np.uint8), alpha]), mode="RGBA").save(out, format="PNG")
-    return out.getvalue()
-
-
 async def edit(client: httpx.AsyncClient, url: str, image: bytes, mask: bytes, seed: int,
                cached: bool) -> tuple[float, np.ndarray]:
     fields = {"prompt": f"a potted plant, variation {seed}", "seed": str(seed), "response_format": "b64_json"}
@@ -114,14 +93,14 @@ async def edit(client: httpx.AsyncClient, url: str, image: bytes, mask: bytes, s
 
 
 async def measure(url: str, args: argparse.Namespace) -> dict[str, Any]:
-    image = template_png(args.size)
+    image = template_png(args.size, args.size, TEMPLATE)
     async with httpx.AsyncClient(timeout=args.request_timeout) as client:
         # The first edit of the template records its activations; warm both paths up.
-        await edit(client, url, image, mask_png(args.size, 0.2), seed=0, cached=True)
-        await edit(client, url, image, mask_png(args.size, 0.2), seed=0, cached=False)
+        await edit(client, url, image, mask_png(args.size, args.size, 0.2), seed=0, cached=True)
+        await edit(client, url, image, mask_png(args.size, args.size, 0.2), seed=0, cached=False)
         results = {}
         for ratio in args.ratios:
-            mask = mask_png(args.size, ratio)
+            mask = mask_png(args.size, args.size, ratio)
             latency: dict[str, list[float]] = {mode: [] for mode in MODES}
             images: dict[str, list[np.ndarray]] = {mode: [] for mode in MODES}
             for i in range(args.sequential):

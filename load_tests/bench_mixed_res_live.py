@@ -39,7 +39,7 @@ import statistics
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -137,18 +137,6 @@ class MeasuredSolo:
         return self.seconds[width]
 
 
-@dataclass(frozen=True)
-class SloRequest(ScheduledRequest):
-    """A request that sends its SLO in the body (the `slo_s` extension): the server must hold
-    each size to its own objective, not the model's."""
-
-    def body(self) -> dict[str, Any]:
-        body = super().body()
-        if self.slo_s is not None:
-            body["slo_s"] = self.slo_s
-        return body
-
-
 def mix_spec(model: str, sizes: Sequence[int], steps: int, guidance: float, rate: float, seed: int,
              slo_scale: float | None = None, duration_s: float | None = None,
              num_requests: int | None = None) -> WorkloadSpec:
@@ -160,9 +148,9 @@ def mix_spec(model: str, sizes: Sequence[int], steps: int, guidance: float, rate
                         description="sizes in equal shares, Poisson, SLO a multiple of solo")
 
 
-def slo_requests(spec: WorkloadSpec, solo: MeasuredSolo) -> list[SloRequest]:
+def slo_requests(spec: WorkloadSpec, solo: MeasuredSolo) -> list[ScheduledRequest]:
     """The run's requests, each carrying `slo_s` = the spec's scale x its size's solo latency."""
-    return [SloRequest(**{f.name: getattr(r, f.name) for f in fields(r)}) for r in generate(spec, solo)]
+    return [replace(r, send_slo=True) for r in generate(spec, solo)]
 
 
 # -- the live part ---------------------------------------------------------------------------

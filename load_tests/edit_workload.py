@@ -19,20 +19,62 @@ templates served 34M images, so nearly every edit finds its template: `cached` =
 
 from __future__ import annotations
 
+import io
 import random
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+import PIL.Image
 
 from stepserve.load_tests.workload import ScheduledRequest
 
 
 @dataclass(frozen=True)
 class ScheduledEdit(ScheduledRequest):
-    """A masked edit (`RequestKind.EDIT`) of an image. Simulated only: the live generator does not
-    send multipart edits yet."""
+    """A masked edit (`RequestKind.EDIT`) of an image: live, `POST /v1/images/edits` (multipart)
+    of its template's picture (`template_png`) under a centred mask of about `mask_ratio`."""
 
     mask_ratio: float = 1.0  # the fraction of the latent grid the mask covers
     template_id: str | None = None  # the template whose activations are cached; None: none are
+
+    def body(self) -> dict[str, Any]:
+        body = super().body()
+        body.pop("size")  # an edit has its image's size
+        if self.template_id is not None:
+            body["template_id"] = self.template_id
+        return body
+
+    def files(self) -> dict[str, tuple[str, bytes, str]]:
+        picture = template_png(self.width, self.height, self.template_id or f"image-{self.index}")
+        return {"image": ("image.png", picture, "image/png"),
+                "mask": ("mask.png", mask_png(self.width, self.height, self.mask_ratio), "image/png")}
+
+
+def template_png(width: int, height: int, name: str) -> bytes:
+    """A smooth random picture, the same for one name (a template is a real image, not noise)."""
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    small = PIL.Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).resize((width, height),
+                                                                                        PIL.Image.BICUBIC)
+    out = io.BytesIO()
+    small.save(out, format="PNG")
+    return out.getvalue()
+
+
+def mask_png(width: int, height: int, ratio: float, grid: int = 16) -> bytes:
+    """OpenAI's mask: opaque, a centred rectangle of about `ratio` of the image fully transparent,
+    its sides on a `grid` of pixels (16: SD3's 2x2 latent patches), at least one cell."""
+    def side(length: int) -> int:
+        return min(length, max(grid, int(round(length * ratio ** 0.5 / grid)) * grid))
+    w, h = side(width), side(height)
+    left, top = (width - w) // 2 // grid * grid, (height - h) // 2 // grid * grid
+    alpha = np.full((height, width), 255, dtype=np.uint8)
+    alpha[top:top + h, left:left + w] = 0
+    out = io.BytesIO()
+    PIL.Image.fromarray(np.dstack([np.zeros((height, width, 3), np.uint8), alpha]), mode="RGBA").save(out, format="PNG")
+    return out.getvalue()
 
 
 @dataclass(frozen=True)

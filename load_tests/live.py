@@ -1,5 +1,6 @@
 """Open-loop load against a running stepserve over HTTP: images with `POST /v1/images/generations`,
-videos with the job API (`POST /v1/videos`, then `GET /v1/videos/{id}` until the job ends).
+edits with `POST /v1/images/edits` (multipart: `ScheduledRequest.files`), videos with the job
+API (`POST /v1/videos`, then `GET /v1/videos/{id}` until the job ends).
 
 Each request leaves at its scheduled offset whether or not earlier ones have answered, so a
 slow server meets the offered load instead of quietly lowering it (no coordinated omission).
@@ -29,6 +30,7 @@ from stepserve.load_tests.records import RequestRecord
 from stepserve.load_tests.workload import ScheduledRequest
 
 GENERATIONS = "/v1/images/generations"
+EDITS = "/v1/images/edits"
 VIDEOS = "/v1/videos"
 VIDEO_POLL_S = 0.25  # seconds between status polls of a video job, if the server cannot long-poll
 VIDEO_WAIT_S = 30  # seconds one status long poll may wait for the job to end
@@ -83,7 +85,11 @@ def _error_message(response: httpx.Response) -> str:
 
 
 async def _image(client: httpx.AsyncClient, request: ScheduledRequest) -> tuple[int, str | None]:
-    response = await client.post(GENERATIONS, json=request.body())
+    files = request.files()
+    if files is None:
+        response = await client.post(GENERATIONS, json=request.body())
+    else:  # an edit: its fields as form values
+        response = await client.post(EDITS, data={k: str(v) for k, v in request.body().items()}, files=files)
     return response.status_code, None if response.status_code == 200 else _error_message(response)
 
 
@@ -92,10 +98,15 @@ async def _image_via_openai(client: openai.AsyncOpenAI, request: ScheduledReques
     extension (steps, seed, add-ons...) in `extra_body`."""
     body = request.body()
     model = body.pop("model", None)
+    named = {} if model is None else {"model": model}
+    files = request.files()
     try:
-        await client.images.generate(
-            prompt=body.pop("prompt"), size=body.pop("size"), n=body.pop("n"), response_format="b64_json",
-            extra_body=body, **({} if model is None else {"model": model}))
+        if files is None:
+            await client.images.generate(prompt=body.pop("prompt"), size=body.pop("size"), n=body.pop("n"),
+                                         response_format="b64_json", extra_body=body, **named)
+        else:
+            await client.images.edit(image=files["image"], mask=files["mask"], prompt=body.pop("prompt"),
+                                     n=body.pop("n"), response_format="b64_json", extra_body=body, **named)
     except openai.APIStatusError as exc:
         return exc.status_code, exc.message
     return 200, None
@@ -183,8 +194,8 @@ async def run_open_loop(base_url: str, requests: Sequence[ScheduledRequest], req
     `via_openai`: images go through the official `openai` client (videos keep the job API).
 
     A request waits at most `request_timeout_s` for its answer (a video: for its job to end,
-    long-polled, or polled every `video_poll_s` by a server that cannot), and nothing waits past `deadline_s` after the start; what is
-    unanswered by then is recorded without a response.
+    long-polled, or polled every `video_poll_s` by a server that cannot), and nothing waits past
+    `deadline_s` after the start; what is unanswered by then is recorded without a response.
     """
     if not video_poll_s > 0:
         raise ValueError(f"video_poll_s must be > 0, got {video_poll_s}")

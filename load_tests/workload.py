@@ -320,6 +320,9 @@ class ScheduledRequest:
     controlnets: tuple[str, ...] = ()  # ControlNet names (`addon_mix.with_addons`), each with a control image
     loras: tuple[str, ...] = ()  # LoRA names
     step_cache: float = 0.0  # its step-cache threshold (0: exact)
+    # The body carries `slo_s`: the server holds the request to its own objective (a mix whose
+    # sizes or kinds differ in solo latency), not to its model's.
+    send_slo: bool = False
 
     @property
     def uses_cfg(self) -> bool:
@@ -352,7 +355,14 @@ class ScheduledRequest:
             body["loras"] = [{"name": name} for name in self.loras]
         if self.step_cache:
             body["step_cache"] = self.step_cache
+        if self.send_slo and self.slo_s is not None:
+            body["slo_s"] = self.slo_s
         return body
+
+    def files(self) -> dict[str, tuple[str, bytes, str]] | None:
+        """The multipart files of a request sent to `POST /v1/images/edits` with `body()` as its
+        fields (`edit_workload.ScheduledEdit`); None for a JSON request."""
+        return None
 
 
 @dataclass(frozen=True)

@@ -256,6 +256,9 @@ class RequestView:
     loras: tuple[str, ...] = ()  # the LoRAs it applies (of its model)
     mask_ratio: float = 1.0  # an edit's masked fraction (`RequestSpec.mask_ratio`)
     template_id: str | None = None  # an edit's template (`RequestSpec.template_id`)
+    # The ControlNets it is conditioned on, each once (a forward makes one call per ControlNet
+    # over the rows of the members that use it: `BatchShape.controlnet_rows`).
+    controlnets: tuple[str, ...] = ()
 
     @property
     def steps_left(self) -> int:

@@ -45,7 +45,7 @@ class MemoizedCosts:
         self._steps: dict[StepKey, float] = {}
         self._tables: dict[tuple[str, int, int, int, int, tuple[int, ...]], tuple[float, ...]] = {}
         self._packed: dict[tuple[str, tuple[tuple[int, int, int], ...]], float] = {}
-        self._masked: dict[tuple[str, int, int, int, float], float] = {}
+        self._masked: dict[tuple[str, int, int, int, float, tuple[int, ...], int], float] = {}  # and add-ons
         self._packs = getattr(costs, "packs", None)
 
     def packs(self, model: str) -> bool:
@@ -63,19 +63,23 @@ class MemoizedCosts:
             value = self._packed[key] = float(self._costs.round_seconds(batches))  # type: ignore[attr-defined]
         return value
 
-    def image_step_of(self, model: str, height: int, width: int, rows: int, computed: float) -> float:
-        """One step of a plain image batch of `rows` rows of which `computed` (rows weighted by
-        each request's `computed_share`) are computed: an edit of a cached template computes its
+    def image_step_of(self, model: str, height: int, width: int, rows: int, computed: float,
+                      controlnet_rows: tuple[int, ...] = (), lora_rows: int = 0) -> float:
+        """One step of an image batch of `rows` rows of which `computed` (rows weighted by each
+        request's `computed_share`) are computed: an edit of a cached template computes its
         masked tokens only (InstGenIE), which costs models price (`MaskAwareCosts`) and others
-        ignore. The share is rounded up to a hundredth: a conservative price, and a finite memo."""
-        if computed >= rows:
+        ignore. The share is rounded up to a hundredth: a conservative price, and a finite memo.
+        Add-ons as `BatchShape` counts them (SwiftDiffusion): a ControlNet call per entry of
+        `controlnet_rows` (sorted), and `lora_rows` rows x LoRAs of unmerged updates."""
+        if computed >= rows and not (controlnet_rows or lora_rows):
             return self.step_seconds_of((model, height, width, rows, 1, 1))
-        share = min(1.0, math.ceil(100.0 * computed / rows - 1e-9) / 100.0) or 0.01
-        key = (model, height, width, rows, share)
+        share = 1.0 if computed >= rows else min(1.0, math.ceil(100.0 * computed / rows - 1e-9) / 100.0) or 0.01
+        key = (model, height, width, rows, share, controlnet_rows, lora_rows)
         value = self._masked.get(key)
         if value is None:
             value = self._masked[key] = float(self._costs.step_seconds(
-                BatchShape(model, height, width, rows, mask_ratio=share)))
+                BatchShape(model, height, width, rows, controlnet_rows=controlnet_rows, lora_rows=lora_rows,
+                           mask_ratio=share)))
         return value
 
     def step_seconds(self, batch: BatchShape) -> float:

@@ -43,13 +43,19 @@ def score_plan(inp: RoundInput, config: GenServeConfig, costs: StepCosts, decisi
     for batch in decision.image_batches:
         sizes: dict[ShapeKey, int] = {}
         computed = 0.0
+        calls: dict[str, int] = {}
+        lora_rows = 0
         for rid in batch.request_ids:
             image = by_id[rid]
             sizes[image.shape_key] = sizes.get(image.shape_key, 0) + image.rows
             computed += image.rows * image.computed_share
+            for name in image.controlnets:
+                calls[name] = calls.get(name, 0) + image.rows
+            lora_rows += image.rows * image.loras
         if len(sizes) == 1:
             (key, rows), = sizes.items()
-            step = costs.image_step_of(key.model, key.height, key.width, rows, computed)
+            step = costs.image_step_of(key.model, key.height, key.width, rows, computed, tuple(sorted(calls.values())),
+                                       lora_rows)
         else:  # a packed forward (check_decision: only with pack_resolutions)
             step = costs.packed_step_of(batch.shape_key.model,
                                         tuple(sorted((k.height, k.width, r) for k, r in sizes.items())))
@@ -57,7 +63,8 @@ def score_plan(inp: RoundInput, config: GenServeConfig, costs: StepCosts, decisi
             stepping[rid] = step
     for image in inp.images:
         key = image.shape_key
-        solo = costs.image_step_of(key.model, key.height, key.width, image.rows, image.rows * image.computed_share)
+        solo = costs.image_step_of(key.model, key.height, key.width, image.rows, image.rows * image.computed_share,
+                                   (image.rows,) * len(image.controlnets), image.rows * image.loras)
         best_s = image.steps_left * solo if solo >= 0 and math.isfinite(solo) else math.inf
         if image.request_id in stepping:
             run_s = image.steps_left * stepping[image.request_id]
@@ -115,10 +122,14 @@ def check_decision(inp: RoundInput, config: GenServeConfig, decision: RoundDecis
             seen.add(rid)
             if not _batchable(by_id[rid].shape_key, batch.shape_key, config.pack_resolutions):
                 raise ValueError(f"image {rid!r} does not match its batch's shape key")
-        if len({by_id[rid].shape_key for rid in batch.request_ids}) > 1 and any(
-                by_id[rid].computed_share < 1.0 for rid in batch.request_ids):
-            raise ValueError(f"batch on {batch.worker_id!r}: a packed forward computes every token, "
-                             "so an edit of a cached template cannot join one")
+        if len({by_id[rid].shape_key for rid in batch.request_ids}) > 1:
+            members = [by_id[rid] for rid in batch.request_ids]
+            if any(m.computed_share < 1.0 for m in members):
+                raise ValueError(f"batch on {batch.worker_id!r}: a packed forward computes every token, "
+                                 "so an edit of a cached template cannot join one")
+            if any(m.controlnets or m.loras for m in members):
+                raise ValueError(f"batch on {batch.worker_id!r}: a packed forward runs no add-on, "
+                                 "so an image with ControlNets or LoRAs cannot join one")
         expected_admit = tuple(rid for rid in batch.request_ids if by_id[rid].worker_id != batch.worker_id)
         if batch.admit != expected_admit:
             raise ValueError(f"batch on {batch.worker_id!r}: admit {batch.admit} != {expected_admit}")

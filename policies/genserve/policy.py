@@ -162,7 +162,7 @@ def round_input(snapshot: ClusterSnapshot,
                             _VIDEO_STATUS[view.status], view.workers, rows=view.rows)
         else:
             item = ImageRequest(rid, view.shape_key, view.rows, view.steps_left, view.deadline, view.arrival_time,
-                                home, computed_share(view))
+                                home, computed_share(view), view.controlnets, len(view.loras))
         memo[rid] = (view, home, item)
         (videos if is_video else images).append(item)
     if len(memo) > len(seen):  # (the memo holds every id seen: only then is one gone)

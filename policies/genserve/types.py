@@ -41,6 +41,10 @@ class ImageRequest:
     # The share of its tokens a forward computes (`cost_model.computed_share`): below 1 for an
     # edit of a cached template (InstGenIE), which its batch's step is priced at.
     computed_share: float = 1.0
+    # Its add-ons, which its batch's step is priced with (SwiftDiffusion): the ControlNets it is
+    # conditioned on (each once) and how many LoRAs it applies.
+    controlnets: tuple[str, ...] = ()
+    loras: int = 0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.computed_share <= 1.0:
@@ -50,6 +54,8 @@ class ImageRequest:
             raise ValueError(f"image {self.request_id!r}: an image has one frame, got {self.shape_key.frames}")
         _positive_int("ImageRequest", "rows", self.rows)
         _positive_int("ImageRequest", "steps_left", self.steps_left)
+        if isinstance(self.loras, bool) or not isinstance(self.loras, int) or self.loras < 0:
+            raise ValueError(f"ImageRequest.loras must be an int >= 0, got {self.loras!r}")
         _real("ImageRequest", "deadline", self.deadline, allow_inf=True)
         _real("ImageRequest", "arrival_time", self.arrival_time, allow_inf=False)
 
@@ -133,9 +139,11 @@ class GenServeConfig:
     # video, one kept back for each waiting video), a waiting image opens a batch of its own
     # there, and joins batches only once none is; an image without an SLO then joins the batch
     # it steps fastest in (the least loaded: with no deadline, the first batch would take every
-    # one). Off, an image batched up to its deadline on an idle pool waited 3x its solo latency
-    # (P95, SDXL at 3 req/s: 10.9 s against 5.2 s), and edits without SLOs piled onto one
-    # worker (P95 2.2x JSQ's).
+    # one) of those holding at most a worker's share of the images' work, present and expected
+    # (`image_batching._fair_share`: at the end of a burst the last images spread over the
+    # workers freeing up). Off, an image batched up to its deadline on
+    # an idle pool waited 3x its solo latency (P95, SDXL at 3 req/s: 10.9 s against 5.2 s), and
+    # edits without SLOs piled onto one worker (P95 2.2x JSQ's).
     spread_images: bool = False
 
     def __post_init__(self) -> None:

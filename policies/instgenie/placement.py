@@ -108,14 +108,19 @@ class MaskAwarePlacement:
 
 def batch_shapes(views: Sequence[RequestView]) -> list[BatchShape]:
     """The forwards one round of these requests runs on one worker: one per shape key, with its
-    rows, LoRA rows and mask ratio (ControlNets are not in a view: not priced)."""
+    rows, ControlNet calls, LoRA rows and mask ratio (as `BatchShape.of` counts them)."""
     groups: dict[ShapeKey, list[RequestView]] = {}
     for view in views:
         groups.setdefault(view.shape_key, []).append(view)
     shapes = []
     for key, members in groups.items():
         rows = sum(v.rows for v in members)
+        calls: dict[str, int] = {}
+        for v in members:
+            for name in v.controlnets:
+                calls[name] = calls.get(name, 0) + v.rows
         shapes.append(BatchShape(key.model, key.height, key.width, rows, key.frames,
+                                 controlnet_rows=tuple(calls.values()),
                                  lora_rows=sum(v.rows * len(v.loras) for v in members),
                                  mask_ratio=sum(v.rows * computed_share(v) for v in members) / rows))
     return shapes

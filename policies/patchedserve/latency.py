@@ -28,7 +28,7 @@ def plain_composition(views: Sequence[RequestView]) -> tuple[str, Composition] |
     for v in views:
         key = v.shape_key
         if (v.is_video or key.model != model or key.frames != 1 or key.loras or key.cached_edit or v.loras
-                or computed_share(v) < 1.0):
+                or v.controlnets or computed_share(v) < 1.0):
             return None
         size = (key.height, key.width)
         rows[size] = rows.get(size, 0) + v.rows

@@ -882,7 +882,8 @@ class RouterCore:
                 spec.request_id, spec.kind, self.batch_key(spec), spec.rows, record.steps_planned,
                 spec.steps_to_run, record.arrival, record.deadline, record.ready, record.status,
                 record.workers if record.status is RequestStatus.RUNNING else (),
-                tuple(use.name for use in spec.loras), spec.mask_ratio, spec.template_id)
+                tuple(use.name for use in spec.loras), spec.mask_ratio, spec.template_id,
+                tuple(dict.fromkeys(use.name for use in spec.controlnets)))
         return record.view
 
     def _touch(self, record: RequestRecord) -> None:

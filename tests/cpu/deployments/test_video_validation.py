@@ -200,6 +200,16 @@ def test_slo_comes_from_the_model_config():
         AppConfig.model_validate({"models": [{**VIDEO_MODEL, "slo_s": 0}]})
 
 
+def test_a_request_slo_overrides_the_model_slo():
+    """As for images (`test_request_slo`): a video's own `slo_s`, or a 400 naming it."""
+    config = AppConfig.model_validate({"models": [{**VIDEO_MODEL, "slo_s": 45.0}]})
+    assert to_video_spec({"prompt": "a fox", "slo_s": 12.5}, config).slo_s == 12.5
+    for bad in (0, -1.0, math.inf, "soon"):
+        with pytest.raises(APIError) as info:
+            to_video_spec({"prompt": "a fox", "slo_s": bad}, config)
+        assert (info.value.status, info.value.param) == (400, "slo_s")
+
+
 def test_default_seed_is_used_only_when_the_body_has_none():
     # An idempotent retry of a seedless body passes the key's seed: both attempts draw the same.
     assert to_video_spec({"prompt": "a fox"}, CONFIG, default_seed=77).seed == 77

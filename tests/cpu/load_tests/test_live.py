@@ -1,24 +1,28 @@
 """The open-loop generator against a small local HTTP server that answers slowly on purpose.
 
-The server is a test double of stepserve's HTTP API: images answer after 10 ms per step; a
-video is a job (the shape of `deployments/videos.py`, tested for real in
+The server is a test double of stepserve's HTTP API: images answer after 10 ms per step, edits
+at once (recording their form); a video is a job (the shape of `deployments/videos.py`, tested for real in
 tests/cpu/deployments/test_videos_api.py) that completes 10 ms per step after its creation.
 """
 
 from __future__ import annotations
 
 import asyncio
+import io
 import itertools
 import socket
 import threading
 import time
-from dataclasses import replace
+from dataclasses import fields, replace
 
+import numpy as np
+import PIL.Image
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from stepserve.load_tests.edit_workload import ScheduledEdit, mask_png
 from stepserve.load_tests.live import check_loopback, run_open_loop, wait_ready
 from stepserve.load_tests.workload import ScheduledRequest
 
@@ -59,6 +63,7 @@ class FakeJobs:
 
 JOBS = FakeJobs()
 IMAGE_BODIES: list[dict] = []  # every image body, in arrival order
+EDITS: list[dict] = []  # every edit's form fields, with its files' sizes in bytes under "files"
 
 
 def fake_app() -> FastAPI:
@@ -97,6 +102,14 @@ def fake_app() -> FastAPI:
         if body["num_inference_steps"] == REFUSED_STEPS:
             return JSONResponse({"error": {"message": "the server is at capacity"}}, status_code=429)
         await asyncio.sleep(body["num_inference_steps"] / 100)  # 10 ms per step
+        return JSONResponse({"data": []})
+
+    @app.post("/v1/images/edits")
+    async def edit(request: Request) -> JSONResponse:
+        form = await request.form()
+        fields = {k: v for k, v in form.items() if isinstance(v, str)}
+        fields["files"] = {k: len(await v.read()) for k, v in form.items() if not isinstance(v, str)}
+        EDITS.append(fields)
         return JSONResponse({"data": []})
 
     @app.get("/ready")
@@ -248,3 +261,27 @@ def test_images_through_the_openai_client_carry_every_extension(server_url):
     assert body["loras"] == [{"name": "papercut"}] and body["controlnets"][0]["name"] == "canny"
     assert body["controlnets"][0]["image"] and body["negative_prompt"] == "fog" and body["num_inference_steps"] == 2
     assert body["response_format"] == "b64_json" and body["size"] == "64x64"
+
+
+@pytest.mark.parametrize("via_openai", [False, True])
+def test_edits_are_multipart_with_their_template_picture_and_mask(server_url, via_openai):
+    """A `ScheduledEdit` goes to `POST /v1/images/edits`: its fields as form values (the template
+    and the SLO it is held to among them), its template's picture and a mask of about its ratio
+    as files; through the openai client too."""
+    seed = 40 + via_openai
+    edit = ScheduledEdit(**{f.name: getattr(request(0, 0.0, 3), f.name) for f in fields(ScheduledRequest)},
+                         mask_ratio=0.25, template_id="sofa")
+    edit = replace(edit, seed=seed, slo_s=2.5, send_slo=True, model="tiny-sd3")
+    [record] = asyncio.run(run_open_loop(server_url, [edit], 5.0, 10.0, via_openai=via_openai))
+    assert record.status == 200, record.error
+    [sent] = [e for e in EDITS if e.get("seed") == str(seed)]
+    assert (sent["template_id"], sent["slo_s"], sent["num_inference_steps"], sent["model"]) == \
+        ("sofa", "2.5", "3", "tiny-sd3")
+    assert "size" not in sent and set(sent["files"]) == {"image", "mask"} and min(sent["files"].values()) > 0
+    assert edit.files()["image"] == ScheduledEdit(**{**edit.__dict__, "seed": 1}).files()["image"]  # one template
+
+
+def test_mask_covers_about_its_ratio_on_the_latent_grid():
+    alpha = np.asarray(PIL.Image.open(io.BytesIO(mask_png(64, 64, 0.25))))[..., 3]
+    assert (alpha == 0).mean() == 0.25 and alpha.shape == (64, 64)
+    assert (np.asarray(PIL.Image.open(io.BytesIO(mask_png(64, 32, 0.01))))[..., 3] == 0).sum() == 16 * 16

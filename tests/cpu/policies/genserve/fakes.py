@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from stepserve.policies.cost_model import BatchShape
 from stepserve.policies.genserve import (
@@ -37,13 +37,17 @@ class FakeCosts:
     video_unit_s: float = 4.0
     comm_s: float = 0.05
     video_steps: dict[str, dict[int, float]] = field(default_factory=dict)
+    # Add-ons: seconds per row of each ControlNet call, and per LoRA row (0: add-ons are free).
+    controlnet_row_s: float = 0.0
+    lora_row_s: float = 0.0
     calls: int = 0
 
     def step_seconds(self, batch: BatchShape) -> float:
         self.calls += 1
         if batch.frames == 1:
             return self.image_fixed + self.image_per_row_mpx * batch.rows * batch.height * batch.width / 1e6 \
-                * batch.mask_ratio
+                * batch.mask_ratio + self.controlnet_row_s * sum(batch.controlnet_rows) \
+                + self.lora_row_s * batch.lora_rows
         if batch.model in self.video_steps:
             return self.video_steps[batch.model].get(batch.sp_degree, math.inf)
         work = self.video_unit_s * batch.pixels / VIDEO_UNIT
@@ -55,8 +59,9 @@ def workers(n: int) -> tuple[str, ...]:
 
 
 def img(rid: str, deadline: float, steps: int = 20, key: ShapeKey = SMALL, rows: int = 2,
-        arrival: float = 0.0, worker: str | None = None, share: float = 1.0) -> ImageRequest:
-    return ImageRequest(rid, key, rows, steps, deadline, arrival, worker, share)
+        arrival: float = 0.0, worker: str | None = None, share: float = 1.0, controlnets: tuple[str, ...] = (),
+        loras: int = 0) -> ImageRequest:
+    return ImageRequest(rid, key, rows, steps, deadline, arrival, worker, share, controlnets, loras)
 
 
 def vid(jid: str, deadline: float, steps: int = 40, on: tuple[str, ...] = (), paused: bool = False,
@@ -99,6 +104,18 @@ def random_round(rng: random.Random, n_workers: int, n_videos: int, n_images: in
                           arrival=rng.uniform(0.0, now), worker=worker,
                           share=rng.choice([1.0, 1.0, round(rng.uniform(0.05, 1.0), 3)])))  # some edits
     return RoundInput(now, tuple(ws), tuple(images), tuple(videos))
+
+
+def with_addons(rng: random.Random, inp: RoundInput) -> RoundInput:
+    """The round with add-ons on about half its images (none on an edit of a cached template,
+    as the workload draws them): a ControlNet or two of three, zero to two LoRAs."""
+    images = []
+    for image in inp.images:
+        if image.computed_share == 1.0 and rng.random() < 0.5:
+            image = replace(image, controlnets=tuple(rng.sample(("canny", "depth", "pose"), rng.randint(0, 2))),
+                            loras=rng.randint(0, 2))
+        images.append(image)
+    return replace(inp, images=tuple(images))
 
 
 @dataclass

@@ -42,6 +42,54 @@ def test_join_that_would_make_a_member_late_opens_a_new_batch():
     assert ids(plan) == [["tight", "other"]]
 
 
+def test_addons_are_priced_with_the_batch():
+    """SwiftDiffusion's add-ons cost a forward time: a ControlNet call over the rows of the members
+    that use it, LoRA updates per row. A join that fits at the plain price but not with the
+    add-ons opens a new batch."""
+    costs = FakeCosts(controlnet_row_s=0.01, lora_row_s=0.005)
+    alone = edf_batches([img("cn", 10.0, controlnets=("canny",), loras=1)], 0.0, GenServeConfig(), costs, 4)
+    assert math.isclose(alone.batches[0].step_s, 0.041 + 0.01 * 2 + 0.005 * 2, rel_tol=1e-3)
+    # Plain, both fit in 1.3 s (20 x 0.062 = 1.24 s); two canny calls over 4 rows add 0.04 s a step.
+    plain = [img("tight", 1.3), img("other", 10.0)]
+    assert ids(edf_batches(plain, 0.0, GenServeConfig(), costs, 4)) == [["tight", "other"]]
+    both = [img("tight", 1.3, controlnets=("canny",)), img("other", 10.0, controlnets=("canny",))]
+    assert ids(edf_batches(both, 0.0, GenServeConfig(), costs, 4)) == [["tight"], ["other"]]
+    # Calls are per ControlNet: two requests of one ControlNet make one call over their rows.
+    shared = edf_batches([img("a", 10.0, controlnets=("canny",)), img("b", 10.0, controlnets=("canny", "depth"))],
+                         0.0, GenServeConfig(), costs, 4).batches[0]
+    assert math.isclose(shared.step_s, 0.02 + 0.04 * 4 * 512 * 512 / 1e6 + 0.01 * (4 + 2), rel_tol=1e-9)
+
+
+def test_images_with_addons_are_not_packed():
+    """A packed forward runs no add-on (`patchedserve.mixed_costs.packable`): with packing on,
+    an image with a ControlNet batches only with its own resolution."""
+    config = GenServeConfig(pack_resolutions=True)
+    images = [img("small", 10.0), img("large", 10.0, key=LARGE), img("cn", 10.0, key=LARGE, controlnets=("canny",))]
+    plan = edf_batches(images, 0.0, config, PackingFakeCosts(controlnet_row_s=0.01), 4)
+    assert sorted(sorted(b) for b in ids(plan)) == [["cn"], ["large", "small"]]
+
+
+def test_images_without_slo_join_no_batch_beyond_a_workers_share_of_the_work():
+    """The end of a burst: w0's batch has room, the others are full and finish next step. Waiting
+    images without an SLO (all arrived long ago) fill w0's batch only up to a worker's share of
+    the images' work (186 solo steps over 4 workers: 3 of 8 join); the rest wait for the workers
+    freeing up. Had they just arrived, as many again would be expected within one's run: the
+    share doubles nearly (5 join). With SLOs, EDF batching fills the room as before."""
+    inf = math.inf
+    residents = [img(f"r0-{i}", inf, steps=1, worker="w0") for i in range(2)]
+    residents += [img(f"r{w}-{i}", inf, steps=1, worker=f"w{w}") for w in (1, 2, 3) for i in range(8)]
+    config = GenServeConfig(sticky_images=True, spread_images=True)
+
+    def joined(waiting):
+        plan = edf_batches(residents + waiting, 100.0, config, FakeCosts(), 4)
+        home = next(b for b in plan.batches if b.members[0].worker_id == "w0")
+        return [m.request_id for m in home.members if m.worker_id is None]
+
+    assert joined([img(f"q{i}", inf, steps=20, arrival=1.0 + i) for i in range(8)]) == ["q0", "q1", "q2"]
+    assert len(joined([img(f"q{i}", inf, steps=20, arrival=99.2 + 0.05 * i) for i in range(8)])) == 5
+    assert len(joined([img(f"q{i}", 200.0, steps=20, arrival=1.0 + i) for i in range(8)])) == 6
+
+
 def test_newcomer_that_would_be_late_in_the_batch_goes_alone():
     # "short" stays on time in a batch of two (5 * 0.062 s); "long" meets its deadline alone
     # (20 * 0.041 = 0.82 s) but not in the batch (20 * 0.062 = 1.24 s).

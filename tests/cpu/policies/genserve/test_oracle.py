@@ -30,7 +30,7 @@ from stepserve.policies.genserve import (
 from stepserve.policies.genserve.costs import MemoizedCosts
 from stepserve.policies.genserve.image_batching import edf_batches
 
-from tests.cpu.policies.genserve.fakes import FakeCosts, PackingFakeCosts, random_round
+from tests.cpu.policies.genserve.fakes import FakeCosts, PackingFakeCosts, random_round, with_addons
 
 SWITCHES = [
     dict(preemption=p, elastic_sp=e) for p, e in itertools.product((True, False), (True, False))
@@ -118,6 +118,19 @@ def test_dp_matches_brute_force_with_workers_reserved_for_expected_images(reserv
         assert len(decision.stepping_images) >= len(plain.stepping_images)
 
 
+def test_dp_matches_brute_force_with_addons():
+    """Images with ControlNets and LoRAs: batches priced with their add-ons, by the solver and by
+    `score_plan` alike."""
+    config = GenServeConfig(sp_degrees=(1, 2, 4))
+    costs = MemoizedCosts(FakeCosts(controlnet_row_s=0.004, lora_row_s=0.002))
+    rng = random.Random(29)
+    for k, inp in enumerate(small_rounds(150, 31, config)):
+        inp = with_addons(rng, inp)
+        config_k = dataclasses.replace(config, image_max_batch=1 + k % 4)
+        decision = decide_round(inp, config_k, costs)
+        assert decision.score.key == oracle(inp, config_k, costs), inp
+
+
 def test_dp_matches_brute_force_with_sublinear_and_unsupported_degrees():
     # Degree 4 is no faster than 2 for "flat", degree 2 is impossible for "odd", and each
     # degree is only a little faster for "slight".
@@ -175,14 +188,19 @@ def test_decisions_are_valid_and_scored_honestly(config):
 
 
 @pytest.mark.parametrize("packing", [False, True])
-def test_composed_spine_decisions_are_valid_and_scored_honestly(packing):
+@pytest.mark.parametrize("addons", [False, True])
+def test_composed_spine_decisions_are_valid_and_scored_honestly(packing, addons):
     """The composed policy's spine switches (sticky residents, busy admission, packed
-    resolutions on costs that price them): every decision executable and its score the plan's."""
+    resolutions on costs that price them), with and without add-ons: every decision executable
+    (an image with add-ons never in a packed batch) and its score the plan's."""
     config = GenServeConfig(sticky_images=True, admit_busy=True, pack_resolutions=packing)
-    costs = MemoizedCosts(PackingFakeCosts())
+    costs = MemoizedCosts(PackingFakeCosts(controlnet_row_s=0.004, lora_row_s=0.002))
+    rng = random.Random(37)
     packed = 0
     for k, inp in enumerate(random_rounds(60, 23, config)):
         inp = dataclasses.replace(inp, reserve=k % 3)
+        if addons:
+            inp = with_addons(rng, inp)
         decision = decide_round(inp, config, costs)
         check_decision(inp, config, decision)
         assert decision.score == score_plan(inp, config, costs, decision)
