@@ -49,7 +49,7 @@ from matplotlib.figure import Figure
 
 from stepserve.load_tests.addon_mix import AddonMix
 from stepserve.load_tests.edit_workload import EditMix, with_edits
-from stepserve.load_tests.live import run_open_loop, wait_ready
+from stepserve.load_tests.live import one_by_one, run_open_loop, wait_ready
 from stepserve.load_tests.local_app import bench_serve_config, deployed, free_port, local_ray, log
 from stepserve.load_tests.metrics import summarize
 from stepserve.load_tests.records import RequestRecord
@@ -159,17 +159,6 @@ def probes(args: argparse.Namespace, seed: int) -> tuple[list[ScheduledRequest],
 
 
 # -- the live part ---------------------------------------------------------------------------
-
-
-def one_by_one(url: str, requests: Sequence[ScheduledRequest], timeout_s: float) -> list[RequestRecord]:
-    """Each request alone, after the previous one answered; any failure stops the benchmark."""
-    records = []
-    for request in requests:
-        (record,) = asyncio.run(run_open_loop(url, [replace(request, offset_s=0.0)], timeout_s, timeout_s))
-        if not record.ok:
-            raise RuntimeError(f"{request.request_class} request {request.index} failed alone: {record.error}")
-        records.append(record)
-    return records
 
 
 def measure_solo(url: str, kinds: Sequence[ScheduledRequest], repeats: int, timeout_s: float) -> dict[tuple, float]:

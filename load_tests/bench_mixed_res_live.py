@@ -47,7 +47,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from stepserve.load_tests.bench_mixed_res_sim import SLO_SCALE, TARGET, goodput_at
-from stepserve.load_tests.live import run_open_loop, wait_ready
+from stepserve.load_tests.live import one_by_one, run_open_loop, wait_ready
 from stepserve.load_tests.local_app import bench_serve_config, deployed, free_port, local_ray, log
 from stepserve.load_tests.metrics import Summary, summarize
 from stepserve.load_tests.records import RequestRecord
@@ -167,17 +167,6 @@ def variant_config(base: dict[str, Any], port: int, variant: Variant, profile: s
     options = {"sizes": [[s, s] for s in sizes]} if variant.policy in ANALYZED else {}
     args["router"].update(profiles=[profile], policy_options=options)
     return config
-
-
-def one_by_one(url: str, requests: Sequence[ScheduledRequest], timeout_s: float) -> list[RequestRecord]:
-    """Each request alone, after the previous one answered."""
-    records = []
-    for request in requests:
-        (record,) = asyncio.run(run_open_loop(url, [replace(request, offset_s=0.0)], timeout_s, timeout_s))
-        if not record.ok:
-            raise RuntimeError(f"solo request {request.index} failed: {record.error}")
-        records.append(record)
-    return records
 
 
 def measure_solo(url: str, model: str, sizes: Sequence[int], steps: int, guidance: float, repeats: int,

@@ -21,6 +21,7 @@ import asyncio
 import ipaddress
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from urllib.parse import urlsplit
 
 import httpx
@@ -211,3 +212,15 @@ async def run_open_loop(base_url: str, requests: Sequence[ScheduledRequest], req
         finally:
             if sdk is not None:
                 await sdk.close()
+
+
+def one_by_one(base_url: str, requests: Sequence[ScheduledRequest], timeout_s: float) -> list[RequestRecord]:
+    """Each request alone, sent once the previous one answered (solo latencies, warm-ups); one
+    that fails raises, naming it."""
+    records = []
+    for request in requests:
+        (record,) = asyncio.run(run_open_loop(base_url, [replace(request, offset_s=0.0)], timeout_s, timeout_s))
+        if not record.ok:
+            raise RuntimeError(f"{request.request_class or 'request'} {request.index} failed alone: {record.error}")
+        records.append(record)
+    return records

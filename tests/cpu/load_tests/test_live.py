@@ -23,7 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from stepserve.load_tests.edit_workload import ScheduledEdit, mask_png
-from stepserve.load_tests.live import check_loopback, run_open_loop, wait_ready
+from stepserve.load_tests.live import check_loopback, one_by_one, run_open_loop, wait_ready
 from stepserve.load_tests.workload import ScheduledRequest
 
 REFUSED_STEPS = 13  # the fake server answers 429 to this step count
@@ -285,3 +285,11 @@ def test_mask_covers_about_its_ratio_on_the_latent_grid():
     alpha = np.asarray(PIL.Image.open(io.BytesIO(mask_png(64, 64, 0.25))))[..., 3]
     assert (alpha == 0).mean() == 0.25 and alpha.shape == (64, 64)
     assert (np.asarray(PIL.Image.open(io.BytesIO(mask_png(64, 32, 0.01))))[..., 3] == 0).sum() == 16 * 16
+
+
+def test_one_by_one_sends_each_request_once_the_last_answered_and_raises_on_a_failure(server_url):
+    records = one_by_one(server_url, [request(0, 5.0, 10), request(1, 9.0, 10)], 5.0)
+    assert [r.status for r in records] == [200, 200]
+    assert records[1].sent_s >= 0.0 and all(0.09 <= r.latency_s < 1.0 for r in records)  # offsets dropped
+    with pytest.raises(RuntimeError, match="request 1 failed alone"):
+        one_by_one(server_url, [request(0, 0.0, 2), request(1, 0.0, REFUSED_STEPS)], 5.0)
