@@ -23,9 +23,12 @@ sets it:
 
 - step caching (First-Block Cache, `step_cache`): every request at the model's default (0: off)
   and at `--step-cache`; bench_step_cache measures its speed and more thresholds.
+- skip-CFG (SynerDiff §IV, `skip_cfg_quality`): every request skipping its unconditional row from
+  the model's default fraction of its steps (1: never) and from `--skip-cfg-from`;
+  bench_skip_cfg measures its speed and the whole curve a quality threshold reads.
 
 The patch cache and cached edits run only on families that have them (forward modes
-`patch_cache`, `template_edit`); skip-CFG is not in the engine yet: its row says so.
+`patch_cache`, `template_edit`): their rows say so where the model's family has not.
 
 PSNR is over all pictures of a row at once (from their mean squared error: finite unless every
 picture equals its exact one, and not swayed by the few that do); SSIM is the mean over pictures.
@@ -210,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
                              "step 20 of 50)")
     parser.add_argument("--step-cache", type=float, default=0.2,
                         help="the aggressive step_cache threshold (default: %(default)s, max_step_cache's default)")
+    parser.add_argument("--skip-cfg-from", type=float, default=0.5,
+                        help="the aggressive skip-CFG start, a fraction of the steps (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (each CFG rank gets half)")
     parser.add_argument("--out", type=Path, default=Path("results/fidelity"))
     args = parser.parse_args(argv)
@@ -285,6 +290,12 @@ def main(argv: list[str] | None = None) -> int:
                 timed(f"step cache {threshold:g}", lambda: in_batches(family, cached, batch=BATCH)), exact["exact"],
                 "exact")
 
+        for start in (model.skip_cfg_from(), args.skip_cfg_from):
+            skipping = [dataclasses.replace(spec, skip_cfg_from=start) for spec in plain]
+            row("skip-CFG", "skip_cfg_quality", f"from {start:g} of the steps", start == model.skip_cfg_from(),
+                timed(f"skip cfg from {start:g}", lambda: in_batches(family, skipping, batch=BATCH)), exact["exact"],
+                "exact")
+
         split, ranks_agree = timed("cfg split", lambda: cfg_split(args, plain))
         row("CFG parallel", "router.policy", "latent_parallel (rows on 2 ranks)", False,
             split, exact["exact"], "exact", ranks_agree=ranks_agree)
@@ -294,7 +305,6 @@ def main(argv: list[str] | None = None) -> int:
              "not_applicable": not_applicable(family, ModeName.PATCH_CACHE, "patch cache")},
             {"approximation": "cached edits", "switch": "edit_cache.enabled",
              "not_applicable": not_applicable(family, ModeName.TEMPLATE_EDIT, "cached-activation edits")},
-            {"approximation": "skip-CFG", "switch": None, "not_applicable": "not in the engine yet"},
         ]
     report = {"benchmark": "fidelity",
               "setup": {**vars(args), "config": str(args.config), "out": str(args.out), "batch": BATCH,

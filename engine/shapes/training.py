@@ -67,7 +67,9 @@ class Schedule:
     vae_crop: int = 32  # the VAE trains on crops (it is convolutional): 4x cheaper than whole pictures
     vae_lr: float = 2e-3
     unet_steps: int = 4000
-    unet_batch: int = 32
+    # 64, not 32: twice the pictures a step for 1.5x its time. At 4000 steps it drew 88% of the
+    # held-out prompts right at CFG 5 (and 98% at 2.5) where 32 drew 69.5% (and 74% at 3).
+    unet_batch: int = 64
     unet_lr: float = 2e-3
     # The UNet's training timesteps: logit-normal over the 1000 (SD3's sampling, on DDPM's index):
     # most of the batch at mid noise, where the caption decides the shape, few at the ends, where
@@ -77,6 +79,7 @@ class Schedule:
     # What the UNet predicts (the scheduler config says so to every sampler). With epsilon, the
     # loss barely depends on the caption at high noise, and the UNet learned to ignore it.
     prediction_type: str = "v_prediction"
+    addon_batch: int = 32  # the ControlNet's and the LoRA's batch
     controlnet_steps: int = 500
     controlnet_lr: float = 1e-3
     lora_steps: int = 400
@@ -286,7 +289,7 @@ class ShapesTraining:
                              mid_block_additional_residual=mid).sample
 
         def loss(step: int) -> torch.Tensor:
-            idx = torch.randint(0, len(ids), (s.unet_batch,), generator=g)
+            idx = torch.randint(0, len(ids), (s.addon_batch,), generator=g)
             return self._denoising_loss(g, self.latents["filled"](idx), forward, ids[idx], idx)
 
         _fit(controlnet.parameters(), loss, s.controlnet_steps, s.controlnet_lr,
@@ -318,7 +321,7 @@ class ShapesTraining:
         ids = self.token_ids(self.captions)
 
         def loss(step: int) -> torch.Tensor:
-            idx = torch.randint(0, len(ids), (s.unet_batch,), generator=g)
+            idx = torch.randint(0, len(ids), (s.addon_batch,), generator=g)
             return self._denoising_loss(g, self.latents["outlined"](idx),
                                         lambda noisy, t, context, _: self.unet(noisy, t, context).sample, ids[idx], idx)
 

@@ -12,11 +12,12 @@ def test_bench_fidelity_writes_its_report(tmp_path):
     rows = {(r["approximation"], r.get("setting")): r for r in report["rows"]}
     measured = [r for r in rows.values() if "not_applicable" not in r]
     assert {r["approximation"] for r in measured} == {"patch statistics", "stale ControlNet", "late LoRA join",
-                                                        "CFG parallel", "step caching"}
-    assert {a for a, _ in rows} - {r["approximation"] for r in measured} == {"patch cache", "cached edits",
-                                                                             "skip-CFG"}
-    off = rows[("step caching", "0 (First-Block Cache)")]  # off: the exact pictures themselves
-    assert off["default"] and off["identical"] == 1.0
+                                                        "CFG parallel", "step caching", "skip-CFG"}
+    assert {a for a, _ in rows} - {r["approximation"] for r in measured} == {"patch cache", "cached edits"}
+    for off in (rows[("step caching", "0 (First-Block Cache)")], rows[("skip-CFG", "from 1 of the steps")]):
+        assert off["default"] and off["identical"] == 1.0  # off: the exact pictures themselves
+    skipping = rows[("skip-CFG", "from 0.5 of the steps")]  # from step 1 of 2: its second step unguided
+    assert not skipping["default"] and skipping["identical"] < 1.0
     exact_join = rows[("late LoRA join", "0 (joins at step 0 of 2)")]  # the LoRA waited for at step 0: exact
     assert exact_join["psnr_db"] is None and exact_join["ssim"] == 1.0 and exact_join["identical"] == 1.0
     assert exact_join["accuracy_change_points"] == 0 and exact_join["meets_rule"]
