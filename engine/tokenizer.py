@@ -1,4 +1,5 @@
-"""Tokenizers that need no download: a byte-level CLIP one and a character-level T5 one.
+"""Tokenizers that need no download: a byte-level CLIP one and a character-level T5 one, and
+their word-level extensions for the shapes models' captions.
 
 Real model folders ship their own tokenizer; tiny presets use these. Every byte (CLIP: plain and
 end-of-word form) or printable character (T5) is a token, so prompts tokenize, deterministically,
@@ -47,6 +48,15 @@ def t5_character_vocab() -> list[tuple[str, float]]:
 
 def character_t5_tokenizer(max_length: int = 512) -> T5Tokenizer:
     return T5Tokenizer(vocab=t5_character_vocab(), extra_ids=0, model_max_length=max_length)
+
+
+def word_t5_tokenizer(words: Collection[str], max_length: int) -> T5Tokenizer:
+    """The character-level T5 tokenizer plus each of `words` as one word-initial piece, scored
+    above any spelling of it in characters (the shapes models' caption words); any other word
+    still tokenizes, character by character."""
+    vocab = t5_character_vocab()
+    vocab += [(T5_SPACE + word, -1.0) for word in sorted(words) if len(word) > 1]
+    return T5Tokenizer(vocab=vocab, extra_ids=0, model_max_length=max_length)
 
 
 def word_clip_tokenizer(words: Collection[str], max_length: int) -> CLIPTokenizer:

@@ -21,6 +21,7 @@ from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import c
 from diffusers.utils.torch_utils import randn_tensor
 from transformers import CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel, T5Tokenizer
 
+from stepserve.engine.addons.controlnet import RemoteControlNets
 from stepserve.engine.editing.block_costs import BlockCosts, measure_block_costs
 from stepserve.engine.editing.masked_sd3 import (
     CacheKind, MaskedPlan, SD3Inputs, cache_slots, masked_forward, recording_forward,
@@ -147,6 +148,15 @@ class SD3Family(FlowMatchingImageFamily):
     edits = True  # as StableDiffusion3InpaintPipeline with this (16-channel) transformer
     forward_modes = frozenset({ModeName.PACKED, ModeName.TEMPLATE_EDIT, ModeName.PATCH_CACHE, ModeName.STEP_CACHE})
 
+    def __init__(self, source: ModelSource, components: dict[str, Any], device: torch.device,
+                 remote: RemoteControlNets | None = None):
+        super().__init__(source, components, device, remote)
+        if TEXT in components:
+            # The T5 tokenizer's own length where it is shorter than the pipeline's 256 (the
+            # shapes model's 16: its captions' words are one piece each; a real SD3 folder's is
+            # 512); the golden references call the pipeline with it.
+            self.max_sequence_length = min(components["tokenizer_3"].model_max_length, MAX_SEQUENCE_LENGTH)
+
     def make_pipeline(self, components: dict[str, Any], scheduler: Any) -> Any:
         return StableDiffusion3Pipeline(
             transformer=self.denoiser, scheduler=scheduler, vae=self.vae, text_encoder=components.get(TEXT),
@@ -204,7 +214,7 @@ class SD3Family(FlowMatchingImageFamily):
     def encode_text(self, texts: Sequence[str]) -> TextEmbeddings:
         embeds, _, pooled, _ = self.pipe.encode_prompt(
             list(texts), None, None, device=self.device, do_classifier_free_guidance=False,
-            max_sequence_length=MAX_SEQUENCE_LENGTH,
+            max_sequence_length=self.max_sequence_length,
         )
         return {"context": embeds, "pooled": pooled}
 

@@ -3,6 +3,8 @@
     <out>/sd/                         StableDiffusionPipeline folder (tokenizer, text_encoder, unet, vae, scheduler)
     <out>/controlnet-silhouette/      ControlNetModel folder
     <out>/lora-outlined/              pytorch_lora_weights.safetensors (diffusers' LoRA format)
+    <out>/sd3/                        StableDiffusion3Pipeline folder (three tokenizers and text encoders,
+                                      transformer, the same VAE, scheduler)
     <out>/judge/                      the judge (config.json + safetensors)
     <out>/training.json               seed, sizes, schedule, seconds and the first losses of each stage
 """
@@ -48,6 +50,7 @@ def train_all(out: str | os.PathLike, run: ShapesTraining, vae_from: str | os.Pa
     text, unet = timed("unet", run.train_text_unet)
     controlnet = timed("controlnet", run.train_controlnet)
     lora = timed("lora", run.train_lora)
+    sd3 = timed("dit", run.train_dit, vae)
     judge = timed("judge", run.train_judge)
 
     pipe = StableDiffusionPipeline(
@@ -59,6 +62,7 @@ def train_all(out: str | os.PathLike, run: ShapesTraining, vae_from: str | os.Pa
     pipe.save_pretrained(out / "sd", safe_serialization=True)
     controlnet.save_pretrained(out / "controlnet-silhouette", safe_serialization=True)
     save_lora_file(lora, str(out / "lora-outlined"))
+    sd3.save_pretrained(out / "sd3", safe_serialization=True)
     judge.save_pretrained(out / "judge", safe_serialization=True)
     record = {
         "seed": run.seed,

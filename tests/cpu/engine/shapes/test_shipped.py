@@ -45,12 +45,14 @@ def test_training_from_the_recorded_seed_reproduces_the_first_logged_losses():
     run = ShapesTraining(RECORD["seed"], Sizes(**_tuples(RECORD["sizes"])), Schedule(**RECORD["schedule"]),
                          stop_after=steps, show=False)
     run.train_vae()
-    run.use_vae(AutoencoderKL.from_pretrained(SD, subfolder="vae", use_safetensors=True))
+    vae = AutoencoderKL.from_pretrained(SD, subfolder="vae", use_safetensors=True)
+    run.use_vae(vae)
     run.train_text_unet()
     run.use_text_unet(CLIPTextModel.from_pretrained(SD, subfolder="text_encoder", use_safetensors=True),
                       UNet2DConditionModel.from_pretrained(SD, subfolder="unet", use_safetensors=True))
     run.train_controlnet()
     run.train_lora()
+    run.train_dit(vae)
     run.train_judge()
     for stage, logged in RECORD["first_losses"].items():
         assert run.logs[stage] == pytest.approx(logged[:steps], rel=1e-3), stage
@@ -109,3 +111,39 @@ def test_served_pictures_in_one_batch_equal_diffusers_pipelines_loading_the_ship
         assert np.abs(got - want).max() <= 1, s.request_id
     # The add-ons change the picture, so the comparisons can fail.
     assert np.abs(expected[1] - expected[0]).mean() > 2 and np.abs(expected[2] - expected[0]).mean() > 2
+
+
+SD3 = str(SHIPPED / "sd3")
+
+
+def test_the_shipped_sd3_folder_loads_as_a_served_model_with_its_short_t5_context():
+    family = family_class("sd3").load(ModelSource(name="shapes-sd3", family="sd3", path=SD3), ALL_PARTS, "cpu")
+    assert family.vae_scale_factor == 8 and family.max_sequence_length == 16
+    # Every caption word is one piece of the shipped T5 tokenizer (and one token of both CLIPs').
+    caption = "a large purple triangle on an orange background, top left"
+    assert len(family.pipe.tokenizer_3.tokenize(caption)) == len(family.pipe.tokenizer.tokenize(caption)) == 11
+    assert family.encode_text([caption])["context"].shape == (1, 32 + 16, 64)  # CLIP tokens, then T5's
+
+
+def test_served_sd3_pictures_in_one_batch_equal_the_diffusers_pipeline_loading_the_shipped_folder():
+    """Two requests of the trained MMDiT denoised together by the worker's engine equal diffusers'
+    `StableDiffusion3Pipeline` loading the same folder, each alone, at the model's T5 length."""
+    from diffusers import StableDiffusion3Pipeline
+
+    from stepserve.load_tests.bench_shapes import draw
+    from stepserve.policies.types import RequestSpec
+
+    family = family_class("sd3").load(ModelSource(name="shapes-sd3", family="sd3", path=SD3), ALL_PARTS, "cpu")
+    scenes = Renders(seed=6, count=2).scenes
+    specs = [RequestSpec(request_id=f"r{i}", model="shapes-sd3", prompt=s.caption, width=64, height=64,
+                         num_inference_steps=8, guidance_scale=guidance, seed=i + 1)
+             for i, (s, guidance) in enumerate(zip(scenes, (3.0, 5.0)))]
+    served = draw(family, specs).astype(int)
+    pipe = StableDiffusion3Pipeline.from_pretrained(SD3, use_safetensors=True, local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    for s, got in zip(specs, served):
+        want = pipe(s.prompt, height=64, width=64, num_inference_steps=8, guidance_scale=s.guidance_scale,
+                    max_sequence_length=16, generator=torch.Generator("cpu").manual_seed(s.seed),
+                    output_type="np").images[0]
+        assert np.abs(got - (want * 255).round().astype(int)).max() <= 1, s.request_id
+    assert np.abs(served[0] - served[1]).mean() > 2  # two prompts, two pictures: the comparison can fail
