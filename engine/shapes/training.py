@@ -160,6 +160,16 @@ def _fit(params: Iterable[nn.Parameter], loss: Callable[[int], torch.Tensor], st
     log.close()
 
 
+def _fit_averaged(modules: nn.ModuleList, loss: Callable[[int], torch.Tensor], steps: int, lr: float, ema: float,
+                  log: Log, stop_after: int | None) -> nn.ModuleList:
+    """`_fit` of `modules`, returning their exponential moving average (decay `ema`) over the
+    steps, which is what ships."""
+    average = torch.optim.swa_utils.AveragedModel(modules, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(ema))
+    _fit(modules.parameters(), loss, steps, lr, log, after_step=lambda: average.update_parameters(modules),
+         stop_after=stop_after)
+    return average.module
+
+
 class Latents:
     """A style's pictures as scaled VAE latents (posterior means), encoded the first time asked for."""
 
@@ -275,11 +285,8 @@ class ShapesTraining:
             return F.mse_loss(unet(noisy, t, context).sample, target)
 
         modules = nn.ModuleList([text, unet])
-        average = torch.optim.swa_utils.AveragedModel(
-            modules, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(s.unet_ema))
-        _fit(modules.parameters(), loss, s.unet_steps, s.unet_lr, self._log("unet", s.unet_steps),
-             after_step=lambda: average.update_parameters(modules), stop_after=self.stop_after)
-        text, unet = average.module[0], average.module[1]
+        text, unet = _fit_averaged(modules, loss, s.unet_steps, s.unet_lr, s.unet_ema, self._log("unet", s.unet_steps),
+                                   self.stop_after)
         self.use_text_unet(text, unet)
         return text, unet
 
@@ -403,11 +410,9 @@ class ShapesTraining:
                            pooled_projections=pooled, return_dict=False)[0]
             return F.mse_loss(velocity, noise - latents)
 
-        average = torch.optim.swa_utils.AveragedModel(
-            modules, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(s.dit_ema))
-        _fit(modules.parameters(), loss, s.dit_steps, s.dit_lr, self._log("dit", s.dit_steps),
-             after_step=lambda: average.update_parameters(modules), stop_after=self.stop_after)
-        trained = [m.eval().requires_grad_(False) for m in average.module]
+        averaged = _fit_averaged(modules, loss, s.dit_steps, s.dit_lr, s.dit_ema, self._log("dit", s.dit_steps),
+                                 self.stop_after)
+        trained = [m.eval().requires_grad_(False) for m in averaged]
         pipe.transformer, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3 = trained
         return pipe
 
