@@ -129,6 +129,9 @@ class ModelConfig(_Strict):
         "runs without its unconditional row from the first step from which, by `skip_cfg_curve`, skipping to the end "
         "keeps its picture at least this similar (SSIM) to the exact one. 1: off, every step guided (exact). Models "
         "that guide by CFG only; README 'Skip-CFG' has the measured speed and fidelity.")
+    min_skip_cfg_quality: float = Field(
+        default=0.95, gt=0, le=1, description="The fidelity floor of skip-CFG: the lowest quality S a request may ask "
+        "for (`skip_cfg_quality` in the body; 400 below it).")
     skip_cfg_curve: list[tuple[float, float]] = Field(
         default_factory=list, description="The model's measured skip-CFG curve (needed when skip_cfg_quality < 1): "
         "points (fraction of the steps from which requests skip CFG, their pictures' mean SSIM against exact), as "
@@ -160,6 +163,9 @@ class ModelConfig(_Strict):
             raise ValueError(f"step_cache {self.step_cache} exceeds max_step_cache {self.max_step_cache}")
         if self.step_cache and ModeName.STEP_CACHE not in family_class(self.family).forward_modes:
             raise ValueError(f"family {self.family!r} has no step cache; step_cache must be 0")
+        if self.skip_cfg_quality < self.min_skip_cfg_quality:
+            raise ValueError(f"skip_cfg_quality {self.skip_cfg_quality} is below min_skip_cfg_quality "
+                             f"{self.min_skip_cfg_quality}")
         if self.skip_cfg_quality < 1 and not self.skip_cfg_curve:
             raise ValueError("skip_cfg_quality < 1 needs the model's measured skip_cfg_curve")
         if self.skip_cfg_quality < 1 and not family_class(self.family).classifier_free_guidance:
@@ -174,13 +180,15 @@ class ModelConfig(_Strict):
                              f"({high}) <= max_steps ({self.max_steps})")
         return self
 
-    def skip_cfg_from(self) -> float:
-        """The fraction of its requests' steps from which they skip CFG (`RequestSpec.skip_cfg_from`):
-        where its curve keeps SSIM >= `skip_cfg_quality` from there to the end; 1: never."""
-        if self.skip_cfg_quality == 1:
+    def skip_cfg_from(self, quality: float | None = None) -> float:
+        """The fraction of a request's steps from which it skips CFG (`RequestSpec.skip_cfg_from`):
+        where its curve keeps SSIM >= `quality` (default: `skip_cfg_quality`) from there to the end;
+        1: never."""
+        quality = self.skip_cfg_quality if quality is None else quality
+        if quality == 1:
             return 1.0
         curve = SkipCfgCurve(tuple(tuple(point) for point in self.skip_cfg_curve))
-        fraction = curve.first_fraction(self.skip_cfg_quality)
+        fraction = curve.first_fraction(quality)
         return 1.0 if fraction is None else fraction
 
     def quality_steps(self, preset: str) -> int:
@@ -328,7 +336,7 @@ class PatchCacheConfig(_Strict):
                     "speed); each worker calibrates the predictor at startup from fixed generations and loads the "
                     "model's text encoders to do so. Off: every step is exact.",
     )
-    tolerance: float = Field(default=3e-3, gt=0, le=1,
+    tolerance: float = Field(default=1e-2, gt=0, le=1,
                              description="A reuse is right where the output it reuses is within this relative MSE "
                                          "of the exact one: larger reuses more and strays further.")
     side: int = Field(default=4, ge=1, le=64, description="Patch side in image tokens (SD3: 4 tokens = 64 px).")

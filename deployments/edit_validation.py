@@ -18,7 +18,7 @@ from stepserve.deployments.errors import invalid
 from stepserve.deployments.image_inputs import decode_base64_image
 from stepserve.deployments.protocol import ImageEditRequest
 from stepserve.deployments.validation import (
-    addon_uses, image_settings, parse_body, request_slo, request_step_cache, served_model,
+    addon_uses, image_settings, parse_body, request_skip_cfg, request_slo, request_step_cache, served_model,
 )
 from stepserve.engine.families import family_class
 from stepserve.engine.inpaint import edit_pixels, mask_ratio
@@ -63,6 +63,7 @@ def to_edit_specs(payload: object, config: AppConfig, request_id: str,
     if ratio == 0.0:
         raise invalid("mask", "the mask leaves nothing to edit at this size (no transparent pixel survives resizing)")
     step_cache, step_cache_method = request_step_cache(req, model)
+    skip_cfg_from = request_skip_cfg(req, model)
     specs = [
         RequestSpec(
             request_id=request_id if req.n == 1 else f"{request_id}-{i}", model=model.name, prompt=req.prompt,
@@ -70,7 +71,7 @@ def to_edit_specs(payload: object, config: AppConfig, request_id: str,
             guidance_scale=guidance, seed=seed + i, slo_s=request_slo(req, model), cfg=family.classifier_free_guidance,
             loras=loras, kind=RequestKind.EDIT, strength=req.strength, skip_steps=skip, mask_ratio=ratio,
             template_id=req.template_id, step_cache=step_cache, step_cache_method=step_cache_method,
-            skip_cfg_from=model.skip_cfg_from(),
+            skip_cfg_from=skip_cfg_from,
         )
         for i in range(req.n)
     ]

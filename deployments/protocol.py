@@ -61,8 +61,9 @@ class LoraInput(BaseModel):
     scale: float = Field(default=1.0, description="Its adapter weight (diffusers' set_adapters weight).")
 
 
-class StepCacheOptions(BaseModel):
-    """The step cache a generation or an edit asks for (stepserve's extension, README 'Step caching')."""
+class ApproximationOptions(BaseModel):
+    """The approximations a generation or an edit asks for (stepserve's extensions, README 'Step
+    caching' and 'SynerDiff'); omitted, each is its model's setting."""
 
     step_cache: float | None = Field(
         default=None, description="This request's First-Block Cache threshold: a step whose first-block output "
@@ -73,9 +74,14 @@ class StepCacheOptions(BaseModel):
         default=None, description="What a step the cache skips takes: 'first_block', the later blocks' result at "
         "the request's last computed step as it was; 'taylorseer', that result extrapolated to first order from its "
         "last two computed steps. Omitted: the model's `step_cache_method`.")
+    skip_cfg_quality: float | None = Field(
+        default=None, description="This request's SynerDiff skip-CFG quality S: it runs without its unconditional "
+        "row from the first step from which, by its model's measured `skip_cfg_curve`, skipping to the end keeps "
+        "the picture at least this similar (SSIM) to the exact one. 1 turns it off (exact); omitted: the model's "
+        "`skip_cfg_quality`; below the model's `min_skip_cfg_quality`, or on a model without a curve, refused (400).")
 
 
-class ImageGenerationRequest(ImageOptions, StepCacheOptions):
+class ImageGenerationRequest(ImageOptions, ApproximationOptions):
     # Unknown fields are an error, not silently ignored: a typo must not change the image.
     model_config = ConfigDict(extra="forbid")
 
@@ -118,7 +124,7 @@ class ImagesResponse(BaseModel):
     background: Literal["opaque"] = Field(description="Always 'opaque': no served model draws an alpha channel.")
 
 
-class ImageEditRequest(ImageOptions, StepCacheOptions):
+class ImageEditRequest(ImageOptions, ApproximationOptions):
     """POST /v1/images/edits: repaint the masked part of an image. OpenAI's clients send it as
     multipart/form-data (file parts `image` and `mask`); JSON bodies and handle callers give both
     as base64 instead."""

@@ -20,20 +20,30 @@ sets it:
 - CFG parallel (SwiftDiffusion §4.3, `router.policy: latent_parallel`): each request's two CFG
   rows on two ranks of a gloo group, two processes, as two workers run them. Off by default, where
   it is the exact path itself, so only the split is measured.
-
 - step caching (First-Block Cache, `step_cache`): every request at the model's default (0: off)
   and at `--step-cache`; bench_step_cache measures its speed and more thresholds.
 - skip-CFG (SynerDiff §IV, `skip_cfg_quality`): every request skipping its unconditional row from
   the model's default fraction of its steps (1: never) and from `--skip-cfg-from`;
   bench_skip_cfg measures its speed and the whole curve a quality threshold reads.
+- patch cache (PatchedServe §5, `patch_cache`; families with forward mode `patch_cache`): each
+  request reusing its patches' block outputs from its previous step where the reuse predictor
+  allows, the predictor calibrated as a worker calibrates it at startup (at the requests' size and
+  steps, as a config serving them sets `calibration_size` and `calibration_steps`), at the default
+  `tolerance` and at `--patch-cache-tolerance`; the rows give the share of patch decisions reused.
+- cached edits (InstGenIE §3.1, `edit_cache`; families with forward mode `template_edit`): each
+  held-out picture is a template edited twice, recolouring its shape (`load_tests.shape_edits`):
+  the first edit records the template's activations, the second (another colour and seed, the
+  same mask) reuses them, against the second edit run exact; with each kind of record
+  (`edit_cache.cache`). The rows give the share of image tokens the cached edits computed.
 
-The patch cache and cached edits run only on families that have them (forward modes
-`patch_cache`, `template_edit`): their rows say so where the model's family has not.
+Rows of switches the model's family does not have say so (`not_applicable`); so does the patch
+statistics row on a DiT (it packs tokens, exactly, and has no GroupNorm).
 
 PSNR is over all pictures of a row at once (from their mean squared error: finite unless every
 picture equals its exact one, and not swayed by the few that do); SSIM is the mean over pictures.
 
     python -m stepserve.load_tests.bench_fidelity --out docs/results/fidelity
+    python -m stepserve.load_tests.bench_fidelity --model shapes-sd3 --out docs/results/fidelity-sd3
 
 Writes fidelity.json and fidelity.png.
 """
@@ -58,9 +68,10 @@ from stepserve.engine.forward_modes.base import ModeName
 from stepserve.engine.shapes import dataset
 from stepserve.engine.shapes.judge import Judge, prompt_accuracy
 from stepserve.load_tests.bench_shapes import (
-    HELD_OUT_SEED, add_drawing_arguments, draw, in_batches, load_served, specs_for,
+    HELD_OUT_SEED, add_drawing_arguments, controlled, draw, in_batches, load_served, specs_for,
 )
 from stepserve.load_tests.fidelity import psnr, ssim
+from stepserve.load_tests.shape_edits import edit_requests, recoloured
 from stepserve.policies.types import ControlNetUse, LoraUse, RequestSpec
 from stepserve.runtime import load_serve_config
 
@@ -126,7 +137,7 @@ def patched(family, specs: Sequence[RequestSpec], patch_px: int, stats) -> np.nd
     return batched(batch, specs)
 
 
-def with_controlnet_service(family, app, model, stale: bool, specs, control) -> np.ndarray:
+def with_controlnet_service(family, app, model, stale: bool, specs, inputs) -> np.ndarray:
     from stepserve.actors.controlnet_client import InProcessControlNets
     from stepserve.deployments.controlnet_service import ControlNetService
     from stepserve.engine.addons.source import AddonKind
@@ -135,7 +146,7 @@ def with_controlnet_service(family, app, model, stale: bool, specs, control) -> 
     family.controlnet_service = InProcessControlNets(ControlNetService(sources, [model.to_source()], "cpu"))
     family.controlnet_stale = stale
     try:
-        return in_batches(family, specs, control, BATCH)
+        return in_batches(family, specs, inputs, BATCH)
     finally:
         family.controlnet_service, family.controlnet_stale = None, False
 
@@ -175,6 +186,60 @@ def split_rank(rank: int, world_size: int, folder: str, config: str, model_name:
     np.save(Path(folder) / f"rank{rank}.npy", pictures)
 
 
+def kept_states(runner, mode: ModeName) -> list:
+    """Every state `mode` gives a request `runner` admits (the states leave with their requests)."""
+    states = []
+    forward_mode = runner.modes[mode]
+    admit = forward_mode.admit
+
+    def keeping(sampler, family) -> None:
+        admit(sampler, family)
+        if sampler.mode is mode:
+            states.append(sampler.mode_state)
+
+    forward_mode.admit = keeping
+    return states
+
+
+def patch_cached(family, model: str, specs: Sequence[RequestSpec], spec) -> tuple[np.ndarray, float]:
+    """The specs' pictures with the patch cache on, its reuse predictor calibrated as a worker
+    calibrates it at startup (`engine.patch_cache.calibration.calibrate`, as `spec` says); and the
+    share of all patch decisions that reused (PatchedServe Fig. 19's computation savings)."""
+    from stepserve.engine.patch_cache.calibration import calibrate
+    from stepserve.engine.step_runner import StepRunner
+
+    reuse = calibrate(family, model, spec)
+    runner = StepRunner("bench", {model: family}, decode_images=True, patch_reuse={model: reuse})
+    caches = kept_states(runner, ModeName.PATCH_CACHE)
+    pictures = batched(lambda chunk: draw(family, chunk, runner=runner), specs)
+    reused = sum(float(c.reused.sum()) for c in caches)
+    return pictures, reused / sum(c.decided * len(c.reused) for c in caches)
+
+
+def template_edited(family, model: str, first: list, second: list, kind) -> tuple[np.ndarray, float]:
+    """The `second` edits' pictures with the edit cache on (`edit_cache.cache` = `kind`): the
+    `first` edit of each template records its activations (exact), and the second one of the same
+    template and mask reuses them; and the share of image tokens the second ones computed."""
+    from stepserve.actors.activation_cache import ActivationCache
+    from stepserve.engine.step_runner import StepRunner
+    from stepserve.engine.template_edits import TemplateCache
+
+    runner = StepRunner("bench", {model: family}, decode_images=True,
+                        templates=TemplateCache(ActivationCache(memory_bytes=1 << 30), kind))
+    batched_edits(family, first, runner)
+    edits = kept_states(runner, ModeName.TEMPLATE_EDIT)
+    pictures = batched_edits(family, second, runner)
+    if any(edit.records for edit in edits):
+        raise RuntimeError("a second edit found no record of its template")
+    tokens = (second[0][0].height // family.vae_scale_factor // family.patch_size) ** 2
+    return pictures, float(np.mean([edit.index.shape[1] / tokens for edit in edits]))
+
+
+def batched_edits(family, edits: list, runner=None) -> np.ndarray:
+    """Pictures of (spec, inputs) edits, `BATCH` at a time, on `runner` (default: a plain worker's)."""
+    return batched(lambda chunk: draw(family, [s for s, _ in chunk], [i for _, i in chunk], runner=runner), edits)
+
+
 def compare(pictures: np.ndarray, exact: np.ndarray, scenes, judge: Judge, exact_accuracy: float) -> dict:
     a, b = pictures.astype(np.float64) / 255, exact.astype(np.float64) / 255
     pooled = psnr(a, b)  # over all pictures at once
@@ -196,8 +261,6 @@ def not_applicable(family, mode, what: str) -> str:
     from stepserve.engine.families import FAMILIES, family_class
 
     having = [name for name in FAMILIES if mode in family_class(name).forward_modes]
-    if mode in family.forward_modes:
-        return f"not measured here on {family.source.family}: this benchmark does not run {what} yet"
     return f"{family.source.family} has no {what} (forward mode {mode.value}; only {', '.join(having)})"
 
 
@@ -215,12 +278,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="the aggressive step_cache threshold (default: %(default)s, max_step_cache's default)")
     parser.add_argument("--skip-cfg-from", type=float, default=0.5,
                         help="the aggressive skip-CFG start, a fraction of the steps (default: %(default)s)")
+    parser.add_argument("--patch-cache-tolerance", type=float, default=3e-2,
+                        help="the aggressive patch_cache.tolerance (default: %(default)s)")
+    parser.add_argument("--edit-strength", type=float, default=0.6,
+                        help="the cached edits' strength (default: %(default)s: a recolour keeps the shape)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (each CFG rank gets half)")
     parser.add_argument("--out", type=Path, default=Path("results/fidelity"))
     args = parser.parse_args(argv)
 
     import torch
+    from diffusers import UNet2DConditionModel
 
+    from stepserve.deployments.config import EditCacheConfig, PatchCacheConfig
+    from stepserve.engine.editing.masked_sd3 import CacheKind
+    from stepserve.engine.patch_cache.calibration import PatchCacheSpec
     from stepserve.engine.patched import NormStats
     from stepserve.load_tests.plots import plot_fidelity
     from stepserve.oneshot import quiet_libraries
@@ -233,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         held_out = dataset.Renders(HELD_OUT_SEED, args.prompts)
         scenes = held_out.scenes
         prompts = [s.caption for s in scenes]
-        silhouettes = held_out.silhouettes(np.arange(args.prompts))
+        silhouettes = controlled(held_out.silhouettes(np.arange(args.prompts)))
         plain = specs_for(prompts, args, "exact")
         rows: list[dict] = []
         seconds: dict[str, float] = {}
@@ -246,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
             return pictures
 
         def row(approximation: str, switch: str, setting: str, default: bool, pictures: np.ndarray,
-                exact: np.ndarray, reference: str, **extra) -> None:
+                exact: np.ndarray, reference: str, scenes: Sequence[dataset.Scene] = scenes, **extra) -> None:
+            """`scenes`: what the pictures should show (default: the held-out prompts')."""
             rows.append({"approximation": approximation, "switch": switch, "setting": setting, "default": default,
                          "reference": reference, **compare(pictures, exact, scenes, judge, accuracy[reference]),
                          **extra})
@@ -254,11 +326,17 @@ def main(argv: list[str] | None = None) -> int:
         exact = {"exact": timed("exact", lambda: in_batches(family, plain, batch=BATCH))}
         accuracy = {"exact": prompt_accuracy(judge, exact["exact"], scenes)}
 
-        cut = f"{args.patch_px} px patches"
-        for stats, default in ((NormStats.IMAGE, True), (NormStats.PATCH, False)):
-            name = f"patch statistics {stats.value}"
-            row("patch statistics", "GroupNorm statistics of the patched forward", f"per-{stats.value}, {cut}",
-                default, timed(name, lambda: patched(family, plain, args.patch_px, stats)), exact["exact"], "exact")
+        if isinstance(family.denoiser, UNet2DConditionModel):
+            cut = f"{args.patch_px} px patches"
+            for stats, default in ((NormStats.IMAGE, True), (NormStats.PATCH, False)):
+                name = f"patch statistics {stats.value}"
+                row("patch statistics", "GroupNorm statistics of the patched forward", f"per-{stats.value}, {cut}",
+                    default, timed(name, lambda: patched(family, plain, args.patch_px, stats)), exact["exact"],
+                    "exact")
+        else:
+            rows.append({"approximation": "patch statistics", "switch": "workers.pack_resolutions",
+                         "not_applicable": f"{family.source.family} packs its images' tokens (exact), it has no "
+                                           "GroupNorm to take statistics of"})
 
         if family.controlnets:
             cn = next(iter(family.controlnets))
@@ -300,12 +378,38 @@ def main(argv: list[str] | None = None) -> int:
         row("CFG parallel", "router.policy", "latent_parallel (rows on 2 ranks)", False,
             split, exact["exact"], "exact", ranks_agree=ranks_agree)
 
-        rows += [
-            {"approximation": "patch cache", "switch": "patch_cache.enabled",
-             "not_applicable": not_applicable(family, ModeName.PATCH_CACHE, "patch cache")},
-            {"approximation": "cached edits", "switch": "edit_cache.enabled",
-             "not_applicable": not_applicable(family, ModeName.TEMPLATE_EDIT, "cached-activation edits")},
-        ]
+        if ModeName.PATCH_CACHE in family.forward_modes:
+            served = PatchCacheConfig()
+            for tolerance in (served.tolerance, args.patch_cache_tolerance):
+                spec = PatchCacheSpec(tolerance, served.side, served.full_steps, args.size, args.steps)
+                pictures, share = timed(f"patch cache {tolerance:g}",
+                                        lambda: patch_cached(family, model.name, plain, spec))
+                row("patch cache", "patch_cache.tolerance", f"{tolerance:g} (patches of {spec.side}x{spec.side} "
+                    f"tokens, calibrated at {args.size} px, {args.steps} steps)", False, pictures, exact["exact"],
+                    "exact", reused=share)
+        else:
+            rows.append({"approximation": "patch cache", "switch": "patch_cache.enabled",
+                         "not_applicable": not_applicable(family, ModeName.PATCH_CACHE, "patch cache")})
+
+        if ModeName.TEMPLATE_EDIT in family.forward_modes:
+            skipped = type(family).skipped_steps(args.steps, args.edit_strength)
+            templates = held_out.pictures(np.arange(args.prompts))
+            first, second = ([recoloured(scene, turn) for scene in scenes] for turn in (1, 2))
+            first_edits, second_edits = (
+                edit_requests(specs_for([s.caption for s in new], args, tag), scenes, templates, args.edit_strength,
+                              skipped, template_ids=True) for new, tag in ((first, "first"), (second, "second")))
+            reference = "exact, edits"
+            exact[reference] = timed(reference, lambda: batched_edits(
+                family, [(dataclasses.replace(spec, template_id=None), inputs) for spec, inputs in second_edits]))
+            accuracy[reference] = prompt_accuracy(judge, exact[reference], second)
+            for kind in (EditCacheConfig().cache, CacheKind.OUTPUTS):
+                pictures, share = timed(f"cached edits {kind.value}", lambda: template_edited(
+                    family, model.name, first_edits, second_edits, kind))
+                row("cached edits", "edit_cache.cache", f"{kind.value} (second edit of each template)",
+                    False, pictures, exact[reference], reference, scenes=second, computed_tokens=share)
+        else:
+            rows.append({"approximation": "cached edits", "switch": "edit_cache.enabled",
+                         "not_applicable": not_applicable(family, ModeName.TEMPLATE_EDIT, "cached-activation edits")})
     report = {"benchmark": "fidelity",
               "setup": {**vars(args), "config": str(args.config), "out": str(args.out), "batch": BATCH,
                         "torch": torch.__version__},
@@ -321,8 +425,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['approximation']}: not applicable: {r['not_applicable']}")
         else:
             psnr_db = "identical" if r["psnr_db"] is None else f"{r['psnr_db']:.1f} dB"
+            share = "".join(f", {key} {r[key]:.3f}" for key in ("reused", "computed_tokens") if key in r)
             print(f"{r['approximation']}, {r['setting']}{' [default]' if r['default'] else ''}: PSNR {psnr_db}, "
-                  f"SSIM {r['ssim']:.4f}, accuracy {r['prompt_accuracy']:.3f} vs {r['exact_prompt_accuracy']:.3f}")
+                  f"SSIM {r['ssim']:.4f}, accuracy {r['prompt_accuracy']:.3f} vs {r['exact_prompt_accuracy']:.3f}"
+                  f"{share}")
     return 0
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import PIL.Image
 
+from stepserve.engine.sampler import RequestInputs
 from stepserve.engine.shapes import dataset
 from stepserve.engine.shapes.judge import Judge, pixels, prompt_accuracy
 from stepserve.engine.shapes.export import SHIPPED
@@ -36,21 +37,20 @@ GRID = [f"{'an' if c[0] in 'aeiou' else 'a'} {c} {s} on a {b} background"
         for s in dataset.SHAPES]
 
 
-def draw(family, specs: Sequence[RequestSpec], control: Sequence[np.ndarray | None] = (), runner=None,
+def draw(family, specs: Sequence[RequestSpec], inputs: Sequence[RequestInputs] = (), runner=None,
          split_over: Any = None) -> np.ndarray:
     """The specs' pictures (uint8 [n, h, w, 3]), denoised together, one forward per step, by
-    `runner` (default: a plain worker's `StepRunner`). `split_over`: a two-rank process group each
-    request's CFG rows are split over (one group, one forward, per request)."""
-    from stepserve.engine.sampler import Conditioning, RequestInputs
+    `runner` (default: a plain worker's `StepRunner`). `inputs`: each spec's control images or
+    edit (default: none). `split_over`: a two-rank process group each request's CFG rows are split
+    over (one group, one forward, per request)."""
+    from stepserve.engine.sampler import Conditioning
     from stepserve.engine.step_runner import Admission, StepRunner
     from stepserve.engine.text_encoding import encode_pair
 
     runner = runner or StepRunner("bench", {specs[0].model: family}, decode_images=True)
-    control = list(control) or [None] * len(specs)
-    admissions = {
-        spec.request_id: Admission(spec, conditioning=Conditioning.from_numpy(
-            *encode_pair(family, spec), RequestInputs(control=() if c is None else (c,))))
-        for spec, c in zip(specs, control)}
+    inputs = list(inputs) or [RequestInputs()] * len(specs)
+    admissions = {spec.request_id: Admission(spec, conditioning=Conditioning.from_numpy(*encode_pair(family, spec), i))
+                  for spec, i in zip(specs, inputs)}
     ids = tuple(admissions)
     groups = (tuple(StepGroup((rid,), (0, 1), GroupSplit.CFG) for rid in ids) if split_over is not None
               else (StepGroup(ids),))
@@ -70,9 +70,14 @@ def specs_for(prompts: Sequence[str], args: argparse.Namespace, tag: str, **extr
             for i, prompt in enumerate(prompts)]
 
 
-def in_batches(family, specs, control=(), batch: int = 25) -> np.ndarray:
-    control = list(control)
-    return np.concatenate([draw(family, specs[i:i + batch], control[i:i + batch]) for i in range(0, len(specs), batch)])
+def in_batches(family, specs, inputs: Sequence[RequestInputs] = (), batch: int = 25) -> np.ndarray:
+    inputs = list(inputs)
+    return np.concatenate([draw(family, specs[i:i + batch], inputs[i:i + batch]) for i in range(0, len(specs), batch)])
+
+
+def controlled(images: np.ndarray) -> list[RequestInputs]:
+    """Each control image (uint8 [h, w, 3]) as the inputs of a request with one ControlNet."""
+    return [RequestInputs(control=(image,)) for image in images]
 
 
 def reconstructions(family, pictures: np.ndarray) -> np.ndarray:
@@ -160,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         if family.controlnets:
             name = next(iter(family.controlnets))
             guided = in_batches(family, specs_for(prompts[:k], args, "cn", controlnets=(ControlNetUse(name),)),
-                                silhouettes)
+                                controlled(silhouettes))
             inside = silhouettes[..., 0] > 127
             rows[f"controlnet {name}"] = {
                 "prompt_accuracy": prompt_accuracy(judge, guided, scenes),

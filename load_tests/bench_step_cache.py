@@ -2,7 +2,9 @@
 `engine.step_cache`, with each `step_cache_method`: reuse as it was, or TaylorSeer's first-order
 extrapolation) on the shapes model: for each method and threshold, the speed-up of a request and its
 pictures' fidelity to the exact ones (PSNR, SSIM, prompt accuracy), with every request of the
-batch caching and with half of them caching beside exact partners (who must stay exact).
+batch caching and with half of them caching beside exact partners (who must stay exact); with
+`--skip-cfg-from`, also with every request caching and skipping CFG (SynerDiff's skip-CFG, which
+the step cache's forward composes with).
 
 Pictures are made as the server makes them (bench_shapes' `draw`: `StepRunner`, one batched forward
 per step, the worker's decode), `--batch` requests at a time. A request's latency is the sum of its
@@ -36,6 +38,7 @@ from stepserve.load_tests.bench_shapes import HELD_OUT_SEED, add_drawing_argumen
 from stepserve.policies.types import StepCacheMethod
 
 RULE_SSIM, RULE_SPEEDUP = 0.95, 1.5  # the issue's bar: >= 1.5x a request at SSIM >= 0.95
+SKIPPING = "all, skipping CFG"  # the batch label of every request caching and skipping CFG (--skip-cfg-from)
 
 
 class Counted:
@@ -99,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="step_cache thresholds to measure, comma-separated (default: %(default)s)")
     parser.add_argument("--methods", default="first_block,taylorseer",
                         help="step_cache_method values to measure, comma-separated (default: %(default)s)")
+    parser.add_argument("--skip-cfg-from", type=float, default=None,
+                        help="also measure every request caching and skipping CFG from this fraction of its steps "
+                             "(SynerDiff's skip-CFG composed with the step cache; e.g. 0.4, what S = 0.95 picks on "
+                             "the shapes model); default: not measured")
     parser.add_argument("--batch", type=int, default=25, help="requests denoised together (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved timing rounds (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
@@ -120,10 +127,11 @@ def main(argv: list[str] | None = None) -> int:
         scenes = dataset.Renders(HELD_OUT_SEED, args.prompts).scenes
         plain = specs_for([s.caption for s in scenes], args, "r")
 
-        def variant(method: StepCacheMethod, threshold: float, every: int) -> list:
-            """`plain` with every `every`-th request (from the first) caching at `threshold`."""
-            return [dataclasses.replace(s, step_cache=threshold, step_cache_method=method) if i % every == 0 else s
-                    for i, s in enumerate(plain)]
+        def variant(method: StepCacheMethod, threshold: float, every: int, skip_cfg_from: float = 1.0) -> list:
+            """`plain` with every `every`-th request (from the first) caching at `threshold` (and
+            skipping CFG from `skip_cfg_from` of its steps)."""
+            return [dataclasses.replace(s, step_cache=threshold, step_cache_method=method, skip_cfg_from=skip_cfg_from)
+                    if i % every == 0 else s for i, s in enumerate(plain)]
 
         exact_key = (None, "exact", 0.0)
         variants = {exact_key: plain}
@@ -131,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
             for t in thresholds:
                 variants[(method, "all", t)] = variant(method, t, 1)
                 variants[(method, "half", t)] = variant(method, t, 2)
+                if args.skip_cfg_from is not None:
+                    variants[(method, SKIPPING, t)] = variant(method, t, 1, args.skip_cfg_from)
         times: dict = {key: [] for key in variants}
         step_times: dict = {key: [] for key in variants}
         pictures, skips = {}, {}
@@ -158,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             seconds = statistics.median(times[key])
             step_s = statistics.median(step_times[key])
             row = {"method": method.value, "threshold": t, "batch": batch, "caching_share": float(caching.mean()),
+                   "skip_cfg_from": args.skip_cfg_from if batch == SKIPPING else 1.0,
                    "seconds": seconds,
                    "speedup": exact_s / seconds, "denoise_speedup": exact_step_s / step_s,
                    "skipped_step_share": skips[key],

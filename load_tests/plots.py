@@ -551,16 +551,18 @@ def plot_fidelity(rows: Sequence[Mapping], title: str, path: Path) -> None:
 
 def plot_step_cache(report: Mapping, title: str, path: Path) -> None:
     """Per method and threshold: a request's speed-up (its denoising steps, and end to end) and its
-    pictures' SSIM against exact, with every request of the batch caching and with half of them,
-    and the issue's bars (1.5x, SSIM 0.95)."""
+    pictures' SSIM against exact, with every request of the batch caching, with half of them, and
+    (where measured) with every one caching and skipping CFG, and the issue's bars (1.5x, SSIM 0.95)."""
     fig = _figure(12, 4.6)
     speed, ssim = fig.subplots(1, 2)
     fig.suptitle(title, fontsize=9)
     methods = list(dict.fromkeys(r["method"] for r in report["rows"]))
+    batches = list(dict.fromkeys(r["batch"] for r in report["rows"]))  # all, half, and maybe all skipping CFG
     for m, method in enumerate(methods):
-        for batch, color in (("all", f"C{2 * m}"), ("half", f"C{2 * m + 1}")):
+        for b, batch in enumerate(batches):
             rows = [r for r in report["rows"] if r["batch"] == batch and r["method"] == method]
-            label = f"{method}, {'every request' if batch == 'all' else 'half the batch'} caching"
+            color = f"C{len(batches) * m + b}"
+            label = f"{method}, {_caching_batch(batch, rows)}"
             ts = [r["threshold"] for r in rows]
             speed.plot(ts, [r["denoise_speedup"] for r in rows], "o-", color=color, label=f"{label}: denoising")
             speed.plot(ts, [r["speedup"] for r in rows], "s--", color=color, label=f"{label}: end to end")
@@ -572,6 +574,15 @@ def plot_step_cache(report: Mapping, title: str, path: Path) -> None:
     speed.legend(fontsize=6)
     ssim.legend(fontsize=6)
     fig.savefig(path, dpi=110)
+
+
+def _caching_batch(batch: str, rows: Sequence[Mapping]) -> str:
+    """Who caches in a `bench_step_cache` batch label."""
+    if batch == "all":
+        return "every request caching"
+    if batch == "half":
+        return "half the batch caching"
+    return f"every request caching and skipping CFG from {rows[0]['skip_cfg_from']:g}"
 
 
 def plot_skip_cfg(report: Mapping, title: str, path: Path) -> None:

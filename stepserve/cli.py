@@ -52,7 +52,7 @@ REMOTE_TIMEOUT_S = 600.0
 def _generate(args: argparse.Namespace) -> int:
     request = {"prompt": args.prompt}
     for key in ("model", "size", "negative_prompt", "num_inference_steps", "guidance_scale", "seed", "step_cache",
-                "step_cache_method"):
+                "step_cache_method", "skip_cfg_quality"):
         if getattr(args, key) is not None:
             request[key] = getattr(args, key)
     if args.url is not None:
@@ -165,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
                      help="First-Block Cache threshold (0: exact; default: the model's; README 'Step caching')")
     gen.add_argument("--step-cache-method", dest="step_cache_method", choices=("first_block", "taylorseer"),
                      help="what a skipped step takes (default: the model's)")
+    gen.add_argument("--skip-cfg-quality", dest="skip_cfg_quality", type=float,
+                     help="SynerDiff's skip-CFG quality S (1: exact; default: the model's; README 'SynerDiff')")
     gen.add_argument("--url", help="a running server (e.g. http://127.0.0.1:8000) to ask instead; --config is unused")
     gen.add_argument("--api-key", default=os.environ.get("STEPSERVE_API_KEY"),
                      help="bearer token for --url (default: $STEPSERVE_API_KEY)")

@@ -12,6 +12,7 @@ shifts dynamically), set on its own scheduler.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any, Collection, Sequence
 
@@ -193,6 +194,17 @@ class SD3Family(FlowMatchingImageFamily):
         return patches * vae_geometry(vae)["vae_scale_factor"]
 
     @classmethod
+    def _text_tokens(cls, source: ModelSource) -> int:
+        """The text tokens of its joint attention: the CLIP prompts padded to their tokenizer's
+        length, then T5's `max_sequence_length` (as `__init__` sets it), read from a folder's
+        tokenizer configs (the shapes model's 32 + 16); the presets' are SD3's 77 + 256."""
+        clip, t5 = CLIP_TOKENS, MAX_SEQUENCE_LENGTH
+        if source.preset is None and os.path.isdir(source.path):
+            clip = _tokenizer_length(source.path, "tokenizer") or clip
+            t5 = min(_tokenizer_length(source.path, "tokenizer_3") or t5, MAX_SEQUENCE_LENGTH)
+        return clip + t5
+
+    @classmethod
     def dit_dims(cls, source: ModelSource, kind: CacheKind) -> tuple[DiTDims, ...] | None:
         """The transformer as the edit cost model counts its FLOPs (`policies.instgenie.DiTDims`),
         with a cache of `kind`, read from configs without loading weights (the router prices edits
@@ -205,7 +217,7 @@ class SD3Family(FlowMatchingImageFamily):
         transformer, vae = configs
         return (DiTDims(blocks=transformer["num_layers"],
                         hidden=transformer["num_attention_heads"] * transformer["attention_head_dim"],
-                        patch=transformer["patch_size"], text_tokens=CLIP_TOKENS + MAX_SEQUENCE_LENGTH,
+                        patch=transformer["patch_size"], text_tokens=cls._text_tokens(source),
                         latent_factor=vae_geometry(vae)["vae_scale_factor"],
                         bytes_per_value=source.torch_dtype.itemsize,
                         keys_values=CacheKind(kind) is CacheKind.KEYS_VALUES),)
@@ -301,3 +313,14 @@ class SD3Family(FlowMatchingImageFamily):
         """`denoise` where each request's rows run the later blocks or reuse its cached residual,
         as its First-Block Cache decides; `caches`: the requests', rows in order."""
         return first_block_cached(split_sd3(self.denoiser, self._inputs(sample, timesteps, cond)), caches)
+
+
+def _tokenizer_length(folder: str, subfolder: str) -> int | None:
+    """The `model_max_length` a folder's tokenizer config gives, if it gives one (transformers
+    writes a sentinel of 1e30 where a tokenizer has none)."""
+    try:
+        with open(os.path.join(folder, subfolder, "tokenizer_config.json")) as f:
+            length = json.load(f).get("model_max_length")
+    except FileNotFoundError:
+        return None
+    return int(length) if isinstance(length, (int, float)) and length < 1e6 else None

@@ -5,7 +5,7 @@ The packed, CFG-split and plain modes are always there: they are exact, and the 
 ask for them; so are step caching and skip-CFG, which come with the request (`RequestSpec.step_cache`,
 `skip_cfg_from`: the ingress sets them from the request and its model's config); the other
 approximations are there only when switched on. Skip-CFG comes after step caching: a request
-that has a step cache keeps it."""
+that asks for both holds the step cache, whose forward skips its unconditional rows too."""
 
 from __future__ import annotations
 

@@ -9,7 +9,9 @@ Every family that guides by CFG serves it. A group in which some member skips ru
 of the members' rows less the skipping members' unconditional rows; the others' rows, and their
 results, are those of the plain forward. A skipping member's prediction [cond, cond] makes its
 sampler's guidance `uncond + g * (cond - uncond)` exactly `cond`. Groups with add-ons (their
-residuals and LoRA rows are laid out for whole requests) or over ranks run plainly.
+residuals and LoRA rows are laid out for whole requests) or over ranks run plainly. A request that
+also caches steps holds the step cache's state, and that mode's forward skips its unconditional
+rows the same way (`engine.forward_modes.step_cache`), from the same step.
 """
 
 from __future__ import annotations
@@ -49,12 +51,31 @@ class CfgSkipping(ForwardMode):
 
     def forward(self, batch: ForwardBatch) -> list[torch.Tensor]:
         skips = [_skips(sampler) for sampler in batch.samplers]
-        inputs = [_conditional(x) if skip else x for x, skip in zip(batch.inputs, skips)]
-        sample, timesteps = (torch.cat([x[i] for x in inputs]) for i in (0, 1))
-        cond = {name: torch.cat([x[2][name] for x in inputs]) for name in inputs[0][2]}
-        rows = batch.family.denoise(sample, timesteps, cond, sp_group=None)
-        outputs = rows.split([x[0].shape[0] for x in inputs])
-        return [torch.cat([out, out]) if skip else out for out, skip in zip(outputs, skips)]
+        sample, timesteps, cond = joined_rows(batch, skips)
+        return guided(batch.family.denoise(sample, timesteps, cond, sp_group=None), batch, skips)
+
+
+def skips_cfg(sampler) -> bool:
+    """The request's next step runs without its unconditional row: in this mode, where it is past
+    its first skipping step and its sequencer chose so; caching steps, where it is past that step."""
+    if sampler.mode is ModeName.SKIP_CFG:
+        return _skips(sampler)
+    first = sampler.spec.skip_cfg_step
+    return sampler.mode is ModeName.STEP_CACHE and first is not None and sampler.step_index >= first
+
+
+def joined_rows(batch: ForwardBatch, skips: list[bool]) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """The members' inputs concatenated along rows, less the unconditional row of each that `skips`."""
+    inputs = [_conditional(x) if skip else x for x, skip in zip(batch.inputs, skips)]
+    sample, timesteps = (torch.cat([x[i] for x in inputs]) for i in (0, 1))
+    return sample, timesteps, {name: torch.cat([x[2][name] for x in inputs]) for name in inputs[0][2]}
+
+
+def guided(rows: torch.Tensor, batch: ForwardBatch, skips: list[bool]) -> list[torch.Tensor]:
+    """Each member's prediction from a forward of `joined_rows`: a skipping member's conditional
+    prediction twice, [cond, cond], which its sampler's guidance turns into cond exactly."""
+    outputs = rows.split([sampler.rows - int(skip) for sampler, skip in zip(batch.samplers, skips)])
+    return [torch.cat([out, out]) if skip else out for out, skip in zip(outputs, skips)]
 
 
 def past_first_step(sampler) -> bool:

@@ -68,7 +68,7 @@ class PatchCacheSpec:
     `side` x `side` tokens; each request's first `full_steps` steps computed in full; the
     predictor calibrated on generations of `size` px and `steps` steps."""
 
-    tolerance: float = 3e-3
+    tolerance: float = 1e-2
     side: int = 4
     full_steps: int = 1
     size: int = 256

@@ -72,6 +72,15 @@ class FirstBlockCache:
         slope = (self.cached - self.before) / (self.cached_at - self.before_at)
         return self.cached + (step - self.cached_at) * slope
 
+    def drop_unconditional(self) -> None:
+        """From now on its request runs its conditional row alone (skip-CFG): keep that row, the
+        last, of what is cached, so its change is measured on it and a skipped step reuses it."""
+        if self.rows != 2:
+            raise ValueError(f"only a CFG request's two rows drop to one, this cache has {self.rows}")
+        self.rows = 1
+        self.first, self.cached, self.before = (None if t is None else t[1:] for t in (self.first, self.cached,
+                                                                                       self.before))
+
     def keep(self, first: torch.Tensor, result: torch.Tensor) -> None:
         """A computed step's first-block output and later-blocks result (copies: the batch's
         tensors must not stay alive with the request)."""

@@ -84,6 +84,14 @@ def test_generate_reports_bad_input_without_traceback(tmp_path):
     assert proc.stdout == "" and not (tmp_path / "x.png").exists()
 
 
+def test_generate_passes_the_approximations_it_is_asked_for(tmp_path, capsys):
+    """--skip-cfg-quality reaches validation as the body field: below the model's floor it is refused."""
+    code = main(["generate", "x", "-o", str(tmp_path / "x.png"), "--skip-cfg-quality", "0.5"])
+    err = capsys.readouterr().err
+    assert code == 2 and "skip_cfg_quality" in err and "Traceback" not in err
+    assert not (tmp_path / "x.png").exists()
+
+
 def _config_with(tmp_path, **args) -> str:
     """The default config with these application args changed, written as a YAML file."""
     config = load_serve_config(default_config_path())

@@ -67,3 +67,37 @@ def test_the_mode_is_always_there_and_a_fraction_is_a_fraction():
     assert ModeName.SKIP_CFG in StepRunner("w0", {}).modes
     with pytest.raises(ValueError, match="skip_cfg_from"):
         skipping(make_spec("r"), 1.5)
+
+
+@pytest.mark.parametrize("name,model", MODELS)
+def test_a_request_caching_steps_also_skips_cfg_from_its_step(name, model, request):
+    """Both asked for: the step cache's forward runs its conditional row alone from its first
+    skipping step, and its cache keeps that row; a threshold it never reaches changes nothing."""
+    family = request.getfixturevalue(name)
+    spec = skipping(make_spec("r", steps=6, seed=2, model=model, prompt="a lighthouse"), 0.5)
+    alone, _ = generate(family, model, [spec], 6)
+    both, states = generate(family, model, [dataclasses.replace(spec, step_cache=1e-9)], 6)
+    cache = states["r"]
+    assert (cache.rows, cache.computed, cache.skipped) == (1, 6, 0)  # from step 3 on, one row
+    np.testing.assert_allclose(both["r"], alone["r"], rtol=1e-4, atol=1e-4)
+    reusing, states = generate(family, model, [dataclasses.replace(spec, step_cache=10.0)], 6)
+    assert (states["r"].rows, states["r"].computed, states["r"].skipped) == (1, 1, 5)
+    cached_only, _ = generate(family, model, [dataclasses.replace(spec, step_cache=10.0, skip_cfg_from=1.0)], 6)
+    assert np.abs(reusing["r"] - cached_only["r"]).max() > 1e-3  # it skipped its unconditional rows too
+
+
+@pytest.mark.parametrize("name,model", MODELS)
+def test_a_skipper_beside_a_caching_request_skips_and_a_plain_partner_stays_exact(name, model, request):
+    """One group of a caching request, a skip-CFG request and a plain one runs as one forward of
+    the step cache's mode: each of the other two gets what it would get alone."""
+    family = request.getfixturevalue(name)
+    caching = dataclasses.replace(make_spec("caching", steps=6, seed=1, model=model), step_cache=10.0)
+    skipper = skipping(make_spec("skipper", steps=6, seed=2, model=model, prompt="a lighthouse"), 0.5)
+    plain = make_spec("plain", steps=6, seed=3, model=model, prompt="a boat")
+    together, states = generate(family, model, [caching, skipper, plain], 6)
+    assert states["caching"].skipped == 5 and states["skipper"].first_step == 3
+    for spec in (skipper, plain):
+        alone, _ = generate(family, model, [spec], 6)
+        np.testing.assert_allclose(together[spec.request_id], alone[spec.request_id], rtol=1e-4, atol=1e-4)
+    exact, _ = generate(family, model, [dataclasses.replace(skipper, skip_cfg_from=1.0)], 6)
+    assert np.abs(together["skipper"] - exact["skipper"]).max() > 1e-3

@@ -29,3 +29,18 @@ def test_bench_fidelity_writes_its_report(tmp_path):
     assert all(0 <= r["prompt_accuracy"] <= 1 for r in measured)
     assert (tmp_path / "fidelity.png").stat().st_size > 0
 
+
+
+def test_bench_fidelity_measures_the_patch_cache_and_cached_edits_on_the_sd3_model(tmp_path):
+    assert bench_fidelity.main(["--model", "shapes-sd3", "--prompts", "2", "--steps", "3", "--threads", "1",
+                                "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "fidelity.json").read_text())["rows"]
+    measured = {r["approximation"] for r in rows if "not_applicable" not in r}
+    assert measured == {"CFG parallel", "step caching", "skip-CFG", "patch cache", "cached edits"}
+    assert [r["approximation"] for r in rows if "not_applicable" in r] == ["patch statistics"]
+    patch_cache = [r for r in rows if r["approximation"] == "patch cache"]
+    assert len(patch_cache) == 2 and all(0 <= r["reused"] <= 1 for r in patch_cache)
+    edits = [r for r in rows if r["approximation"] == "cached edits"]
+    assert [r["setting"].split()[0] for r in edits] == ["keys_values", "outputs"]
+    for r in edits:  # the second edit of a template reuses the first one's activations outside its mask
+        assert 0 < r["computed_tokens"] < 1 and r["identical"] < 1 and r["ssim"] > 0.5, r

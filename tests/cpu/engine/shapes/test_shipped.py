@@ -10,6 +10,7 @@ from diffusers import AutoencoderKL, UNet2DConditionModel
 from transformers import CLIPTextModel
 
 from stepserve.engine.addons.source import AddonKind, AddonSource, load_addon
+from stepserve.engine.editing.masked_sd3 import CacheKind
 from stepserve.engine.families import ALL_PARTS, ModelSource, family_class
 from stepserve.engine.shapes.dataset import Renders
 from stepserve.engine.shapes.export import SHIPPED
@@ -73,6 +74,7 @@ def test_served_pictures_in_one_batch_equal_diffusers_pipelines_loading_the_ship
     from diffusers import ControlNetModel, StableDiffusionControlNetPipeline, StableDiffusionPipeline
     from PIL import Image
 
+    from stepserve.engine.sampler import RequestInputs
     from stepserve.load_tests.bench_shapes import draw
     from stepserve.policies.types import ControlNetUse, LoraUse, RequestSpec
 
@@ -89,7 +91,7 @@ def test_served_pictures_in_one_batch_equal_diffusers_pipelines_loading_the_ship
 
     specs = [spec("plain", 1), spec("cn", 2, controlnets=(ControlNetUse("silhouette"),)),
              spec("lora", 3, loras=(LoraUse("outlined"),))]
-    served = draw(family, specs, [None, silhouette, None]).astype(int)
+    served = draw(family, specs, [RequestInputs(), RequestInputs(control=(silhouette,)), RequestInputs()]).astype(int)
 
     local = dict(use_safetensors=True, local_files_only=True)
     pipe = StableDiffusionPipeline.from_pretrained(SD, safety_checker=None, requires_safety_checker=False, **local)
@@ -123,6 +125,11 @@ def test_the_shipped_sd3_folder_loads_as_a_served_model_with_its_short_t5_contex
     caption = "a large purple triangle on an orange background, top left"
     assert len(family.pipe.tokenizer_3.tokenize(caption)) == len(family.pipe.tokenizer.tokenize(caption)) == 11
     assert family.encode_text([caption])["context"].shape == (1, 32 + 16, 64)  # CLIP tokens, then T5's
+    # The router prices its edits with those lengths, read from the folder without loading it.
+    sd3 = family_class("sd3")
+    assert sd3.dit_dims(family.source, CacheKind.OUTPUTS)[0].text_tokens == 32 + 16
+    preset = ModelSource(name="t", family="sd3", preset="tiny")
+    assert sd3.dit_dims(preset, CacheKind.OUTPUTS)[0].text_tokens == 77 + 256
 
 
 def test_served_sd3_pictures_in_one_batch_equal_the_diffusers_pipeline_loading_the_shipped_folder():
@@ -147,3 +154,31 @@ def test_served_sd3_pictures_in_one_batch_equal_the_diffusers_pipeline_loading_t
                     output_type="np").images[0]
         assert np.abs(got - (want * 255).round().astype(int)).max() <= 1, s.request_id
     assert np.abs(served[0] - served[1]).mean() > 2  # two prompts, two pictures: the comparison can fail
+
+
+def test_served_sd3_edits_equal_the_diffusers_inpaint_pipeline_loading_the_shipped_folder():
+    """Two recolouring edits of held-out pictures, denoised together by the worker's engine, equal
+    diffusers' `StableDiffusion3InpaintPipeline` loading the same folder, each alone."""
+    from diffusers import StableDiffusion3InpaintPipeline
+    from PIL import Image
+
+    from stepserve.load_tests.bench_shapes import draw
+    from stepserve.load_tests.shape_edits import edit_requests, recoloured
+    from stepserve.policies.types import RequestSpec
+
+    family = family_class("sd3").load(ModelSource(name="shapes-sd3", family="sd3", path=SD3), ALL_PARTS, "cpu")
+    renders = Renders(seed=7, count=2)
+    templates = renders.pictures([0, 1])
+    specs = [RequestSpec(request_id=f"e{i}", model="shapes-sd3", prompt=recoloured(s, 1).caption, width=64, height=64,
+                         num_inference_steps=8, guidance_scale=3.0, seed=i + 1) for i, s in enumerate(renders.scenes)]
+    edits = edit_requests(specs, renders.scenes, templates, 0.6, type(family).skipped_steps(8, 0.6), template_ids=False)
+    served = draw(family, [spec for spec, _ in edits], [inputs for _, inputs in edits]).astype(int)
+    pipe = StableDiffusion3InpaintPipeline.from_pretrained(SD3, use_safetensors=True, local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    for (spec, inputs), got in zip(edits, served):
+        want = pipe(spec.prompt, image=Image.fromarray(inputs.image), mask_image=Image.fromarray(inputs.mask, mode="L"),
+                    height=64, width=64, strength=0.6, num_inference_steps=8, guidance_scale=3.0,
+                    max_sequence_length=16, generator=torch.Generator("cpu").manual_seed(spec.seed),
+                    output_type="np").images[0]
+        assert np.abs(got - (want * 255).round().astype(int)).max() <= 1, spec.request_id
+    assert np.abs(served - templates).mean() > 2  # the edits changed the pictures: the comparison can fail

@@ -145,3 +145,13 @@ def test_taylorseer_extrapolates_what_a_skipped_step_takes(order, expected):
     assert [float(o[0, 0]) for o in out] == [0.0, 10.0, expected]
     with pytest.raises(ValueError, match="first order"):
         FirstBlockCache(threshold=0.1, rows=1, order=2)
+
+
+def test_dropping_the_unconditional_row_keeps_the_conditional_one():
+    cache = FirstBlockCache(0.1, rows=2, order=1)
+    cache.keep(torch.tensor([[1.0], [2.0]]), torch.tensor([[3.0], [4.0]]))
+    cache.drop_unconditional()
+    assert cache.rows == 1 and cache.first.tolist() == [[2.0]] and cache.cached.tolist() == [[4.0]]
+    assert cache.before is None
+    with pytest.raises(ValueError, match="two rows"):
+        cache.drop_unconditional()
