@@ -368,9 +368,10 @@ def main(argv: list[str] | None = None) -> int:
                 timed(f"step cache {threshold:g}", lambda: in_batches(family, cached, batch=BATCH)), exact["exact"],
                 "exact")
 
-        for start in (model.skip_cfg_from(), args.skip_cfg_from):
+        served_start = model.skip_cfg_from()
+        for start in dict.fromkeys((served_start, args.skip_cfg_from)):
             skipping = [dataclasses.replace(spec, skip_cfg_from=start) for spec in plain]
-            row("skip-CFG", "skip_cfg_quality", f"from {start:g} of the steps", start == model.skip_cfg_from(),
+            row("skip-CFG", "skip_cfg_quality", f"from {start:g} of the steps", start == served_start,
                 timed(f"skip cfg from {start:g}", lambda: in_batches(family, skipping, batch=BATCH)), exact["exact"],
                 "exact")
 

@@ -66,6 +66,8 @@ def skips_cfg(sampler) -> bool:
 
 def joined_rows(batch: ForwardBatch, skips: list[bool]) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """The members' inputs concatenated along rows, less the unconditional row of each that `skips`."""
+    if not any(skips):
+        return batch.joined()  # (a lone member's inputs as they are, uncopied)
     inputs = [_conditional(x) if skip else x for x, skip in zip(batch.inputs, skips)]
     sample, timesteps = (torch.cat([x[i] for x in inputs]) for i in (0, 1))
     return sample, timesteps, {name: torch.cat([x[2][name] for x in inputs]) for name in inputs[0][2]}

@@ -1,9 +1,9 @@
 """Training the shipped shapes models on this machine's CPUs, deterministically by seed.
 
 Order (each stage reads what the earlier ones made): the dataset is rendered once; the VAE
-learns to reconstruct it; its latents are computed once; the text encoder and UNet learn to
-denoise them (v-prediction on SD1.5's noise schedule, 10% empty captions so classifier-free
-guidance works); the ControlNet learns the silhouette with the UNet frozen; the LoRA learns the
+learns to reconstruct it; its latents are computed once (the MMDiT's stage encodes its own); the
+text encoder and UNet learn to denoise them (v-prediction on SD1.5's noise schedule, 10% empty
+captions so classifier-free guidance works); the ControlNet learns the silhouette with the UNet frozen; the LoRA learns the
 outlined style with the UNet frozen; an SD3-architecture MMDiT and SD3's three text encoders
 learn to denoise the same latents by flow matching; the judge learns shape and colour from the
 renders.
