@@ -13,7 +13,7 @@ from stepserve.engine.addons.source import AddonKind, AddonSource, LoraJoinBound
 from stepserve.engine.editing.loading_plan import LoadingPlanner
 from stepserve.engine.editing.masked_sd3 import CacheKind
 from stepserve.engine.patch_cache.calibration import PatchCacheSpec
-from stepserve.policies.synerdiff.types import ConcurrencyTable
+from stepserve.engine.round_sequencer import SequencerSpec
 
 
 @dataclass(frozen=True)
@@ -27,8 +27,8 @@ class WorkerPoolSpec:
     pack_resolutions: bool = False  # `workers.pack_resolutions`: a plan's plain groups of a model in one forward
     decode_images: bool = False  # a finished image leaves its worker as a PNG (`vae_decoder.on_workers`)
     decode_chunks: int = 1  # `vae_decoder.chunks`: above 1, images decode in chunks beside the rounds
-    # `vae_decoder.sequencer_profile`, `sequencer_alpha`: SynerDiff's sequencer's table and slack (None: none)
-    sequencer: tuple[ConcurrencyTable, float] | None = None
+    # `vae_decoder.sequencer_profile`, `sequencer_alpha`, `load_controller`: SynerDiff's sequencer (None: none)
+    sequencer: SequencerSpec | None = None
     encode_text: bool = False  # a worker encodes the prompts of what it admits (`text_encoder.on_workers`)
     text_cache_size: int = 4096  # embeddings each worker keeps when it encodes prompts
     addons: tuple[AddonSource, ...] = ()  # ControlNets and LoRAs every worker serves (`controlnets`, `loras`)

@@ -20,6 +20,7 @@ from stepserve.engine.editing.masked_sd3 import CacheKind
 from stepserve.engine.families import FAMILIES, ModelSource, family_class
 from stepserve.engine.forward_modes.base import ModeName
 from stepserve.engine.patch_cache.calibration import PatchCacheSpec
+from stepserve.engine.round_sequencer import SequencerSpec, load_controller
 from stepserve.policies import needs_costs, options_for_workers
 from stepserve.policies.addon_costs import ControlNetPlacement
 from stepserve.policies.cost_model import read_profile, resolve_profile
@@ -529,6 +530,21 @@ class VAEDecoderConfig(ComponentConfig):
         description="The sequencer's throughput slack alpha (Eq. 3f): its sub-rounds may take this much longer "
                     "than the group's step in one round beside every decode (the paper's 0.1).")
 
+    load_controller: bool = Field(
+        default=False,
+        description="With a `sequencer_profile`: SynerDiff's load feedback controller on each worker (§III-D). Each "
+                    "plan carries the router's queue; when it has grown over `controller_window` plans, the "
+                    "controller moves the skip-CFG start of every request that skips CFG (quality S < 1) a "
+                    "third of the way from its own S's toward its model's `min_skip_cfg_quality`'s, and once "
+                    "there raises the chunks of each decode that starts by one, up to `max_chunks`; when it has "
+                    "shrunk (or stayed empty), it undoes them in reverse. Requests with S = 1 stay exact.")
+    controller_window: int = Field(
+        default=4, ge=2, le=64, description="The plans over which the load controller reads a trend in the queue.")
+    max_chunks: int | None = Field(
+        default=None, ge=1, le=64,
+        description="With `load_controller`: the most chunks it may raise a decode to. None: `chunks` (it never "
+                    "raises them).")
+
     @model_validator(mode="after")
     def _check_chunks(self) -> "VAEDecoderConfig":
         if self.chunks > 1 and not self.on_workers:
@@ -540,7 +556,22 @@ class VAEDecoderConfig(ComponentConfig):
             if table.chunks != self.chunks:
                 raise ValueError(f"vae_decoder.sequencer_profile was measured at {table.chunks} chunks, "
                                  f"vae_decoder.chunks is {self.chunks}")
+        elif self.load_controller:
+            raise ValueError("vae_decoder.load_controller runs in SynerDiff's sequencer: it needs sequencer_profile")
+        if self.max_chunks is not None and not self.load_controller:
+            raise ValueError("vae_decoder.max_chunks bounds the load controller's chunks: it needs load_controller")
+        if self.max_chunks is not None and self.max_chunks < self.chunks:
+            raise ValueError(f"vae_decoder.max_chunks ({self.max_chunks}) is below chunks ({self.chunks})")
         return self
+
+    def sequencer_spec(self) -> SequencerSpec | None:
+        """Each worker's sequencer (None without a `sequencer_profile`)."""
+        if self.sequencer_profile is None:
+            return None
+        controller = None
+        if self.load_controller:
+            controller = load_controller(self.chunks, self.max_chunks or self.chunks, self.controller_window)
+        return SequencerSpec(self.sequencer_table(), self.sequencer_alpha, controller)
 
     def sequencer_table(self) -> "ConcurrencyTable | None":
         """The sequencer's concurrency table, read from `sequencer_profile` (None without one)."""
@@ -698,7 +729,7 @@ class AppConfig(_Strict):
         vd, te = self.vae_decoder, self.text_encoder
         return replace(
             self.workers.to_spec(), decode_images=vd.on_workers, decode_chunks=vd.chunks,
-            sequencer=None if vd.sequencer_profile is None else (vd.sequencer_table(), vd.sequencer_alpha),
+            sequencer=vd.sequencer_spec(),
             encode_text=te.on_workers,
             text_cache_size=te.cache_size, addons=self.addon_sources(), lora_join_by=self.lora_loading.join_by,
             lora_store_bytes=self.lora_loading.store_bytes, max_resident_loras=self.lora_loading.max_resident,

@@ -63,7 +63,7 @@ def to_edit_specs(payload: object, config: AppConfig, request_id: str,
     if ratio == 0.0:
         raise invalid("mask", "the mask leaves nothing to edit at this size (no transparent pixel survives resizing)")
     step_cache, step_cache_method = request_step_cache(req, model)
-    skip_cfg_from = request_skip_cfg(req, model)
+    skip_cfg_from, skip_cfg_floor_from = request_skip_cfg(req, model)
     specs = [
         RequestSpec(
             request_id=request_id if req.n == 1 else f"{request_id}-{i}", model=model.name, prompt=req.prompt,
@@ -71,7 +71,7 @@ def to_edit_specs(payload: object, config: AppConfig, request_id: str,
             guidance_scale=guidance, seed=seed + i, slo_s=request_slo(req, model), cfg=family.classifier_free_guidance,
             loras=loras, kind=RequestKind.EDIT, strength=req.strength, skip_steps=skip, mask_ratio=ratio,
             template_id=req.template_id, step_cache=step_cache, step_cache_method=step_cache_method,
-            skip_cfg_from=skip_cfg_from,
+            skip_cfg_from=skip_cfg_from, skip_cfg_floor_from=skip_cfg_floor_from,
         )
         for i in range(req.n)
     ]

@@ -148,19 +148,21 @@ def request_step_cache(req: Any, model: ModelConfig) -> tuple[float, StepCacheMe
     return req.step_cache, method
 
 
-def request_skip_cfg(req: Any, model: ModelConfig) -> float:
+def request_skip_cfg(req: Any, model: ModelConfig) -> tuple[float, float | None]:
     """The fraction of the request's steps from which it skips CFG, by its own quality S or, without
     one, its model's; S within the model's fidelity floor, and below 1 only where the model has a
-    measured curve."""
-    if req.skip_cfg_quality is None:
-        return model.skip_cfg_from()
-    if not model.min_skip_cfg_quality <= req.skip_cfg_quality <= 1:  # also rejects NaN
-        raise invalid("skip_cfg_quality", f"skip_cfg_quality must be in [{model.min_skip_cfg_quality:g}, 1] for "
-                                          f"model {model.name} (its min_skip_cfg_quality)")
-    if req.skip_cfg_quality < 1 and not model.skip_cfg_curve:
-        raise invalid("skip_cfg_quality", f"model {model.name} has no measured skip_cfg_curve; send 1 or omit it",
-                      code="unsupported_value")
-    return model.skip_cfg_from(req.skip_cfg_quality)
+    measured curve. Then the earliest a worker's load controller may move that start to: where the
+    curve keeps the floor (`min_skip_cfg_quality`); None for S = 1 (exact stays exact)."""
+    quality = model.skip_cfg_quality if req.skip_cfg_quality is None else req.skip_cfg_quality
+    if req.skip_cfg_quality is not None:
+        if not model.min_skip_cfg_quality <= quality <= 1:  # also rejects NaN
+            raise invalid("skip_cfg_quality", f"skip_cfg_quality must be in [{model.min_skip_cfg_quality:g}, 1] for "
+                                              f"model {model.name} (its min_skip_cfg_quality)")
+        if quality < 1 and not model.skip_cfg_curve:
+            raise invalid("skip_cfg_quality", f"model {model.name} has no measured skip_cfg_curve; send 1 or omit it",
+                          code="unsupported_value")
+    start = model.skip_cfg_from(quality)
+    return start, None if quality == 1 else min(start, model.skip_cfg_from(model.min_skip_cfg_quality))
 
 
 def served_model(config: AppConfig, name: str | None, default: Callable[[ModelConfig], bool],
@@ -210,14 +212,14 @@ def to_specs(payload: object, config: AppConfig, request_id: str, default_seed: 
     controlnets, loras = addon_uses(req.controlnets or [], req.loras or [], model, config)
     slo = request_slo(req, model)
     step_cache, step_cache_method = request_step_cache(req, model)
-    skip_cfg_from = request_skip_cfg(req, model)
+    skip_cfg_from, skip_cfg_floor_from = request_skip_cfg(req, model)
     return [
         RequestSpec(
             request_id=request_id if req.n == 1 else f"{request_id}-{i}", model=model.name, prompt=req.prompt,
             negative_prompt=req.negative_prompt or "", width=width, height=height, num_inference_steps=steps,
             guidance_scale=guidance, seed=seed + i, slo_s=slo, cfg=family.classifier_free_guidance,
             controlnets=controlnets, loras=loras, step_cache=step_cache, step_cache_method=step_cache_method,
-            skip_cfg_from=skip_cfg_from,
+            skip_cfg_from=skip_cfg_from, skip_cfg_floor_from=skip_cfg_floor_from,
         )
         for i in range(req.n)
     ]

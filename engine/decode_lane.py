@@ -55,8 +55,9 @@ class DecodeLane:
         with self._changed:
             return tuple(self._pending)
 
-    def start(self, rid: str, family: Any, latents: torch.Tensor) -> PendingDecode:
-        """Queue the decode of finished image `rid` (its latents [1, C, h, w]) by `family`'s VAE."""
+    def start(self, rid: str, family: Any, latents: torch.Tensor, chunks: int | None = None) -> PendingDecode:
+        """Queue the decode of finished image `rid` (its latents [1, C, h, w]) by `family`'s VAE, in
+        `chunks` sub-blocks (None: the lane's; a worker's load controller raises them under load)."""
         stream = None
         if latents.device.type == "cuda":
             # The decode's stream starts after the work that made the latents, and everything the
@@ -65,7 +66,7 @@ class DecodeLane:
             stream.wait_stream(torch.cuda.current_stream(latents.device))
             latents.record_stream(stream)
         with _on(stream):
-            job = family.decode_in_chunks(latents.float(), self.chunks)
+            job = family.decode_in_chunks(latents.float(), chunks or self.chunks)
         with self._changed:
             self._pending[rid] = (family, job, stream)
             self._changed.notify_all()

@@ -7,6 +7,13 @@ decodes' chunks, and the members the plan picks skip CFG in it. Which request go
 plan's task mapping (`assign`): decodes oldest first, skippers among the eligible in admission
 order.
 
+With a load controller (`policies.synerdiff.controller`, §III-D's feedback controller), each
+plan starts with a sample of the router's queue (`WorkerPlan.queued`): as it builds, the
+controller moves the skip-CFG start of every request that skips CFG one notch toward its floor
+(`RequestSpec.skip_cfg_floor_from`: its model's quality floor), and once at the floor raises the
+chunks of each decode that starts (`chunks`); as it falls, it undoes both in reverse. Requests
+whose quality threshold is 1 are never touched.
+
 It composes with the router's pool-level decision: the router still chooses what each worker
 steps; the sequencer only orders a group's step into sub-rounds and says how many decodes ride
 along, so every request still takes exactly one step a round. Splitting a group changes only
@@ -19,10 +26,32 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from stepserve.engine.forward_modes.skip_cfg import past_first_step
+from stepserve.engine.forward_modes.skip_cfg import follow_load, past_first_step
 from stepserve.engine.sampler import Sampler
-from stepserve.policies.synerdiff import ConcurrencyTable, assign, plan_sequence
+from stepserve.policies.synerdiff import ConcurrencyTable, ControllerConfig, assign, observe, plan_sequence, start
+from stepserve.policies.synerdiff import chunks as controller_chunks
+from stepserve.policies.synerdiff import quality as controller_quality
 from stepserve.policies.types import StepGroup
+
+# The load controller's quality ladder: the share of each request's way from its own skip-CFG
+# start to its floor's that is still unused (1: its own start; 0: its floor), one notch a trend.
+LOAD_NOTCHES = (1.0, 2 / 3, 1 / 3, 0.0)
+
+
+def load_controller(chunks: int, max_chunks: int, window: int) -> ControllerConfig:
+    """The controller of a worker whose decodes run in `chunks` (up to `max_chunks` under load),
+    following trends over `window` plans."""
+    return ControllerConfig(LOAD_NOTCHES, tuple(range(chunks, max_chunks + 1)), window=window)
+
+
+@dataclass(frozen=True)
+class SequencerSpec:
+    """A worker's sequencer, made once from the app config: its concurrency table, its throughput
+    slack alpha (Eq. 3f) and its load controller (`load_controller`; None: none)."""
+
+    table: ConcurrencyTable
+    alpha: float = 0.1
+    controller: ControllerConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -36,17 +65,38 @@ class SubRound:
 
 
 class RoundSequencer:
-    def __init__(self, table: ConcurrencyTable, alpha: float = 0.1):
+    def __init__(self, table: ConcurrencyTable, alpha: float = 0.1, controller: ControllerConfig | None = None):
+        """`controller`: the load controller's ladders (`load_controller`; None: none)."""
         if alpha < 0:
             raise ValueError(f"alpha must be >= 0, got {alpha}")
         self.table = table
         self.alpha = alpha
+        self.controller = controller
+        self._state = None if controller is None else start(controller)
         self._plans: dict[tuple[int, int, int], tuple] = {}
+
+    def observe(self, queued: int) -> None:
+        """The load controller's step as a plan starts: `queued`, the router's queue then."""
+        if self.controller is not None:
+            self._state = observe(self.controller, self._state, queued)
+
+    @property
+    def load(self) -> float:
+        """How far the controller has moved skip-CFG starts toward their floors (0: not at all, 1: there)."""
+        return 0.0 if self.controller is None else 1.0 - controller_quality(self.controller, self._state)
+
+    @property
+    def chunks(self) -> int | None:
+        """The chunks of a decode that starts now (None: the lane's own)."""
+        return None if self.controller is None else controller_chunks(self.controller, self._state)
 
     def sub_rounds(self, group: StepGroup, samplers: Mapping[str, Sampler], decodes: int) -> list[SubRound]:
         """The group's round as sub-rounds. A group over ranks, larger than the table's B_max or
         with more decodes than members runs as one round beside every decode."""
         members = [rid for rid in group.request_ids if rid in samplers]
+        if self.controller is not None:
+            for rid in members:
+                follow_load(samplers[rid], self.load)
         if group.ranks or not members or len(members) > self.table.max_batch:
             return [SubRound(group, frozenset(), decodes)]
         eligible = [rid for rid in members if past_first_step(samplers[rid])]

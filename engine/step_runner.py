@@ -66,7 +66,8 @@ class StepRunner:
         the lane decodes in chunks beside the next rounds (SynerDiff's VAE chunking). A video
         always leaves decoded (`decode_on_worker`). `sequencer` (with a lane): SynerDiff's, which
         splits each step of a group into sub-rounds, each with its share of the lane's decodes
-        and its choice of skip-CFG (`engine.round_sequencer`).
+        and its choice of skip-CFG, and whose load controller, if it has one, follows the queue
+        each plan carries (`engine.round_sequencer`).
         `loras`: brings LoRAs that are not in the families yet (None: every LoRA a request names
         must be loaded already); `lora_bounds`: the fraction of a request's steps that may run
         before each of its LoRAs has arrived (0: none, exact). `modes`: the settings of its forward modes
@@ -114,6 +115,8 @@ class StepRunner:
         """
         start = time.perf_counter()
         run = _PlanRun(self)
+        if self.sequencer is not None:
+            self.sequencer.observe(plan.queued)
         for rid in plan.drop:
             self.samplers.pop(rid, None)
         for rid in plan.admit:
@@ -369,7 +372,9 @@ class _PlanRun:
                 output = _decode_video(family, sampler.latents)
             elif self.runner.decode_lane is not None:
                 _check_vae(family)
-                output = self.runner.decode_lane.start(rid, family, sampler.latents)
+                sequencer = self.runner.sequencer
+                chunks = None if sequencer is None else sequencer.chunks
+                output = self.runner.decode_lane.start(rid, family, sampler.latents, chunks)
             elif self.runner.decode_images:
                 output = _decode_png(family, sampler.latents)
             else:

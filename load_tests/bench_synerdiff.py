@@ -48,8 +48,9 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", default="synerdiff-burst")
     parser.add_argument("--profile", default="sd15-a100")
-    parser.add_argument("--rates", type=parse_rates, default=[0.25, 0.35],
-                        help="base arrival rates, req/s (default: 0.25,0.35)")
+    parser.add_argument("--rates", type=parse_rates, default=[0.3, 2.0],
+                        help="base arrival rates, req/s (default: 0.3,2.0: the burst alone overloads both; then "
+                             "beyond naive's capacity all along)")
     parser.add_argument("--requests", type=int, default=2000, help="requests per run (default: %(default)s)")
     parser.add_argument("--max-batch-size", type=int, default=8, help="SynerDiff's BS=8 (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=Path("results/synerdiff-sim"))

@@ -3,8 +3,9 @@ images decoded on their workers, which share this machine's cores with everythin
 contention) with VAE chunking (`vae_decoder.chunks`) and adaptive skip-CFG (the model's
 `skip_cfg_quality`, on its measured `skip_cfg_curve`) switched on and off, at two load points,
 driven open-loop over HTTP by the same seeded Poisson workload per variant, and with SynerDiff's
-sequencer on the workers (`vae_decoder.sequencer_profile`, this machine's measured profile). The
-feedback controller is simulated only (`bench_synerdiff`): the served workers do not run it yet.
+sequencer on the workers (`vae_decoder.sequencer_profile`, this machine's measured profile), last
+with its load feedback controller (`vae_decoder.load_controller`) moving requests that ask
+S = 0.98 toward the model's floor (0.95) as the queue builds.
 
     python -m stepserve.load_tests.bench_synerdiff_live --out docs/results/synerdiff-live
 
@@ -27,30 +28,29 @@ from typing import Any
 from stepserve.load_tests.live import run_open_loop, wait_ready
 from stepserve.load_tests.local_app import bench_serve_config, deployed, free_port, local_ray, log
 from stepserve.load_tests.metrics import summarize
-from stepserve.load_tests.sim.synerdiff import SHAPES_CURVE
 from stepserve.load_tests.workload import PoissonWorkload, generate
 from stepserve.runtime import default_config_path, load_serve_config
 
 # The shapes model's concurrency profile on this machine (`stepserve profile-concurrency`: c = 1 here).
 PROFILE = "profiles/shapes-concurrency-cpu.csv"
-VARIANTS = {  # name: (decode chunks, skip-CFG quality S, the sequencer's profile)
-    "naive (whole decodes, exact)": (1, 1.0, None),
-    "VAE chunking": (3, 1.0, None),
-    "skip-CFG (S = 0.95)": (1, 0.95, None),
-    "chunking + skip-CFG": (3, 0.95, None),
-    "sequencer + skip-CFG": (1, 0.95, PROFILE),
+VARIANTS = {  # name: (decode chunks, skip-CFG quality S, the sequencer's profile, its load controller)
+    "naive (whole decodes, exact)": (1, 1.0, None, False),
+    "VAE chunking": (3, 1.0, None, False),
+    "skip-CFG (S = 0.95)": (1, 0.95, None, False),
+    "chunking + skip-CFG": (3, 0.95, None, False),
+    "sequencer + skip-CFG": (1, 0.95, PROFILE, False),
+    "sequencer + controller (S = 0.98 to 0.95)": (1, 0.98, PROFILE, True),
 }
 
 
 def variant_config(base: dict[str, Any], port: int, chunks: int, quality: float,
-                   profile: str | None) -> dict[str, Any]:
+                   profile: str | None, controller: bool) -> dict[str, Any]:
     config = copy.deepcopy(bench_serve_config(base, port))
     args = config["applications"][0]["args"]
     args["vae_decoder"] = {**args.get("vae_decoder", {}), "on_workers": True, "chunks": chunks,
-                           "sequencer_profile": profile}
+                           "sequencer_profile": profile, "load_controller": controller}
     model = args["models"][0]
-    model["skip_cfg_quality"] = quality
-    model["skip_cfg_curve"] = [list(point) for point in SHAPES_CURVE]
+    model["skip_cfg_quality"] = quality  # on the model's own measured curve
     return config
 
 
@@ -80,9 +80,9 @@ def main(argv: list[str] | None = None) -> int:
             warmup = generate(PoissonWorkload(rate=rate, num_requests=4, steps_choices=(args.steps,), width=64,
                                               height=64, guidance_scale=5.0, seed=1))
             rows = {}
-            for name, (chunks, quality, profile) in VARIANTS.items():
+            for name, variant in VARIANTS.items():
                 log(f"[{rate:g} req/s] {name}: deploying, warming up, running...")
-                with deployed(variant_config(base, port, chunks, quality, profile)) as url:
+                with deployed(variant_config(base, port, *variant)) as url:
                     asyncio.run(wait_ready(url))
                     asyncio.run(run_open_loop(url, warmup, args.request_timeout, 60.0))
                     records = asyncio.run(run_open_loop(url, requests, args.request_timeout,

@@ -143,6 +143,10 @@ class RequestSpec:
     # steps on it runs without its unconditional row (the ingress reads it off its model's
     # measured curve for the model's quality threshold). 1: never, exact.
     skip_cfg_from: float = 1.0
+    # The earliest it may start under load: at its model's quality floor (`min_skip_cfg_quality`).
+    # A worker's load controller (SynerDiff §III-D) moves its start between the two as its queue
+    # builds and falls. None: `skip_cfg_from` (nothing moves it; exact requests stay exact).
+    skip_cfg_floor_from: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, RequestKind):
@@ -169,6 +173,9 @@ class RequestSpec:
         if not 0.0 <= self.skip_cfg_from <= 1.0:
             raise ValueError(f"request {self.request_id!r}: skip_cfg_from must be a fraction in [0, 1], "
                              f"got {self.skip_cfg_from!r}")
+        if self.skip_cfg_floor_from is not None and not 0.0 <= self.skip_cfg_floor_from <= self.skip_cfg_from:
+            raise ValueError(f"request {self.request_id!r}: skip_cfg_floor_from must be in [0, skip_cfg_from "
+                             f"{self.skip_cfg_from!r}], got {self.skip_cfg_floor_from!r}")
         if not 0.0 <= self.step_cache < float("inf"):
             raise ValueError(f"request {self.request_id!r}: step_cache must be a finite threshold >= 0, "
                              f"got {self.step_cache!r}")
@@ -195,7 +202,14 @@ class RequestSpec:
     def skip_cfg_step(self) -> int | None:
         """The first of its steps that runs without its unconditional row (`skip_cfg_from` of its
         steps, rounded up), or None: it never skips (no CFG, or no step left to skip)."""
-        return first_skipping_step(self.skip_cfg_from, self.steps_to_run) if self.uses_cfg else None
+        return self.skip_cfg_step_under(0.0)
+
+    def skip_cfg_step_under(self, load: float) -> int | None:
+        """`skip_cfg_step` when its worker's load controller has moved `load` (0: not at all, 1: all
+        the way) of the way from its own start to its floor's."""
+        floor = self.skip_cfg_from if self.skip_cfg_floor_from is None else self.skip_cfg_floor_from
+        fraction = self.skip_cfg_from - load * (self.skip_cfg_from - floor)
+        return first_skipping_step(fraction, self.steps_to_run) if self.uses_cfg else None
 
     @property
     def is_video(self) -> bool:
@@ -437,7 +451,9 @@ class WorkerPlan:
     returns its frames; the other members of its SP group `release` it), `steps` (a steady
     policy's batch runs several steps per plan while nothing would change its plan: see
     `CoreConfig.max_plan_s`; the router may cut such a plan short between two steps, and the
-    report says how many ran), and `plan_id` (its position in the worker's sequence).
+    report says how many ran), `plan_id` (its position in the worker's sequence) and `queued`
+    (the requests waiting for a worker as it made the plan: the queue whose trend SynerDiff's load
+    controller on a worker follows).
     """
 
     worker_id: str
@@ -450,6 +466,7 @@ class WorkerPlan:
     finish: tuple[str, ...] = ()
     steps: int = 1
     plan_id: int = 0
+    queued: int = 0
 
     @property
     def stepping(self) -> tuple[str, ...]:

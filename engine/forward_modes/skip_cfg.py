@@ -3,7 +3,8 @@ unconditional row adds little, so from its step s_min on a request runs its cond
 and takes that prediction as its guided one. s_min comes with the request
 (`RequestSpec.skip_cfg_from`): the ingress reads it off its model's measured curve
 (`policies.synerdiff.skip_cfg.SkipCfgCurve`, measured by `load_tests.bench_skip_cfg`) for the
-model's quality threshold S. Approximate, off by default (S = 1).
+model's quality threshold S. Approximate, off by default (S = 1). Under load, a worker's load
+controller may move s_min toward the request's floor (`skip_cfg_floor_from`) and back.
 
 Every family that guides by CFG serves it. A group in which some member skips runs one forward
 of the members' rows less the skipping members' unconditional rows; the others' rows, and their
@@ -26,10 +27,11 @@ from stepserve.engine.forward_modes.base import ForwardBatch, ForwardMode, ModeN
 @dataclass
 class CfgSkip:
     """A request's skip-CFG state: the first of its steps that may run without its unconditional
-    row, and whether its next step does (a worker's sequencer may keep it guided for a step:
-    `engine.round_sequencer`)."""
+    row (None: none yet; a worker's load controller moves it toward the request's floor as its
+    queue builds, and back), and whether its next step does (a worker's sequencer may keep it
+    guided for a step: `engine.round_sequencer`)."""
 
-    first_step: int
+    first_step: int | None
     chosen: bool = True
 
 
@@ -40,9 +42,9 @@ class CfgSkipping(ForwardMode):
         return family.classifier_free_guidance
 
     def admit(self, sampler, family) -> None:
-        first = sampler.spec.skip_cfg_step
-        if first is not None:
-            sampler.enter(self.name, CfgSkip(first))
+        spec = sampler.spec
+        if spec.skip_cfg_step_under(1.0) is not None:  # it may skip, if not at once then under load
+            sampler.enter(self.name, CfgSkip(spec.skip_cfg_step))
 
     def takes(self, batch: ForwardBatch) -> bool:
         modes = {sampler.mode for sampler in batch.samplers}
@@ -82,7 +84,17 @@ def guided(rows: torch.Tensor, batch: ForwardBatch, skips: list[bool]) -> list[t
 
 def past_first_step(sampler) -> bool:
     """The request may skip CFG at its next step."""
-    return sampler.mode is ModeName.SKIP_CFG and sampler.step_index >= sampler.mode_state.first_step
+    if sampler.mode is not ModeName.SKIP_CFG:
+        return False
+    first = sampler.mode_state.first_step
+    return first is not None and sampler.step_index >= first
+
+
+def follow_load(sampler, load: float) -> None:
+    """Its first skipping step, moved `load` (0 to 1) of the way toward its floor's (SynerDiff's
+    load controller on its worker: `engine.round_sequencer`)."""
+    if sampler.mode is ModeName.SKIP_CFG:
+        sampler.mode_state.first_step = sampler.spec.skip_cfg_step_under(load)
 
 
 def _skips(sampler) -> bool:

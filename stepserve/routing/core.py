@@ -338,13 +338,17 @@ class RouterCore:
                     rid in p.export for p in plans):
                 checkpoint.setdefault(first, []).append(rid)
         out = []
+        # What still waits once these plans admit theirs (they leave the queue as they are sent).
+        admitted = {rid for plan in plans for rid in plan.admit}
+        queued = self.queue_length() - sum(self._requests[rid].status in (RequestStatus.QUEUED, RequestStatus.PAUSED)
+                                           for rid in admitted)
         for plan in plans:
             worker = self._workers[plan.worker_id]
             out.append(WorkerPlan(
                 plan.worker_id, admit=plan.admit, groups=plan.groups, export=plan.export,
                 release=plan.release + tuple(release.get(plan.worker_id, ())), drop=tuple(worker.drops),
                 checkpoint=tuple(checkpoint.get(plan.worker_id, ())), finish=tuple(finish.get(plan.worker_id, ())),
-                steps=steps[plan.worker_id], plan_id=worker.next_plan_id))
+                steps=steps[plan.worker_id], plan_id=worker.next_plan_id, queued=queued))
             worker.next_plan_id += 1
         return out
 

@@ -68,6 +68,16 @@ def test_duplicates_and_per_class_queue_bounds():
     assert h.status("a") is S.QUEUED
 
 
+def test_each_plan_carries_what_still_waits():
+    """`WorkerPlan.queued` is the queue once the round's plans have admitted theirs (SynerDiff's
+    load controller on a worker follows its trend)."""
+    h = Harness(workers=1, batch=2)
+    h.submit(spec("a"), spec("b"), spec("c"), spec("d"), spec("e"))
+    h.schedule()
+    assert len(h.sent[0].admit) == 2 and h.core.queue_length() == 3
+    assert [plan.queued for plan in h.sent] == [3] * len(h.sent)
+
+
 def test_unready_requests_wait_and_ready_ones_pass_them():
     h = Harness(workers=1)
     h.submit(spec("late"), ready=False)

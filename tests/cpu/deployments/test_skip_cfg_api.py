@@ -36,9 +36,20 @@ def test_the_requests_own_quality_or_else_the_models():
     assert skip_from("plain", skip_cfg_quality=1) == 1.0  # a request may always ask to be exact
 
 
+def test_the_floor_a_load_controller_may_move_it_to():
+    """Where the curve keeps the model's floor (0.9: from 0.4); exact requests stay exact."""
+    def starts(**body) -> tuple[float, float]:
+        (spec,) = to_specs({"prompt": "a cat", "model": "sd", **body}, CONFIG, "r")
+        return spec.skip_cfg_from, spec.skip_cfg_floor_from
+
+    assert starts(skip_cfg_quality=0.98) == (0.7, 0.4)
+    assert starts(skip_cfg_quality=0.95) == (0.4, 0.4)
+    assert starts() == starts(skip_cfg_quality=1) == (1.0, None)
+
+
 def test_an_edit_takes_the_requests_quality_too():
-    (spec,), _ = to_edit_specs(edit_body(model="sd", skip_cfg_quality=0.95), CONFIG, "e")
-    assert spec.skip_cfg_from == 0.4
+    (spec,), _ = to_edit_specs(edit_body(model="sd", skip_cfg_quality=0.98), CONFIG, "e")
+    assert (spec.skip_cfg_from, spec.skip_cfg_floor_from) == (0.7, 0.4)
 
 
 @pytest.mark.parametrize("value", [0.89, 1.01, 0, -1, math.nan, math.inf])

@@ -7,13 +7,13 @@ import dataclasses
 import pytest
 
 from stepserve.engine.decode_lane import DecodeLane
-from stepserve.engine.round_sequencer import RoundSequencer
+from stepserve.engine.round_sequencer import RoundSequencer, load_controller
 from stepserve.engine.step_runner import StepRunner
 from stepserve.policies.synerdiff import ConcurrencyTable, Round
 from stepserve.policies.synerdiff.contention import concurrency_table
-from stepserve.policies.types import StepGroup
+from stepserve.policies.types import StepGroup, WorkerPlan
 
-from tests.tiny import make_spec, run_together
+from tests.tiny import admission_for, make_spec, run_together
 
 # Splitting finishes the decodes sooner (0.05 and 0.25 s against 0.25 and 0.25 s) but takes longer
 # (0.4 s against 0.3 s): the throughput slack alpha decides.
@@ -83,11 +83,61 @@ def test_the_profile_reaches_the_workers(tmp_path):
     base = {"models": [{"name": "a", "preset": "tiny"}]}
     config = AppConfig.model_validate({**base, "vae_decoder": {"on_workers": True, "chunks": 2,
                                                                "sequencer_profile": str(profile)}})
-    table, alpha = config.pool_spec().sequencer
-    assert table.has(Round(1, 1, 0)) and table.chunks == 2 and alpha == 0.1
+    spec = config.pool_spec().sequencer
+    assert spec.table.has(Round(1, 1, 0)) and spec.table.chunks == 2 and spec.alpha == 0.1
+    assert spec.controller is None
+    controlled = AppConfig.model_validate({**base, "vae_decoder": {
+        "on_workers": True, "chunks": 2, "sequencer_profile": str(profile), "load_controller": True,
+        "controller_window": 3, "max_chunks": 4}}).pool_spec().sequencer.controller
+    assert controlled == load_controller(2, 4, 3) and controlled.chunk_levels == (2, 3, 4)
+    with pytest.raises(ValueError, match="needs sequencer_profile"):
+        AppConfig.model_validate({**base, "vae_decoder": {"on_workers": True, "load_controller": True}})
+    with pytest.raises(ValueError, match="below chunks"):
+        AppConfig.model_validate({**base, "vae_decoder": {"on_workers": True, "chunks": 2, "load_controller": True,
+                                                          "sequencer_profile": str(profile), "max_chunks": 1}})
+    with pytest.raises(ValueError, match="needs load_controller"):
+        AppConfig.model_validate({**base, "vae_decoder": {"on_workers": True, "max_chunks": 2}})
     with pytest.raises(ValueError, match="measured at 2 chunks"):
         AppConfig.model_validate({**base, "vae_decoder": {"on_workers": True, "chunks": 3,
                                                           "sequencer_profile": str(profile)}})
     with pytest.raises(ValueError, match="sequencer_profile"):
         AppConfig.model_validate({**base, "vae_decoder": {"on_workers": True, "chunks": 2,
                                                           "sequencer_profile": str(tmp_path / "missing.csv")}})
+
+
+def test_the_load_controller_moves_skip_cfg_then_chunks_and_back():
+    sequencer = RoundSequencer(SPLITTING, controller=load_controller(2, 3, window=2))
+    seen = []
+    for queued in (0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 9, 9, 0, 0, 0, 0, 0):
+        sequencer.observe(queued)
+        seen.append((round(sequencer.load, 2), sequencer.chunks))
+    # Each growth over a window moves one notch: skip-CFG starts first, then the chunks; as the
+    # queue falls (or stays empty), the chunks come back first.
+    assert seen == [(0, 2), (0.33, 2), (0.33, 2), (0.67, 2), (0.67, 2), (1, 2), (1, 2), (1, 3), (1, 3), (1, 3),
+                    (1, 3), (1, 2), (1, 2), (0.67, 2), (0.67, 2), (0.33, 2), (0.33, 2), (0, 2)]
+    assert RoundSequencer(SPLITTING).chunks is None and RoundSequencer(SPLITTING).load == 0
+
+
+def test_under_load_a_request_skips_cfg_from_nearer_its_floor(tiny_family):
+    """A request whose own S never skips (0.9 of 6 steps) and whose floor skips from 0.3: its
+    worker's queue grows plan after plan, the controller moves its start two notches (to 0.5,
+    step 3) by its fourth step and to its floor by its sixth: it then denoises as a request skipping
+    from step 3 does with no controller (step 2 comes too late to change anything)."""
+    spec = dataclasses.replace(make_spec("s", steps=6, seed=4), skip_cfg_from=0.9, skip_cfg_floor_from=0.3)
+    assert spec.skip_cfg_step is None and spec.skip_cfg_step_under(1.0) == 2
+    lane = DecodeLane(2, idle_s=0.0)
+    runner = StepRunner("w0", {"tiny-sd": tiny_family}, decode_images=True, decode_lane=lane,
+                        sequencer=RoundSequencer(derived(2, batch=2), alpha=1.0,
+                                                 controller=load_controller(2, 2, window=2)))
+    admission = {"s": admission_for(tiny_family, spec)}
+    for step, queued in enumerate((0, 5, 10, 15, 20, 25)):
+        plan = WorkerPlan("w0", admit=("s",) if step == 0 else (), groups=(StepGroup(("s",)),),
+                          finish=("s",) if step == 5 else (), plan_id=step, queued=queued)
+        report, _ = runner.execute(plan, admission if step == 0 else {})
+        assert not report.failed
+    from_half = dataclasses.replace(spec, skip_cfg_from=0.5, skip_cfg_floor_from=None)
+    alone, _ = run_together(StepRunner("w1", {"tiny-sd": tiny_family}, decode_images=True), tiny_family,
+                            [from_half], 6)
+    exact, _ = run_together(StepRunner("w2", {"tiny-sd": tiny_family}, decode_images=True), tiny_family,
+                            [dataclasses.replace(spec, skip_cfg_from=1.0, skip_cfg_floor_from=None)], 6)
+    assert lane.wait("s") == alone["s"] != exact["s"]

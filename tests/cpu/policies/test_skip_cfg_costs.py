@@ -34,3 +34,14 @@ def test_a_skipping_batch_is_priced_by_the_rows_it_runs():
     assert costs.denoise_seconds(skipping) == pytest.approx(costs.denoise_seconds(full) * 0.75)
     with pytest.raises(ValueError, match="cfg_skip_share"):
         BatchShape(M, 64, 64, 4, cfg_skip_share=-0.1)
+
+
+def test_a_request_skips_from_between_its_own_start_and_its_floors():
+    """Its load controller moves the start toward the floor (`skip_cfg_step_under`); the price
+    stays its own start's (what it skips without load)."""
+    request = spec("a", 0.7, skip_cfg_floor_from=0.3)
+    assert [request.skip_cfg_step_under(load) for load in (0.0, 0.5, 1.0)] == [14, 10, 6]
+    assert request.skip_cfg_step == 14
+    assert spec("a", 1.0, skip_cfg_floor_from=0.5).skip_cfg_step is None  # own S never skips; under load it may
+    with pytest.raises(ValueError, match="skip_cfg_floor_from"):
+        spec("a", 0.3, skip_cfg_floor_from=0.7)
