@@ -112,7 +112,7 @@ class DenoiserWorker:
         self.lane = DecodeLane(o.decode_chunks) if chunked else None
         sequencer = None
         if o.sequencer is not None and self.lane is not None:
-            sequencer = RoundSequencer(o.sequencer.table, o.sequencer.alpha, o.sequencer.controller)
+            sequencer = RoundSequencer(o.sequencer.tables, o.sequencer.alpha, o.sequencer.controller)
         self.runner = StepRunner(worker_id, families, self.incarnation, decode_images=o.decode_images, loras=loras,
                                  lora_bounds=o.lora_bounds, decode_lane=self.lane, sequencer=sequencer,
                                  **mode_settings(o, families, services))

@@ -20,7 +20,7 @@ from stepserve.engine.editing.masked_sd3 import CacheKind
 from stepserve.engine.families import FAMILIES, ModelSource, family_class
 from stepserve.engine.forward_modes.base import ModeName
 from stepserve.engine.patch_cache.calibration import PatchCacheSpec
-from stepserve.engine.round_sequencer import SequencerSpec, load_controller
+from stepserve.engine.round_sequencer import PROFILE_COLUMNS, SequencerSpec, TableKey, load_controller
 from stepserve.policies import needs_costs, options_for_workers
 from stepserve.policies.addon_costs import ControlNetPlacement
 from stepserve.policies.cost_model import read_profile, resolve_profile
@@ -516,15 +516,16 @@ class VAEDecoderConfig(ComponentConfig):
                     "plan; the PNG is the same bit for bit. 1: whole, as before. At most the decoder's blocks "
                     "(18 for SD's VAE).")
 
-    sequencer_profile: str | None = Field(
+    sequencer_profile: str | list[str] | None = Field(
         default=None,
         description="With `on_workers`: SynerDiff's sequencer on each worker (decodes then run beside the rounds, "
                     "in `chunks` sub-blocks, 1 included). The concurrency "
-                    "profile `stepserve profile-concurrency` measured (its concurrency.csv; a relative path missing "
-                    "from the working directory is looked up under stepserve's configs folder): each round, a "
-                    "group's step is split into the sub-rounds the 3D-DP picks on that table, each with its share "
-                    "of the pending decodes and of the requests past their skip-CFG step. Its chunking must be "
-                    "`chunks`. None: one round beside every pending decode.")
+                    "profiles `stepserve profile-concurrency` measured, one path or a list (each a concurrency.csv "
+                    "of one model at one size; a relative path missing from the working directory is looked up "
+                    "under stepserve's configs folder): each round, a group's step is split into the sub-rounds "
+                    "the 3D-DP picks on the table of its model at its size, each with its share of the pending "
+                    "decodes and of the requests past their skip-CFG step; a group with no table runs as one "
+                    "round. Their chunking must be `chunks`. None: one round beside every pending decode.")
     sequencer_alpha: float = Field(
         default=0.1, ge=0, le=1,
         description="The sequencer's throughput slack alpha (Eq. 3f): its sub-rounds may take this much longer "
@@ -552,10 +553,10 @@ class VAEDecoderConfig(ComponentConfig):
         if self.sequencer_profile is not None:
             if not self.on_workers:
                 raise ValueError("vae_decoder.sequencer_profile orders decodes on the workers: it needs on_workers")
-            table = self.sequencer_table()
-            if table.chunks != self.chunks:
-                raise ValueError(f"vae_decoder.sequencer_profile was measured at {table.chunks} chunks, "
-                                 f"vae_decoder.chunks is {self.chunks}")
+            for key, table in self.sequencer_tables().items():
+                if table.chunks != self.chunks:
+                    raise ValueError(f"vae_decoder.sequencer_profile of {key} was measured at {table.chunks} chunks, "
+                                     f"vae_decoder.chunks is {self.chunks}")
         elif self.load_controller:
             raise ValueError("vae_decoder.load_controller runs in SynerDiff's sequencer: it needs sequencer_profile")
         if self.max_chunks is not None and not self.load_controller:
@@ -571,24 +572,36 @@ class VAEDecoderConfig(ComponentConfig):
         controller = None
         if self.load_controller:
             controller = load_controller(self.chunks, self.max_chunks or self.chunks, self.controller_window)
-        return SequencerSpec(self.sequencer_table(), self.sequencer_alpha, controller)
+        return SequencerSpec(self.sequencer_tables(), self.sequencer_alpha, controller)
 
-    def sequencer_table(self) -> "ConcurrencyTable | None":
-        """The sequencer's concurrency table, read from `sequencer_profile` (None without one)."""
-        if self.sequencer_profile is None:
-            return None
-        path = local_path(self.sequencer_profile)
-        try:
-            with open(path, newline="") as f:
-                rows = list(csv.DictReader(f))
-            chunks = {int(r["chunks"]) for r in rows}
-            if len(chunks) != 1:
-                raise ValueError(f"one chunking per profile, found {sorted(chunks)}")
-            table_rows = [(int(r["unet"]), int(r["vae"]), int(r["skip"]), float(r["tau_s"]), float(r["delta_s"]))
-                          for r in rows]
-            return ConcurrencyTable.from_rows(table_rows, chunks.pop(), max(r[0] for r in table_rows))
-        except (OSError, KeyError, ValueError) as exc:
-            raise ValueError(f"vae_decoder.sequencer_profile {path!r}: {exc}") from None
+    def sequencer_tables(self) -> dict[TableKey, ConcurrencyTable]:
+        """The sequencer's concurrency tables by (model, height, width), read from
+        `sequencer_profile` (none without one)."""
+        paths = [self.sequencer_profile] if isinstance(self.sequencer_profile, str) else self.sequencer_profile or []
+        tables: dict[TableKey, ConcurrencyTable] = {}
+        for path in map(local_path, paths):
+            try:
+                with open(path, newline="") as f:
+                    reader = csv.DictReader(f)
+                    rows = list(reader)
+                missing = set(PROFILE_COLUMNS) - set(reader.fieldnames or ())
+                if missing:
+                    raise ValueError(f"missing columns {sorted(missing)}: measure it again with "
+                                     "`stepserve profile-concurrency`")
+                keys = {(r["model"], int(r["height"]), int(r["width"])) for r in rows}
+                chunks = {int(r["chunks"]) for r in rows}
+                if len(keys) != 1 or len(chunks) != 1:
+                    raise ValueError(f"one model, size and chunking per profile, found {sorted(keys)}, "
+                                     f"chunks {sorted(chunks)}")
+                key = keys.pop()
+                if key in tables:
+                    raise ValueError(f"{key} is measured by another profile too")
+                table_rows = [(int(r["unet"]), int(r["vae"]), int(r["skip"]), float(r["tau_s"]), float(r["delta_s"]))
+                              for r in rows]
+                tables[key] = ConcurrencyTable.from_rows(table_rows, chunks.pop(), max(r[0] for r in table_rows))
+            except (OSError, KeyError, ValueError) as exc:
+                raise ValueError(f"vae_decoder.sequencer_profile {path!r}: {exc}") from None
+        return tables
 
 
 class ControlNetServiceConfig(ComponentConfig):
@@ -699,6 +712,15 @@ class AppConfig(_Strict):
         if len(set(names)) != len(names):
             raise ValueError(f"model names must be unique: {names}")
         return models
+
+    @model_validator(mode="after")
+    def _check_sequencer_profiles(self) -> "AppConfig":
+        served = {m.name for m in self.models}
+        for model, height, width in self.vae_decoder.sequencer_tables():
+            if model not in served:
+                raise ValueError(f"vae_decoder.sequencer_profile: a profile of model {model!r} ({width}x{height}), "
+                                 f"which is not served; served: {sorted(served)}")
+        return self
 
     @model_validator(mode="after")
     def _check_addons(self) -> "AppConfig":

@@ -1,8 +1,9 @@
 """SynerDiff's threshold-aware sequencer on a worker (§III-D), for a worker whose images decode
 in chunks beside its rounds (`engine.decode_lane`): each round, a group's M stepping requests,
 the lane's N pending decodes and the K requests past their skip-CFG step are split into the
-sub-rounds `policies.synerdiff.plan_sequence` picks on the worker's measured concurrency table
-(`stepserve profile-concurrency`): a sub-round runs its members' forward beside its share of the
+sub-rounds `policies.synerdiff.plan_sequence` picks on the concurrency table measured for the
+group's model at its size (`stepserve profile-concurrency`, one table each; a group with none runs
+as one round): a sub-round runs its members' forward beside its share of the
 decodes' chunks, and the members the plan picks skip CFG in it. Which request goes where is the
 plan's task mapping (`assign`): decodes oldest first, skippers among the eligible in admission
 order.
@@ -31,7 +32,7 @@ from stepserve.engine.sampler import Sampler
 from stepserve.policies.synerdiff import ConcurrencyTable, ControllerConfig, assign, observe, plan_sequence, start
 from stepserve.policies.synerdiff import chunks as controller_chunks
 from stepserve.policies.synerdiff import quality as controller_quality
-from stepserve.policies.types import StepGroup
+from stepserve.policies.types import RequestSpec, StepGroup
 
 # The load controller's quality ladder: the share of each request's way from its own skip-CFG
 # start to its floor's that is still unused (1: its own start; 0: its floor), one notch a trend.
@@ -44,12 +45,24 @@ def load_controller(chunks: int, max_chunks: int, window: int) -> ControllerConf
     return ControllerConfig(LOAD_NOTCHES, tuple(range(chunks, max_chunks + 1)), window=window)
 
 
+# What a concurrency table was measured for: a model at a size (model, height, width).
+TableKey = tuple[str, int, int]
+# A concurrency profile's columns (`stepserve profile-concurrency` writes them): its model and size,
+# then Round(m = unet, n = vae, k = skip) at `chunks` and the round's (tau, delta).
+PROFILE_COLUMNS = ("model", "height", "width", "chunks", "unet", "vae", "skip", "tau_s", "delta_s")
+
+
+def table_key(spec: RequestSpec) -> TableKey:
+    return spec.model, spec.height, spec.width
+
+
 @dataclass(frozen=True)
 class SequencerSpec:
-    """A worker's sequencer, made once from the app config: its concurrency table, its throughput
-    slack alpha (Eq. 3f) and its load controller (`load_controller`; None: none)."""
+    """A worker's sequencer, made once from the app config: its concurrency tables, one a model
+    and size, its throughput slack alpha (Eq. 3f) and its load controller (`load_controller`;
+    None: none)."""
 
-    table: ConcurrencyTable
+    tables: Mapping[TableKey, ConcurrencyTable]
     alpha: float = 0.1
     controller: ControllerConfig | None = None
 
@@ -65,15 +78,18 @@ class SubRound:
 
 
 class RoundSequencer:
-    def __init__(self, table: ConcurrencyTable, alpha: float = 0.1, controller: ControllerConfig | None = None):
-        """`controller`: the load controller's ladders (`load_controller`; None: none)."""
+    def __init__(self, tables: Mapping[TableKey, ConcurrencyTable], alpha: float = 0.1,
+                 controller: ControllerConfig | None = None):
+        """`tables`: the measured concurrency table of each model at each size (a group of
+        another model or size, or of several, runs as one round); `controller`: the load
+        controller's ladders (`load_controller`; None: none)."""
         if alpha < 0:
             raise ValueError(f"alpha must be >= 0, got {alpha}")
-        self.table = table
+        self.tables = dict(tables)
         self.alpha = alpha
         self.controller = controller
         self._state = None if controller is None else start(controller)
-        self._plans: dict[tuple[int, int, int], tuple] = {}
+        self._plans: dict[tuple[TableKey, int, int, int], tuple] = {}
 
     def observe(self, queued: int) -> None:
         """The load controller's step as a plan starts: `queued`, the router's queue then."""
@@ -91,20 +107,23 @@ class RoundSequencer:
         return None if self.controller is None else controller_chunks(self.controller, self._state)
 
     def sub_rounds(self, group: StepGroup, samplers: Mapping[str, Sampler], decodes: int) -> list[SubRound]:
-        """The group's round as sub-rounds. A group over ranks, larger than the table's B_max or
-        with more decodes than members runs as one round beside every decode."""
+        """The group's round as sub-rounds, planned on the table of its model at its size. A group
+        over ranks, without a table (of several sizes included) or larger than its table's B_max
+        runs as one round beside every decode; more decodes than members ride with the last."""
         members = [rid for rid in group.request_ids if rid in samplers]
         if self.controller is not None:
             for rid in members:
                 follow_load(samplers[rid], self.load)
-        if group.ranks or not members or len(members) > self.table.max_batch:
+        keys = {table_key(samplers[rid].spec) for rid in members}
+        key = keys.pop() if len(keys) == 1 else None
+        table = self.tables.get(key)
+        if group.ranks or table is None or len(members) > table.max_batch:
             return [SubRound(group, frozenset(), decodes)]
         eligible = [rid for rid in members if past_first_step(samplers[rid])]
         m, n, k = len(members), min(decodes, len(members)), len(eligible)
-        key = (m, n, k)
-        if key not in self._plans:
-            self._plans[key] = plan_sequence(m, n, k, self.table, self.alpha)
-        plan = self._plans[key]
+        if (key, m, n, k) not in self._plans:
+            self._plans[key, m, n, k] = plan_sequence(m, n, k, table, self.alpha)
+        plan = self._plans[key, m, n, k]
         decode_ids = [str(i) for i in range(n)]
         rounds = [SubRound(StepGroup(tuple(ids)), frozenset(skips), len(vae))
                   for ids, skips, vae in assign(plan, members, eligible, decode_ids)]

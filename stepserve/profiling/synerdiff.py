@@ -13,7 +13,7 @@ lane runs them (the step in one thread, the chunks in another: `engine.decode_la
 
     stepserve profile-concurrency --out docs/results/synerdiff-profile
 
-Writes concurrency.csv (c, m, n, k, tau_s, delta_s: `ConcurrencyTable.from_rows`),
+Writes concurrency.csv (the model, its size, c, m, n, k, tau_s, delta_s: `ConcurrencyTable.from_rows`),
 concurrency.json (B_max, the chunk timings, L(c), c, C_max) and concurrency.png.
 
 On CUDA (`--device`, default: the config's `workers.device`) the chunks run on a stream of their
@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from stepserve.deployments.config import AppConfig
     from stepserve.engine.families import ALL_PARTS, load_family
+    from stepserve.engine.round_sequencer import PROFILE_COLUMNS
     from stepserve.load_tests.plots import plot_concurrency
     from stepserve.runtime import load_serve_config
 
@@ -181,8 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / "concurrency.csv", "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["chunks", "unet", "vae", "skip", "tau_s", "delta_s"])
-        writer.writerows(rows)
+        writer.writerow(PROFILE_COLUMNS)
+        writer.writerows((model.name, size, size, *row) for row in rows)
     (args.out / "concurrency.json").write_text(json.dumps(report, indent=1) + "\n")
     plot_concurrency(report, rows, f"concurrent rounds, {model.name} at {size} px, {threads} thread(s) a lane",
                      args.out / "concurrency.png")

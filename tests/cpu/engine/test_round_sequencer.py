@@ -23,16 +23,22 @@ SPLITTING = ConcurrencyTable({
     Round(0, 2, 0): (0.1, 0.1)}, chunks=2, max_batch=2)
 
 
+TINY = ("tiny-sd", 64, 64)  # make_spec's model and size
+
+
 class Resident:  # what the sequencer reads of a resident request
     mode = None
     step_index = 0
 
+    def __init__(self, size: int = 64):
+        self.spec = make_spec("r", size=size)
+
 
 def test_a_step_splits_into_sub_rounds_that_share_the_decodes():
-    sequencer = RoundSequencer(SPLITTING, alpha=1.0)
+    sequencer = RoundSequencer({TINY: SPLITTING}, alpha=1.0)
     subs = sequencer.sub_rounds(StepGroup(("a", "b")), {"a": Resident(), "b": Resident()}, decodes=2)
     assert [s.group.request_ids for s in subs] == [("a",), ("b",)] and [s.decodes for s in subs] == [1, 1]
-    tight = RoundSequencer(SPLITTING, alpha=0.2)  # too little slack: the one coarse round
+    tight = RoundSequencer({TINY: SPLITTING}, alpha=0.2)  # too little slack: the one coarse round
     (one,) = tight.sub_rounds(StepGroup(("a", "b")), {"a": Resident(), "b": Resident()}, decodes=2)
     assert one.group.request_ids == ("a", "b") and one.decodes == 2
     (lone,) = sequencer.sub_rounds(StepGroup(("a",)), {"a": Resident()}, decodes=3)
@@ -41,8 +47,19 @@ def test_a_step_splits_into_sub_rounds_that_share_the_decodes():
     assert over.group.request_ids == ("a", "b", "c")  # beyond the table's B_max: unsplit
 
 
-def derived(chunks: int, batch: int = 4) -> ConcurrencyTable:
-    return concurrency_table(lambda m, k: 0.01 * (2 * m - k) + 0.02, 0.03, chunks, batch, batch)
+def test_each_group_is_planned_on_its_own_models_table_at_its_size():
+    sequencer = RoundSequencer({TINY: SPLITTING}, alpha=1.0)
+    # Another size has no table here, and a group of two sizes no one table: each runs as one round.
+    for residents in ({"a": Resident(128), "b": Resident(128)}, {"a": Resident(), "b": Resident(128)}):
+        (one,) = sequencer.sub_rounds(StepGroup(("a", "b")), residents, decodes=2)
+        assert one.group.request_ids == ("a", "b") and one.decodes == 2
+    both = RoundSequencer({TINY: SPLITTING, ("tiny-sd", 128, 128): SPLITTING}, alpha=1.0)
+    subs = both.sub_rounds(StepGroup(("a", "b")), {"a": Resident(128), "b": Resident(128)}, decodes=2)
+    assert [s.group.request_ids for s in subs] == [("a",), ("b",)]
+
+
+def derived(chunks: int, batch: int = 4) -> dict:
+    return {TINY: concurrency_table(lambda m, k: 0.01 * (2 * m - k) + 0.02, 0.03, chunks, batch, batch)}
 
 
 def test_sequenced_steps_are_the_plain_steps_and_decodes_are_whole(tiny_family):
@@ -70,43 +87,60 @@ def test_the_sequencer_chooses_who_skips_cfg(tiny_family):
 
 def test_a_sequencer_needs_a_lane(tiny_family):
     with pytest.raises(ValueError, match="decode_lane"):
-        StepRunner("w0", {"tiny-sd": tiny_family}, decode_images=True, sequencer=RoundSequencer(SPLITTING))
+        StepRunner("w0", {"tiny-sd": tiny_family}, decode_images=True, sequencer=RoundSequencer({TINY: SPLITTING}))
     with pytest.raises(ValueError, match="alpha"):
-        RoundSequencer(SPLITTING, alpha=-0.1)
+        RoundSequencer({TINY: SPLITTING}, alpha=-0.1)
 
 
 def test_the_profile_reaches_the_workers(tmp_path):
     from stepserve.deployments.config import AppConfig
 
-    profile = tmp_path / "concurrency.csv"
-    profile.write_text("chunks,unet,vae,skip,tau_s,delta_s\n2,1,0,0,0.1,0\n2,1,1,0,0.12,0.05\n2,0,1,0,0.05,0.05\n")
+    def write(name: str, model: str, size: int, header: str = "model,height,width,") -> str:
+        rounds = ("2,1,0,0,0.1,0", "2,1,1,0,0.12,0.05", "2,0,1,0,0.05,0.05")
+        prefix = f"{model},{size},{size}," if header else ""
+        path = tmp_path / name
+        path.write_text(f"{header}chunks,unet,vae,skip,tau_s,delta_s\n" + "".join(f"{prefix}{r}\n" for r in rounds))
+        return str(path)
+
+    profile = write("concurrency.csv", "a", 64)
     base = {"models": [{"name": "a", "preset": "tiny"}]}
     config = AppConfig.model_validate({**base, "vae_decoder": {"on_workers": True, "chunks": 2,
-                                                               "sequencer_profile": str(profile)}})
+                                                               "sequencer_profile": profile}})
     spec = config.pool_spec().sequencer
-    assert spec.table.has(Round(1, 1, 0)) and spec.table.chunks == 2 and spec.alpha == 0.1
+    ((key, table),) = spec.tables.items()
+    assert key == ("a", 64, 64) and table.has(Round(1, 1, 0)) and table.chunks == 2 and spec.alpha == 0.1
     assert spec.controller is None
+    larger = write("larger.csv", "a", 128)  # one table a size
+    both = AppConfig.model_validate({**base, "vae_decoder": {"on_workers": True, "chunks": 2,
+                                                             "sequencer_profile": [profile, larger]}})
+    assert set(both.pool_spec().sequencer.tables) == {("a", 64, 64), ("a", 128, 128)}
+    for profiles, error in (([profile, profile], "measured by another profile"),
+                            ([write("old.csv", "a", 64, header="")], "missing columns"),
+                            ([write("b.csv", "b", 64)], "model 'b'.*not served")):
+        with pytest.raises(ValueError, match=error):
+            AppConfig.model_validate({**base, "vae_decoder": {"on_workers": True, "chunks": 2,
+                                                              "sequencer_profile": profiles}})
     controlled = AppConfig.model_validate({**base, "vae_decoder": {
-        "on_workers": True, "chunks": 2, "sequencer_profile": str(profile), "load_controller": True,
+        "on_workers": True, "chunks": 2, "sequencer_profile": profile, "load_controller": True,
         "controller_window": 3, "max_chunks": 4}}).pool_spec().sequencer.controller
     assert controlled == load_controller(2, 4, 3) and controlled.chunk_levels == (2, 3, 4)
     with pytest.raises(ValueError, match="needs sequencer_profile"):
         AppConfig.model_validate({**base, "vae_decoder": {"on_workers": True, "load_controller": True}})
     with pytest.raises(ValueError, match="below chunks"):
         AppConfig.model_validate({**base, "vae_decoder": {"on_workers": True, "chunks": 2, "load_controller": True,
-                                                          "sequencer_profile": str(profile), "max_chunks": 1}})
+                                                          "sequencer_profile": profile, "max_chunks": 1}})
     with pytest.raises(ValueError, match="needs load_controller"):
         AppConfig.model_validate({**base, "vae_decoder": {"on_workers": True, "max_chunks": 2}})
     with pytest.raises(ValueError, match="measured at 2 chunks"):
         AppConfig.model_validate({**base, "vae_decoder": {"on_workers": True, "chunks": 3,
-                                                          "sequencer_profile": str(profile)}})
+                                                          "sequencer_profile": profile}})
     with pytest.raises(ValueError, match="sequencer_profile"):
         AppConfig.model_validate({**base, "vae_decoder": {"on_workers": True, "chunks": 2,
                                                           "sequencer_profile": str(tmp_path / "missing.csv")}})
 
 
 def test_the_load_controller_moves_skip_cfg_then_chunks_and_back():
-    sequencer = RoundSequencer(SPLITTING, controller=load_controller(2, 3, window=2))
+    sequencer = RoundSequencer({TINY: SPLITTING}, controller=load_controller(2, 3, window=2))
     seen = []
     for queued in (0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 9, 9, 0, 0, 0, 0, 0):
         sequencer.observe(queued)
@@ -115,7 +149,7 @@ def test_the_load_controller_moves_skip_cfg_then_chunks_and_back():
     # queue falls (or stays empty), the chunks come back first.
     assert seen == [(0, 2), (0.33, 2), (0.33, 2), (0.67, 2), (0.67, 2), (1, 2), (1, 2), (1, 3), (1, 3), (1, 3),
                     (1, 3), (1, 2), (1, 2), (0.67, 2), (0.67, 2), (0.33, 2), (0.33, 2), (0, 2)]
-    assert RoundSequencer(SPLITTING).chunks is None and RoundSequencer(SPLITTING).load == 0
+    assert RoundSequencer({TINY: SPLITTING}).chunks is None and RoundSequencer({TINY: SPLITTING}).load == 0
 
 
 def test_under_load_a_request_skips_cfg_from_nearer_its_floor(tiny_family):
