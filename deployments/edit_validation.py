@@ -8,6 +8,7 @@ whose fully transparent pixels mark the area to edit. Pure: no Ray, no I/O.
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 import numpy as np
@@ -28,13 +29,24 @@ from stepserve.policies.types import RequestKind, RequestSpec
 TEMPLATE_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 
+def template_identity(template_id: str, pixels: np.ndarray, owner: str | None = None) -> str:
+    """What an edit's cached activations are kept under: the template's name, a digest of its
+    image as it is denoised (at the edit's size) and its tenant. Another image sent under the same
+    name is then another template, recorded anew, never the first image's activations applied to
+    it; and no tenant reuses another's record (made with the other's prompt). ('#' is not a name's
+    character: no name can take another's place.)"""
+    digest = hashlib.sha256(np.ascontiguousarray(pixels).tobytes()).hexdigest()[:32]
+    return f"{template_id}#{digest}" if owner is None else f"{template_id}#{digest}#{owner}"
+
+
 def parse_edit(payload: object) -> ImageEditRequest:
     return parse_body(payload, ImageEditRequest)
 
 
-def to_edit_specs(payload: object, config: AppConfig, request_id: str,
-                  default_seed: int | None = None) -> tuple[list[RequestSpec], RequestInputs]:
-    """The request's specs (one per image of `n`) and the pixels they share."""
+def to_edit_specs(payload: object, config: AppConfig, request_id: str, default_seed: int | None = None,
+                  owner: str | None = None) -> tuple[list[RequestSpec], RequestInputs]:
+    """The request's specs (one per image of `n`) and the pixels they share; `owner`: the caller's
+    tenant (None: the one tenant there is), whose templates are its own."""
     req = parse_edit(payload)
     limits = config.limits
     model = served_model(config, req.model, lambda m: family_class(m.family).edits, "no served model edits images")
@@ -64,13 +76,14 @@ def to_edit_specs(payload: object, config: AppConfig, request_id: str,
         raise invalid("mask", "the mask leaves nothing to edit at this size (no transparent pixel survives resizing)")
     step_cache, step_cache_method = request_step_cache(req, model)
     skip_cfg_from, skip_cfg_floor_from = request_skip_cfg(req, model)
+    template = None if req.template_id is None else template_identity(req.template_id, pixels, owner)
     specs = [
         RequestSpec(
             request_id=request_id if req.n == 1 else f"{request_id}-{i}", model=model.name, prompt=req.prompt,
             negative_prompt=req.negative_prompt or "", width=width, height=height, num_inference_steps=steps,
             guidance_scale=guidance, seed=seed + i, slo_s=request_slo(req, model), cfg=family.classifier_free_guidance,
             loras=loras, kind=RequestKind.EDIT, strength=req.strength, skip_steps=skip, mask_ratio=ratio,
-            template_id=req.template_id, step_cache=step_cache, step_cache_method=step_cache_method,
+            template_id=template, step_cache=step_cache, step_cache_method=step_cache_method,
             skip_cfg_from=skip_cfg_from, skip_cfg_floor_from=skip_cfg_floor_from,
         )
         for i in range(req.n)

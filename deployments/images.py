@@ -60,14 +60,16 @@ class ImageRequests:
         inputs = RequestInputs(control=control) if control else None
         return await self._serve(rid, specs, inputs, output, request_digest(req), client_id, started)
 
-    async def edit(self, payload: ImageEditRequest | dict, client_id: str | None = None) -> dict:
-        """POST /v1/images/edits: the OpenAI images response body. Raises APIError."""
+    async def edit(self, payload: ImageEditRequest | dict, client_id: str | None = None,
+                   owner: str | None = None) -> dict:
+        """POST /v1/images/edits: the OpenAI images response body. Raises APIError. `owner`: the
+        caller's tenant, whose templates are its own."""
         started = time.perf_counter()
         req = parse_edit(payload)
         output = output_for(req)  # before the costly decoding below
         rid = request_id_for(client_id)
         # Decoding, checking and resizing the image and mask is CPU work: off the event loop.
-        specs, inputs = await asyncio.to_thread(to_edit_specs, req, self.config, rid, key_seed(client_id))
+        specs, inputs = await asyncio.to_thread(to_edit_specs, req, self.config, rid, key_seed(client_id), owner)
         record_hints(req, rid, self.hints)
         return await self._serve(rid, specs, inputs, output, request_digest(req), client_id, started)
 

@@ -6,7 +6,9 @@ Routes: POST /v1/images/generations, POST /v1/images/edits; POST /v1/videos, GET
 /health, /ready, /metrics, /docs, /openapi.json. Handle callers use the methods below with the
 same request types. With API keys set, every route but /health needs one (`ingress.open_docs`
 opens /docs and /openapi.json), and so does any other path: a client without a key learns
-nothing, not even which paths exist. Every error is the OpenAI error shape with an
+nothing, not even which paths exist. Each key is a tenant: its video jobs, Idempotency-Keys and
+edit templates are its own (handle callers, trusted code in the cluster, act for every tenant;
+without keys there is one). Every error is the OpenAI error shape with an
 `x-request-id` header (and `retry-after` on 429 and 503); a 500 body names the request id and
 nothing else (the details go to the log).
 """
@@ -15,6 +17,7 @@ nothing else (the details go to the log).
 # methods that `serve.ingress` wraps, or it mistakes `request: Request` for a query parameter.
 
 import asyncio
+import hashlib
 import hmac
 import json
 import logging
@@ -109,6 +112,17 @@ def parse_json(body: bytes) -> Any:
         return json.loads(body)
     except (ValueError, RecursionError):
         raise invalid(None, "request body is not valid JSON", code="invalid_json") from None
+
+
+def owner_of(api_key: str) -> str:
+    """A tenant: a digest of its API key (never the key), which owns its jobs, its idempotency
+    keys and its edit templates."""
+    return hashlib.sha256(b"stepserve-tenant:" + api_key.encode()).hexdigest()[:32]
+
+
+def scoped(key: str | None, owner: str | None) -> str | None:
+    """An Idempotency-Key as its tenant's own: two tenants' equal keys never meet."""
+    return key if key is None or owner is None else f"{owner}/{key}"
 
 
 def idempotency_key(request: Request) -> str | None:
@@ -213,8 +227,7 @@ class Ingress:
     @api.post("/v1/images/generations")
     async def http_generate(self, request: Request) -> Response:
         async def handle() -> Response:
-            self._authorize(request)
-            key = idempotency_key(request)
+            key = scoped(idempotency_key(request), self._authorize(request))
             self._shed(RequestKind.T2I, key)
             body = await read_body(request, self.config.limits.max_body_bytes)
             if is_form(request):  # control images uploaded as files, not base64
@@ -231,28 +244,28 @@ class Ingress:
     @api.post("/v1/images/edits")
     async def http_edit(self, request: Request) -> Response:
         async def handle() -> Response:
-            self._authorize(request)
-            key = idempotency_key(request)
+            owner = self._authorize(request)
+            key = scoped(idempotency_key(request), owner)
             self._shed(RequestKind.EDIT.lane, key)
             body = await read_body(request, self.config.limits.max_body_bytes)
             if is_form(request):  # OpenAI's clients: the image and mask as file parts
                 payload = edit_payload(await read_form(request, body, EDIT_FILE_PARTS, max_files=len(EDIT_FILE_PARTS)))
             else:
                 payload = parse_json(body)
-            return JSONResponse(await self.edit(payload, key))
+            return JSONResponse(await self.images.edit(payload, key, owner))
 
         return await self._observed("/v1/images/edits", handle)
 
     @api.post("/v1/videos")
     async def http_create_video(self, request: Request) -> Response:
         async def handle() -> Response:
-            self._authorize(request)
-            key = idempotency_key(request)
+            owner = self._authorize(request)
+            key = scoped(idempotency_key(request), owner)
             self._shed(RequestKind.T2V, key)
             body = await read_body(request, self.config.limits.max_body_bytes)
             # OpenAI's clients send this route multipart/form-data; curl users send JSON.
             payload = (await read_form(request, body)).fields if is_form(request) else parse_json(body)
-            return JSONResponse(await self.create_video(payload, key))
+            return JSONResponse(await self.videos.create(payload, key, owner))
 
         return await self._observed("/v1/videos", handle)
 
@@ -260,42 +273,38 @@ class Ingress:
     async def http_list_videos(self, request: Request, after: str | None = None, limit: int = 20,
                                order: str = "desc") -> Response:
         async def handle() -> Response:
-            self._authorize(request)
-            return JSONResponse(await self.list_videos(after, limit, order))
+            return JSONResponse(await self.videos.page(after, limit, order, self._authorize(request)))
 
         return await self._observed("/v1/videos:list", handle)
 
     @api.get("/v1/videos/{video_id}")
     async def http_get_video(self, video_id: str, request: Request) -> Response:
         async def handle() -> Response:
-            self._authorize(request)
+            owner = self._authorize(request)
             wait_s = preferred_wait_s(request.headers.get("prefer"))
             headers = {"Preference-Applied": f"wait={wait_s:g}"} if wait_s else None
-            return JSONResponse(await self.get_video(video_id, wait_s), headers=headers)
+            return JSONResponse(await self.videos.get(video_id, wait_s, owner), headers=headers)
 
         return await self._observed("/v1/videos/{video_id}", handle)
 
     @api.delete("/v1/videos/{video_id}")
     async def http_delete_video(self, video_id: str, request: Request) -> Response:
         async def handle() -> Response:
-            self._authorize(request)
-            return JSONResponse(await self.delete_video(video_id))
+            return JSONResponse(await self.videos.delete(video_id, self._authorize(request)))
 
         return await self._observed("/v1/videos/{video_id}:delete", handle)
 
     @api.post("/v1/videos/{video_id}/cancel")
     async def http_cancel_video(self, video_id: str, request: Request) -> Response:
         async def handle() -> Response:
-            self._authorize(request)
-            return JSONResponse(await self.cancel_video(video_id))
+            return JSONResponse(await self.videos.cancel(video_id, self._authorize(request)))
 
         return await self._observed("/v1/videos/{video_id}/cancel", handle)
 
     @api.get("/v1/videos/{video_id}/content")
     async def http_video_content(self, video_id: str, request: Request, variant: str = "video") -> Response:
         async def handle() -> Response:
-            self._authorize(request)
-            video = await self.videos.content(video_id, variant)
+            video = await self.videos.content(video_id, variant, self._authorize(request))
             return Response(video.data, media_type=video.media_type, headers={FORMAT_HEADER: video.format})
 
         return await self._observed("/v1/videos/{video_id}/content", handle)
@@ -366,16 +375,21 @@ class Ingress:
         if idempotency_key is None:
             self.gate.shed(kind, f"req-{uuid.uuid4().hex}")
 
-    def _authorize(self, request: Request, keys: tuple[str, ...] | None = None) -> None:
+    def _authorize(self, request: Request, keys: tuple[str, ...] | None = None) -> str | None:
+        """The caller's tenant (`owner_of` its key), or None when no key is asked for; 401 without
+        one of `keys` (default: the API keys)."""
         keys = self.api_keys if keys is None else keys
         if not keys:
-            return
+            return None
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         # Compared as bytes (compare_digest refuses non-ASCII str): the header's own bytes, which
-        # Starlette decoded as latin-1, against the key's UTF-8.
+        # Starlette decoded as latin-1, against the key's UTF-8. Every key is compared (no early
+        # exit), so the time taken says nothing of which matched.
         given = token.encode("latin-1", "replace")
-        if scheme.lower() != "bearer" or not any(hmac.compare_digest(given, k.encode()) for k in keys):
+        matched = [k for k in keys if hmac.compare_digest(given, k.encode())]
+        if scheme.lower() != "bearer" or not matched:
             raise APIError(401, "missing or invalid API key (Authorization: Bearer <key>)", code="invalid_api_key")
+        return owner_of(matched[0])
 
     async def _observed(self, route: str, handle) -> Response:
         start = time.perf_counter()

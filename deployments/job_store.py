@@ -107,11 +107,12 @@ class JobStore:
         self._wake(job_id)  # a waiter then finds it gone
         return self.table.delete(job_id)
 
-    async def page(self, after: str | None = None, limit: int = 20, order: Literal["asc", "desc"] = "desc"
-                   ) -> tuple[list[JobRecord], bool]:
+    async def page(self, after: str | None = None, limit: int = 20, order: Literal["asc", "desc"] = "desc",
+                   owner: str | None = None) -> tuple[list[JobRecord], bool]:
         """Jobs in creation order after the cursor `after`, and whether more follow (OpenAI's list
-        defaults: newest first, 20 a page). ValueError for an unknown cursor."""
-        return self.table.page(after, limit, order, self.clock())
+        defaults: newest first, 20 a page); with an `owner`, that tenant's only. ValueError for an
+        unknown cursor."""
+        return self.table.page(after, limit, order, self.clock(), owner)
 
     async def remember_image(self, key: str, digest: str, body: Any) -> bool:
         """Keep an image response (bytes or a JSON-like dict) for retries under `key`; False if

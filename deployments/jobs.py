@@ -61,6 +61,7 @@ class JobRecord:
     # (paused or moved), and the SP degree of every step.
     pauses: int = 0
     sp_degrees: tuple[int, ...] = ()
+    owner: str | None = None  # the tenant that made it (a digest of its API key); None: everyone's
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -222,11 +223,12 @@ class JobTable:
         self._remove(job_id)
         return entry.record
 
-    def page(self, after: str | None, limit: int, order: Literal["asc", "desc"], now: float
-             ) -> tuple[list[JobRecord], bool]:
+    def page(self, after: str | None, limit: int, order: Literal["asc", "desc"], now: float,
+             owner: str | None = None) -> tuple[list[JobRecord], bool]:
         """Up to `limit` jobs in creation order ("asc": oldest first), starting after the job
-        `after` (OpenAI list semantics), and whether more follow. An unknown cursor, e.g. one
-        evicted since the previous page, raises ValueError."""
+        `after` (OpenAI list semantics), and whether more follow; with an `owner`, that tenant's
+        jobs only. An unknown cursor, e.g. one evicted since the previous page or another
+        tenant's, raises ValueError."""
         if limit < 1:
             raise ValueError(f"limit must be >= 1, got {limit}")
         if order not in ("asc", "desc"):
@@ -235,17 +237,22 @@ class JobTable:
         forward = order == "asc"
         if after is None:
             job_id = self._first if forward else self._last
-        elif after in self._entries:
+        elif after in self._entries and self._owned(self._entries[after].record, owner):
             cursor = self._entries[after]
             job_id = cursor.next if forward else cursor.prev
         else:
             raise ValueError(f"unknown cursor {after!r}: no such job (it may have expired)")
         records = []
-        while job_id is not None and len(records) < limit:
+        while job_id is not None and len(records) <= limit:  # one more than a page: is there more?
             entry = self._entries[job_id]
-            records.append(entry.record)
+            if self._owned(entry.record, owner):
+                records.append(entry.record)
             job_id = entry.next if forward else entry.prev
-        return records, job_id is not None
+        return records[:limit], len(records) > limit
+
+    @staticmethod
+    def _owned(record: JobRecord, owner: str | None) -> bool:
+        return owner is None or record.owner == owner
 
     def expire(self, now: float) -> list[str]:
         """Evict what retired `ttl_s` or more before `now`; returns the evicted job ids (images,

@@ -154,7 +154,8 @@ class ImageEditRequest(ImageOptions, ApproximationOptions):
     template_id: str | None = Field(default=None, description="Names the image as a template edited again and again "
                                                               "(letters, digits, '.', '_', '-'): edits of one template "
                                                               "may reuse its cached activations where the server "
-                                                              "enables them.")
+                                                              "enables them. A template is its name and its image: "
+                                                              "another image under the name is another template.")
     input_fidelity: Literal["high", "low"] | None = Field(
         default=None, description="How closely OpenAI's models keep the input's features: accepted and recorded "
                                   "(logged, counted); changes nothing here (the unmasked area is kept as it is).")

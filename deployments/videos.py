@@ -43,13 +43,18 @@ class VideoJobs:
         # fetch the content more than once, and encoding costs seconds of ingress CPU.
         self._files: OrderedDict[str, EncodedVideo] = OrderedDict()
 
-    async def create(self, payload: VideoCreateRequest | dict, idempotency_key: str | None = None) -> dict[str, Any]:
+    # `owner` below: the caller's tenant (`ingress.owner_of`), whose jobs are its own: another
+    # tenant's are unknown to it (404). None: every job (no keys, or a trusted handle caller).
+
+    async def create(self, payload: VideoCreateRequest | dict, idempotency_key: str | None = None,
+                     owner: str | None = None) -> dict[str, Any]:
         """Queue a job; a retry with the same Idempotency-Key and body returns the same job."""
         req = parse_body(payload, VideoCreateRequest)
         digest = request_digest(req)
         spec = to_video_spec(req, self.config, default_seed=key_seed(idempotency_key))
         rid = spec.request_id
-        record = JobRecord(rid, "video", time.time(), spec, idempotency_key=idempotency_key, request_digest=digest)
+        record = JobRecord(rid, "video", time.time(), spec, idempotency_key=idempotency_key, request_digest=digest,
+                           owner=owner)
         # No job before the router is up: a router that starts fails every unfinished job it
         # finds (an earlier router's, lost with its workers), so one created first would be too.
         await self.gate.ready(rid)
@@ -64,43 +69,43 @@ class VideoJobs:
             raise as_api_error(exc, rid) from None
         return await self._object(record)
 
-    async def get(self, video_id: str, wait_s: float = 0.0) -> dict[str, Any]:
+    async def get(self, video_id: str, wait_s: float = 0.0, owner: str | None = None) -> dict[str, Any]:
         """The job as it stands; with `wait_s` > 0 (at most MAX_WAIT_S), first wait up to that
         long for it to end, so a client learns of the end at once without polling often."""
-        record = await self._record(video_id)
+        record = await self._record(video_id, owner)
         if wait_s > 0 and not record.terminal:
             record = await self.store.wait.remote(video_id, min(wait_s, MAX_WAIT_S))
             if record is None:  # deleted while we waited
                 raise not_found(video_id)
         return await self._object(record)
 
-    async def page(self, after: str | None, limit: int, order: str) -> dict[str, Any]:
+    async def page(self, after: str | None, limit: int, order: str, owner: str | None = None) -> dict[str, Any]:
         """OpenAI's list shape: newest first by default, `after` a job id cursor."""
         if not 1 <= limit <= MAX_PAGE:
             raise invalid("limit", f"limit must be between 1 and {MAX_PAGE}")
         if order not in ("asc", "desc"):
             raise invalid("order", "order must be 'asc' or 'desc'")
         try:
-            records, has_more = await self.store.page.remote(after, limit, order)
+            records, has_more = await self.store.page.remote(after, limit, order, owner)
         except ValueError:
             raise invalid("after", f"no video {after!r} to list after (unknown or expired)") from None
         data = await asyncio.gather(*(self._object(r) for r in records))
         return {"object": "list", "data": list(data), "first_id": data[0]["id"] if data else None,
                 "last_id": data[-1]["id"] if data else None, "has_more": has_more}
 
-    async def cancel(self, video_id: str) -> dict[str, Any]:
+    async def cancel(self, video_id: str, owner: str | None = None) -> dict[str, Any]:
         """Stop a queued or running job at its worker's next step boundary; its record stays (cancelled)."""
-        record = await self._record(video_id)
+        record = await self._record(video_id, owner)
         if record.terminal:
             raise APIError(409, f"video {video_id} already {record.status}; nothing to cancel", param="video_id",
                            code="video_not_cancellable")
         if not await self.router.cancel.remote(video_id):
             await self.store.set_status.remote(video_id, "cancelled")  # the router had already let go of it
-        return await self._object(await self._record(video_id))
+        return await self._object(await self._record(video_id, owner))
 
-    async def delete(self, video_id: str) -> dict[str, Any]:
+    async def delete(self, video_id: str, owner: str | None = None) -> dict[str, Any]:
         """Cancel it if it still runs, and forget it (and its file)."""
-        record = await self._record(video_id)
+        record = await self._record(video_id, owner)
         if not record.terminal:
             await self.router.cancel.remote(video_id)
         await self.store.delete.remote(video_id)
@@ -108,14 +113,14 @@ class VideoJobs:
             self._files.pop(f"{video_id}/{variant}", None)
         return {"id": video_id, "object": "video.deleted", "deleted": True}
 
-    async def content(self, video_id: str, variant: str = "video") -> EncodedVideo:
+    async def content(self, video_id: str, variant: str = "video", owner: str | None = None) -> EncodedVideo:
         """variant 'video': the MP4 (OpenAI's default); 'thumbnail' and 'spritesheet': OpenAI's
         preview images (see video_previews); 'frames' (our extension): every frame as a lossless
         PNG in a ZIP, for callers that post-process or compare frames exactly."""
         if variant not in VARIANTS:
             raise invalid("variant", f"variant must be one of {', '.join(map(repr, VARIANTS))}; got {variant!r}",
                           code="unsupported_value")
-        record = await self._record(video_id)
+        record = await self._record(video_id, owner)
         if record.status != "completed":
             raise not_ready(video_id, await self._object(record))
         key = f"{video_id}/{variant}"
@@ -132,10 +137,11 @@ class VideoJobs:
             self._files.popitem(last=False)
         return encoded
 
-    async def _record(self, video_id: str) -> JobRecord:
-        # Ids this server never hands out are refused without asking the store.
+    async def _record(self, video_id: str, owner: str | None) -> JobRecord:
+        # Ids this server never hands out are refused without asking the store; another
+        # tenant's job is as unknown as one that never was.
         record = await self.store.get.remote(video_id) if VIDEO_ID.match(video_id) else None
-        if record is None:
+        if record is None or owner is not None and record.owner != owner:
             raise not_found(video_id)
         return record
 

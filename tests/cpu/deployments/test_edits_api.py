@@ -10,6 +10,8 @@ import PIL.Image
 import pytest
 
 from stepserve.deployments import images as images_module
+from stepserve.deployments.config import AppConfig
+from stepserve.deployments.edit_validation import template_identity, to_edit_specs
 from stepserve.engine.families.sd3 import SD3Family
 from stepserve.policies.types import LoraUse, RequestKind
 from tests.cpu.deployments.fakes import CONFIG, assert_error, build, http_client
@@ -72,7 +74,8 @@ def test_a_form_body_reaches_the_router_as_an_edit_with_its_pixels(http, app):
     assert response.status_code == 200, response.text
     assert [d["seed"] for d in response.json()["data"]] == [7, 8]
     (first, (inputs,), _), (second, _, _) = app.router.submit.calls
-    assert (first.kind, first.model, first.strength, first.template_id) == (RequestKind.EDIT, "tiny-sd3", 0.6, "sofa-v1")
+    assert (first.kind, first.model, first.strength) == (RequestKind.EDIT, "tiny-sd3", 0.6)
+    assert first.template_id == second.template_id == template_identity("sofa-v1", inputs.image)
     assert (first.width, first.height) == (64, 64) and second.seed == 8 and first.slo_s == second.slo_s == 2.5
     # SD3's inpaint pipeline keeps the fraction of a step: 10 x 0.6 runs 6 steps, skipping 4.
     assert (first.skip_steps, first.steps_to_run) == (SD3Family.skipped_steps(10, 0.6), 6) == (4, 6)
@@ -81,6 +84,20 @@ def test_a_form_body_reaches_the_router_as_an_edit_with_its_pixels(http, app):
     assert inputs.image.shape == (64, 64, 3) and inputs.image.dtype == np.uint8
     assert inputs.mask.shape == (64, 64) and set(np.unique(inputs.mask)) == {0, 255}
     assert inputs.mask[16:32, 16:40].min() == 255 and inputs.mask.sum() == 255 * 24 * 16
+
+
+def test_a_template_is_its_name_and_its_image():
+    """Another image sent under a template's name is another template (it records anew): it never
+    gets the first image's cached activations."""
+    config = AppConfig.model_validate(EDITS)
+
+    def template(image: bytes, name: str = "sofa") -> str:
+        (spec,), _ = to_edit_specs({**body(template_id=name), "image": b64(image)}, config, "e")
+        return spec.template_id
+
+    other = encoded(PIL.Image.fromarray(np.full((64, 64, 3), 7, dtype=np.uint8)))
+    assert template(picture()) == template(picture()) != template(other)
+    assert template(picture()).startswith("sofa#") and template(picture(), "sofa2") != template(picture())
 
 
 def test_json_bodies_and_handle_callers_send_base64(http, app):

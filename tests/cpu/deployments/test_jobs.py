@@ -337,3 +337,16 @@ def test_job_store_wait_returns_when_the_job_ends():
         assert store._ended == {}  # ...then dropped
 
     asyncio.run(scenario())
+
+
+def test_a_tenants_pages_hold_its_jobs_only():
+    t = table()
+    for i, owner in enumerate("abaab"):
+        t.create(JobRecord(f"j{i}", "video", 0.0, {}, owner=owner), now=0)
+    assert ids(t.page(None, 2, "asc", now=0, owner="a")[0]) == ["j0", "j2"]
+    assert t.page(None, 2, "asc", now=0, owner="a")[1]  # j3 follows
+    assert t.page("j2", 2, "asc", now=0, owner="a") == ([t.get("j3", now=0)], False)
+    assert ids(t.page(None, 5, "desc", now=0, owner="b")[0]) == ["j4", "j1"]
+    assert ids(t.page(None, 5, "asc", now=0)[0]) == ["j0", "j1", "j2", "j3", "j4"]  # no owner: every job
+    with pytest.raises(ValueError, match="unknown cursor"):
+        t.page("j1", 2, "asc", now=0, owner="a")  # another tenant's job is no cursor

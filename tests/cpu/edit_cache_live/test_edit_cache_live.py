@@ -76,3 +76,11 @@ def test_a_template_is_recorded_once_and_reused(app):
     assert edit_blocks(url) == {"loaded": 4 * 3, "computed": 0, "unplanned": 0}
     exact = edit(2, None, box=(16, 16, 32, 32))
     assert reused.shape == exact.shape and np.abs(reused.astype(int) - exact.astype(int)).mean() < 8
+    # Another image under the same name is another template: recorded anew, exact.
+    first_picture = picture.getvalue()
+    picture.seek(0)
+    picture.truncate()
+    Image.fromarray(np.random.default_rng(4).integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(picture, "PNG")
+    assert picture.getvalue() != first_picture
+    assert np.array_equal(edit(1, "sofa"), edit(1, None))
+    assert store_stats(url)["memory_values"] == 2
