@@ -59,6 +59,13 @@ class RouterMetrics:
             "What a step costs beyond its profile (round trip, worker bookkeeping), as the scheduler now "
             "predicts it.", ["kind"], registry=r,
         )
+        self.load_control = Gauge(
+            "stepserve_load_control",
+            "Each worker's SynerDiff load controller (`vae_decoder.load_controller`) after its last plan: "
+            "'load', how far it has moved skip-CFG starts toward their floors (0: not at all, 1: there); "
+            "'decode_chunks', the chunks of a decode that starts now.",
+            ["worker", "setting"], registry=r,
+        )
         self.activation_cache = Gauge(
             "stepserve_activation_cache",
             "Each node's activation store (`edit_cache`): gets that hit memory or disk or missed, templates and "
@@ -136,6 +143,13 @@ class RouterMetrics:
         """A node's `actors.activation_cache.CacheStats`."""
         for stat, value in vars(stats).items():
             self.activation_cache.labels(node[:8], stat).set(value)
+
+    def observe_load_control(self, worker: str, control: tuple[float, int] | None) -> None:
+        """A plan's `StepReport.load_control` (None: the worker runs no load controller)."""
+        if control is not None:
+            load, chunks = control
+            self.load_control.labels(worker, "load").set(load)
+            self.load_control.labels(worker, "decode_chunks").set(chunks)
 
     def observe_edit_blocks(self, counts: EditBlockCounts) -> None:
         """One plan's `StepReport.edit_blocks` (most plans run no masked forward: nothing to count)."""

@@ -435,6 +435,7 @@ class Router:
             if report.lora_wait_s:
                 self.metrics.lora_wait.labels("batch").observe(report.lora_wait_s * max(1, report.batch_size))
             self.metrics.observe_edit_blocks(report.edit_blocks)
+            self.metrics.observe_load_control(wid, report.load_control)
             self._handle(self.core.apply(report, now))
             self._kick.set()
 

@@ -106,6 +106,11 @@ class RoundSequencer:
         """The chunks of a decode that starts now (None: the lane's own)."""
         return None if self.controller is None else controller_chunks(self.controller, self._state)
 
+    @property
+    def load_control(self) -> tuple[float, int] | None:
+        """(`load`, `chunks`) as a plan reports them (`StepReport.load_control`); None without a controller."""
+        return None if self.controller is None else (self.load, self.chunks)
+
     def sub_rounds(self, group: StepGroup, samplers: Mapping[str, Sampler], decodes: int) -> list[SubRound]:
         """The group's round as sub-rounds, planned on the table of its model at its size. A group
         over ranks, without a table (of several sizes included) or larger than its table's B_max

@@ -158,6 +158,7 @@ class StepRunner:
             steps_run=steps_run if cut else None,
             lora_wait_s=run.lora_wait_s,
             edit_blocks=self._edit_blocks(),
+            load_control=None if self.sequencer is None else self.sequencer.load_control,
         )
         return report, payloads
 

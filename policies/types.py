@@ -568,3 +568,7 @@ class StepReport:
     # them): time every request of the batch waited for them.
     lora_wait_s: float = 0.0
     edit_blocks: EditBlockCounts = EditBlockCounts()  # the plan's masked forwards, block by block
+    # Its SynerDiff load controller after this plan's queue sample (`WorkerPlan.queued`): how far
+    # it has moved skip-CFG starts toward their floors (0 to 1), and the chunks of a decode that
+    # starts now. None: the worker runs no load controller.
+    load_control: tuple[float, int] | None = None

@@ -63,3 +63,16 @@ def test_the_blocks_of_masked_edits_are_counted_by_how_they_ran():
     assert samples[("stepserve_edit_blocks_total", "loaded")] == 5
     assert samples[("stepserve_edit_blocks_total", "computed")] == 1
     assert samples[("stepserve_edit_unplanned_forwards_total", None)] == 1
+
+
+def test_each_workers_load_controller_is_published():
+    metrics = RouterMetrics()
+    metrics.observe_load_control("w0", None)  # no controller: nothing published
+    assert "stepserve_load_control{" not in metrics.exposition().decode()
+    metrics.observe_load_control("w0", (2 / 3, 2))
+    metrics.observe_load_control("w1", (0.0, 1))
+    values = {(s.labels["worker"], s.labels["setting"]): s.value
+              for family in text_string_to_metric_families(metrics.exposition().decode())
+              for s in family.samples if s.name == "stepserve_load_control"}
+    assert values == {("w0", "load"): 2 / 3, ("w0", "decode_chunks"): 2, ("w1", "load"): 0.0,
+                      ("w1", "decode_chunks"): 1}

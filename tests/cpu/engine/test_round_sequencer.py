@@ -164,11 +164,14 @@ def test_under_load_a_request_skips_cfg_from_nearer_its_floor(tiny_family):
                         sequencer=RoundSequencer(derived(2, batch=2), alpha=1.0,
                                                  controller=load_controller(2, 2, window=2)))
     admission = {"s": admission_for(tiny_family, spec)}
+    reported = []
     for step, queued in enumerate((0, 5, 10, 15, 20, 25)):
         plan = WorkerPlan("w0", admit=("s",) if step == 0 else (), groups=(StepGroup(("s",)),),
                           finish=("s",) if step == 5 else (), plan_id=step, queued=queued)
         report, _ = runner.execute(plan, admission if step == 0 else {})
         assert not report.failed
+        reported.append((round(report.load_control[0], 2), report.load_control[1]))
+    assert reported == [(0, 2), (0.33, 2), (0.33, 2), (0.67, 2), (0.67, 2), (1, 2)]  # what the router publishes
     from_half = dataclasses.replace(spec, skip_cfg_from=0.5, skip_cfg_floor_from=None)
     alone, _ = run_together(StepRunner("w1", {"tiny-sd": tiny_family}, decode_images=True), tiny_family,
                             [from_half], 6)
