@@ -83,17 +83,16 @@ class DenoiserWorker:
         ControlNets it holds and the LoRAs it serves; LoRAs come from `services.lora_stores` (this
         node's, or any) as requests need them, or, with no store, are all loaded here at start.
         `services.controlnet_service`: the ControlNet deployment, which then runs the ControlNets
-        instead of this worker; with `controlnet_stale`, a step may add the residuals of its
-        request's previous step. `edit_cache` (with `services.activation_stores`), `patch_cache`
-        and `pack_resolutions`: its forward modes (`mode_settings`)."""
+        instead of this worker. `edit_cache` (with `services.activation_stores`), `patch_cache`,
+        `pack_resolutions`, `lora_join_by` and `controlnet_stale`: its forward and add-on modes
+        (`mode_settings`)."""
         o = options
         if o.torch_threads:
             torch.set_num_threads(o.torch_threads)
         self.device = resolve_device(o.device)
         controlnets = services.controlnet_service
         # One client of the ControlNet service, handed to each family that takes add-ons as it is built.
-        remote = None if controlnets is None else RemoteControlNets(ServiceControlNets(controlnets),
-                                                                     o.controlnet_stale)
+        remote = None if controlnets is None else RemoteControlNets(ServiceControlNets(controlnets))
         families = {m.name: load_family(m, worker_parts(m, o.decode_images, o.encode_text, o.patch_cache is not None),
                                         self.device, remote if family_class(m.family).takes_addons else None)
                     for m in models}
@@ -113,8 +112,8 @@ class DenoiserWorker:
         sequencer = None
         if o.sequencer is not None and self.lane is not None:
             sequencer = RoundSequencer(o.sequencer.tables, o.sequencer.alpha, o.sequencer.controller)
-        self.runner = StepRunner(worker_id, families, self.incarnation, decode_images=o.decode_images, loras=loras,
-                                 lora_bounds=o.lora_bounds, decode_lane=self.lane, sequencer=sequencer,
+        self.runner = StepRunner(worker_id, families, self.incarnation, decode_images=o.decode_images,
+                                 decode_lane=self.lane, sequencer=sequencer, loras=loras,
                                  **mode_settings(o, families, services))
         self.sp_world: SPWorld | None = None
         self._interrupted = 0  # the plan id the router last asked to cut short
@@ -224,10 +223,12 @@ class DenoiserWorker:
 
 def mode_settings(options: WorkerPoolSpec, families: Mapping[str, DiffusionFamily],
                   services: WorkerServices) -> dict[str, Any]:
-    """The settings of the worker's forward modes (`engine.forward_modes.registry`) from the
-    pool's options: where edits of templates find cached activations (this node's activation
-    store, behind an LRU of the records this worker used last), the patch cache's predictor of
-    each model that has one (calibrated here, now), whether plain groups pack resolutions."""
+    """The settings of the worker's forward and add-on modes (`engine.forward_modes.registry`,
+    `engine.addon_modes.registry`; its LoRA loader apart) from the pool's options: where edits
+    of templates find cached activations (this node's activation store, behind an LRU of the
+    records this worker used last), the patch cache's predictor of each model that has one
+    (calibrated here, now), whether plain groups pack resolutions, how late each LoRA may join,
+    and whether ControlNets the service runs may be one step stale."""
     templates = None
     if services.activation_stores:
         local = ActivationCache(options.edit_cache_worker_bytes) if options.edit_cache_worker_bytes else None
@@ -237,7 +238,9 @@ def mode_settings(options: WorkerPoolSpec, families: Mapping[str, DiffusionFamil
     if options.patch_cache is not None:
         patch_reuse = {name: calibrate(family, name, options.patch_cache) for name, family in families.items()
                        if ModeName.PATCH_CACHE in family.forward_modes}
-    return {"templates": templates, "patch_reuse": patch_reuse, "pack_resolutions": options.pack_resolutions}
+    return {"templates": templates, "patch_reuse": patch_reuse, "pack_resolutions": options.pack_resolutions,
+            "lora_bounds": options.lora_bounds,
+            "stale_controlnets": options.controlnet_stale}
 
 
 def _fetch(refs: list[AdmissionRef]) -> dict[str, Any]:

@@ -137,7 +137,6 @@ class RoundSequencer:
             rounds[-1] = SubRound(last.group, last.skipping, last.decodes + decodes - n)
         return rounds
 
-
     @staticmethod
     def choose(sub: SubRound, samplers: Mapping[str, Sampler]) -> None:
         """Before a sub-round's forward: its members past their skip-CFG step skip as it says."""

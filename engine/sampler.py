@@ -25,8 +25,9 @@ import numpy as np
 import torch
 from diffusers.configuration_utils import FrozenDict
 
+from stepserve.engine.addon_modes.base import AddonModeName
 from stepserve.engine.addons import ControlRows, LoraRows, StepAddons
-from stepserve.engine.addons.controlnet import StaleResiduals, control_tensor
+from stepserve.engine.addons.controlnet import control_tensor
 from stepserve.engine.families.base import DiffusionFamily, RowConditioning, TextEmbeddings
 from stepserve.engine.forward_modes.base import ModeName
 from stepserve.engine.inpaint import EditLatents, image_tensor, mask_tensor, start_edit
@@ -111,7 +112,8 @@ class Sampler:
             text = {name: torch.cat([uncond[name], text[name]]) for name in text}  # the pipelines' [uncond, cond]
         self.cond = family.row_conditioning(spec, text)
         self.control = _control_rows(spec, family, conditioning.control)
-        self.stale = _stale_holders(spec, family)
+        # The state each add-on mode keeps for it (`engine.addon_modes`), by mode; not exported.
+        self.addon_state: dict[AddonModeName, Any] = {}
         self.loras_joined: dict[str, int] = {}  # LoRA name -> the step from which it applies
         self.step_index = 0
         self._bind(family)
@@ -186,17 +188,12 @@ class Sampler:
         return sample, t.reshape(1).expand(self.rows), self.cond
 
     def addons(self, first_row: int) -> StepAddons:
-        """Its ControlNets and LoRAs at the next step, for its rows starting at `first_row` of a forward."""
+        """Its ControlNets and LoRAs at the next step, for its rows starting at `first_row` of a
+        forward, exact (the runner's add-on modes may change them: `engine.addon_modes`)."""
         rows = slice(first_row, first_row + self.rows)
         last = self.step_index == self.steps_total - 1
-        controls = []
-        for i, (use, image) in enumerate(zip(self.spec.controlnets, self.control)):
-            scale = use.scale_at(self.step_index, self.steps_total)
-            stale = self.stale[i] if self.stale else None
-            if stale is not None and scale == 0.0:
-                stale.clear()  # off for now: residuals from before would be more than one step old
-            controls.append(ControlRows(use.name, rows, image, scale, stale, last))
-        controls = tuple(controls)
+        controls = tuple(ControlRows(use.name, rows, image, use.scale_at(self.step_index, self.steps_total), last=last)
+                         for use, image in zip(self.spec.controlnets, self.control))
         loras = tuple(LoraRows(use.name, rows, use.scale) for use in self.spec.loras if use.name in self.loras_joined)
         return StepAddons(controls, loras)
 
@@ -264,8 +261,8 @@ class Sampler:
         self.edit = None if state["edit"] is None else EditLatents(**copy_to(state["edit"], family.device))
         self.mode = None
         self.mode_state = None
+        self.addon_state = {}
         _check_addons(self.spec, family)
-        self.stale = _stale_holders(self.spec, family)  # stale residuals stay behind: one step waits
         self.generator = torch.Generator("cpu")
         self.generator.set_state(state["generator_state"])
         self.scheduler = restore_scheduler(state["scheduler"], family.device)
@@ -309,12 +306,6 @@ def _check_addons(spec: RequestSpec, family: DiffusionFamily) -> None:
     missing = sorted({use.name for use in spec.controlnets} - set(family.controlnets))
     if missing and family.controlnet_service is None:  # (the service knows its own)
         raise ValueError(f"ControlNet {missing} not loaded for model {family.source.name!r}")
-
-
-def _stale_holders(spec: RequestSpec, family: DiffusionFamily) -> tuple[StaleResiduals, ...]:
-    if spec.controlnets and family.controlnet_stale:
-        return tuple(StaleResiduals() for _ in spec.controlnets)
-    return ()
 
 
 def _control_rows(spec: RequestSpec, family: DiffusionFamily, images: tuple[torch.Tensor, ...]) -> tuple:

@@ -5,8 +5,11 @@ does, one plan per round. A plan runs, in order: drop, admit, one denoiser forwa
 (sequence-parallel when the group names ranks) `plan.steps` times over, export, checkpoint,
 finish, release. How a group's forward runs is the first of the runner's forward modes that
 takes it (`engine.forward_modes`: packed resolutions, a CFG split, a template edit, the patch
-cache, else the plain forward); the modes also give admitted requests their per-request state. Between two of those steps `stop` may cut the plan short (the router wants the
-worker back: a request arrived or was cancelled); a request it was to finish then stays resident.
+cache, step caching, skip-CFG, else the plain forward); what each member adds to it is its exact
+add-ons as the runner's add-on modes adjust them (`engine.addon_modes`: LoRAs that join late,
+stale ControlNets). Both kinds of mode give admitted requests their per-request state. Between
+two of those steps `stop` may cut the plan short (the router wants the worker back: a request
+arrived or was cancelled); a request it was to finish then stays resident.
 
 Every failure is confined to the requests it concerns, reported in the `StepReport`, and a
 failed request is forgotten here (the router resumes it from a checkpoint or fails it). After a
@@ -25,6 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from stepserve.engine.addon_modes.base import AddonModeName
+from stepserve.engine.addon_modes.registry import addon_modes
 from stepserve.engine.addons import StepAddons
 from stepserve.engine.addons.lora import LoraLoader
 from stepserve.engine.addons.source import LoraJoinBounds
@@ -58,9 +63,9 @@ class Admission:
 
 class StepRunner:
     def __init__(self, worker_id: str, families: Mapping[str, DiffusionFamily], incarnation: str = "",
-                 decode_images: bool = False, loras: LoraLoader | None = None,
-                 lora_bounds: LoraJoinBounds = LoraJoinBounds(),
-                 decode_lane: DecodeLane | None = None, sequencer: RoundSequencer | None = None, **modes: Any):
+                 decode_images: bool = False, decode_lane: DecodeLane | None = None,
+                 sequencer: RoundSequencer | None = None, *, loras: LoraLoader | None = None,
+                 lora_bounds: LoraJoinBounds = LoraJoinBounds(), stale_controlnets: bool = False, **modes: Any):
         """`decode_images`: a finished image leaves as its PNG, decoded by this worker's VAE, not as
         its latents (`vae_decoder.on_workers`); with a `decode_lane`, as a `PendingDecode` whose PNG
         the lane decodes in chunks beside the next rounds (SynerDiff's VAE chunking). A video
@@ -68,11 +73,10 @@ class StepRunner:
         splits each step of a group into sub-rounds, each with its share of the lane's decodes
         and its choice of skip-CFG, and whose load controller, if it has one, follows the queue
         each plan carries (`engine.round_sequencer`).
-        `loras`: brings LoRAs that are not in the families yet (None: every LoRA a request names
-        must be loaded already); `lora_bounds`: the fraction of a request's steps that may run
-        before each of its LoRAs has arrived (0: none, exact). `modes`: the settings of its forward modes
+        `loras`, `lora_bounds`, `stale_controlnets`: the settings of its add-on modes
+        (`engine.addon_modes.registry.addon_modes`); `modes`: those of its forward modes
         (`engine.forward_modes.registry.forward_modes`: `templates`, `patch_reuse`,
-        `pack_resolutions`); none given, only the exact modes run, and groups as planned."""
+        `pack_resolutions`). None given, every mode runs exactly, and groups as planned."""
         self.worker_id = worker_id
         self.families = dict(families)
         self.incarnation = incarnation
@@ -83,8 +87,8 @@ class StepRunner:
             raise ValueError("a sequencer orders a decode lane's chunks: it needs a decode_lane")
         self.decode_lane = decode_lane
         self.sequencer = sequencer
-        self.loras = loras
-        self.lora_bounds = lora_bounds
+        self.addon_modes = addon_modes(loras=loras, lora_bounds=lora_bounds, stale_controlnets=stale_controlnets)
+        self._loras = self.addon_modes[AddonModeName.LORA_JOINING]
         self.modes = forward_modes(**modes)
         self._packed = self.modes[ModeName.PACKED]
         self.samplers: dict[str, Sampler] = {}
@@ -143,8 +147,7 @@ class StepRunner:
         payloads += [run.finish(rid, cut) for rid in plan.finish]
         for rid in plan.release:
             self.samplers.pop(rid, None)
-        if self.loras is not None:
-            self.loras.trim({(s.spec.model, use.name) for s in self.samplers.values() for use in s.spec.loras})
+        self._loras.trim(self.samplers.values())
         for device in self._cuda_devices:  # kernels are asynchronous; count them in the plan's time
             torch.cuda.synchronize(device)
         report = StepReport(
@@ -156,7 +159,7 @@ class StepRunner:
             batch_size=len(plan.stepping),
             incarnation=self.incarnation,
             steps_run=steps_run if cut else None,
-            lora_wait_s=run.lora_wait_s,
+            lora_wait_s=self._loras.take_wait(),
             edit_blocks=self._edit_blocks(),
             load_control=None if self.sequencer is None else self.sequencer.load_control,
         )
@@ -189,7 +192,6 @@ class _PlanRun:
         self.samplers = runner.samplers
         self.touched: dict[str, None] = {}  # admitted or stepped, in order
         self.failed: dict[str, RequestFailure] = {}
-        self.lora_wait_s = 0.0  # in `_apply_loras`: the batch waits meanwhile
 
     def fail(self, rid: str, message: str, lost: bool) -> None:
         self.failed.setdefault(rid, RequestFailure(rid, message, lost))
@@ -230,7 +232,9 @@ class _PlanRun:
                 sampler = Sampler.from_state(admission.state, family)
             else:
                 sampler = Sampler(spec, family, admission.conditioning)
-            self._bring_loras(sampler, family)
+            for addon_mode in self.runner.addon_modes.values():
+                if addon_mode.serves(family):
+                    addon_mode.admit(sampler, family)
             for mode in self.runner.modes.values():  # (the first to give it state wins)
                 if sampler.mode is None and mode.serves(family):
                     mode.admit(sampler, family)
@@ -240,54 +244,21 @@ class _PlanRun:
         self.samplers[rid] = sampler
         self.touched[rid] = None
 
-    def _bring_loras(self, sampler: Sampler, family: DiffusionFamily) -> None:
-        missing = [use.name for use in sampler.spec.loras if use.name not in family.loras]
-        if missing and self.runner.loras is None:
-            raise ValueError(f"LoRA {missing} not loaded for model {family.source.name!r}")
-        for name in missing:
-            self.runner.loras.request(sampler.spec.model, name)
-
-    def _apply_loras(self, sampler: Sampler, poll: bool) -> None:
-        """Its LoRAs for the next step: the joined ones must be here (it may have moved from
-        another worker); pending ones join once here, and by its deadline at the latest.
-        `poll`: first add what has arrived (once a forward is enough)."""
-        started = time.perf_counter()
-        try:
-            self._bring_joined_and_due(sampler, poll)
-        finally:
-            self.lora_wait_s += time.perf_counter() - started
-
-    def _bring_joined_and_due(self, sampler: Sampler, poll: bool) -> None:
-        spec = sampler.spec
-        family = self.family(spec)
-        loader = self.runner.loras
-        if loader is not None:
-            if poll:
-                loader.poll()
-            for name in sampler.loras_joined:
-                if name not in family.loras:
-                    loader.wait(spec.model, name)
-        pending = sampler.pending_loras
-        if pending and loader is not None:
-            bounds = self.runner.lora_bounds
-            for name in pending:  # each LoRA by its own bound
-                if name not in family.loras and sampler.step_index >= sampler.lora_deadline(
-                        bounds.bound(spec.model, name)):
-                    loader.wait(spec.model, name)
-        sampler.join_loras([name for name in pending if name in family.loras])
-
     def step(self, group: StepGroup, sp_group: Callable[[tuple[int, ...]], Any] | None) -> None:
         """One forward for the group's resident members; each advances one step."""
         members: list[tuple[str, Sampler, tuple]] = []
-        polled = False
+        addon_modes = self.runner.addon_modes.values()
+        for addon_mode in addon_modes:
+            addon_mode.begin_forward()
         for rid in group.request_ids:
             sampler = self.resident(rid)
             if sampler is None:
                 continue
             try:
-                if sampler.spec.loras:
-                    self._apply_loras(sampler, poll=not polled)
-                    polled = True
+                family = self.family(sampler.spec)
+                for addon_mode in addon_modes:
+                    if addon_mode.serves(family):
+                        addon_mode.prepare(sampler, family)
                 members.append((rid, sampler, sampler.model_input()))
             except Exception as exc:
                 self.fail(rid, f"denoising step failed: {type(exc).__name__}: {exc}", lost=False)
@@ -334,7 +305,8 @@ class _PlanRun:
         if len(group.ranks) > 1 and len(group.request_ids) != 1:
             raise ValueError(f"a group split over ranks holds one request, not {len(group.request_ids)}")
         batch = ForwardBatch(group, self.family(samplers[0].spec), tuple(samplers),
-                             tuple(model_input for _, _, model_input in members), None, _group_addons(samplers))
+                             tuple(model_input for _, _, model_input in members), None,
+                             _group_addons(samplers, self.runner.addon_modes.values()))
         mode = next(mode for mode in self.runner.modes.values() if mode.takes(batch))
         mode.check(batch)
         if len(group.ranks) > 1 and sp_group is None:
@@ -387,12 +359,16 @@ class _PlanRun:
         return output
 
 
-def _group_addons(samplers: list[Sampler]) -> StepAddons:
-    """The forward's add-ons: each member's at the rows it has in the concatenated batch."""
+def _group_addons(samplers: list[Sampler], modes) -> StepAddons:
+    """The forward's add-ons: each member's at the rows it has in the concatenated batch, as
+    the add-on modes that hold its state adjust them."""
     controls, loras, first_row = [], [], 0
     for sampler in samplers:
         if sampler.spec.controlnets or sampler.spec.loras:
             mine = sampler.addons(first_row)
+            for mode in modes:
+                if mode.name in sampler.addon_state:
+                    mine = mode.adjust(sampler, mine)
             controls += mine.controls
             loras += mine.loras
         first_row += sampler.rows

@@ -143,12 +143,14 @@ def with_controlnet_service(family, app, model, stale: bool, specs, inputs) -> n
     from stepserve.engine.addons.source import AddonKind
 
     sources = [c.to_source(AddonKind.CONTROLNET) for c in app.controlnets if c.model == model.name]
+    from stepserve.engine.step_runner import StepRunner
+
     family.controlnet_service = InProcessControlNets(ControlNetService(sources, [model.to_source()], "cpu"))
-    family.controlnet_stale = stale
     try:
-        return in_batches(family, specs, inputs, BATCH)
+        runner = StepRunner("bench", {model.name: family}, decode_images=True, stale_controlnets=stale)
+        return in_batches(family, specs, inputs, BATCH, runner=runner)
     finally:
-        family.controlnet_service, family.controlnet_stale = None, False
+        family.controlnet_service = None
 
 
 def cfg_split(args: argparse.Namespace, specs: Sequence[RequestSpec]) -> tuple[np.ndarray, bool]:

@@ -70,9 +70,11 @@ def specs_for(prompts: Sequence[str], args: argparse.Namespace, tag: str, **extr
             for i, prompt in enumerate(prompts)]
 
 
-def in_batches(family, specs, inputs: Sequence[RequestInputs] = (), batch: int = 25) -> np.ndarray:
+def in_batches(family, specs, inputs: Sequence[RequestInputs] = (), batch: int = 25, runner=None) -> np.ndarray:
+    """`draw` of the specs, `batch` at a time, on `runner` (default: a plain worker's)."""
     inputs = list(inputs)
-    return np.concatenate([draw(family, specs[i:i + batch], inputs[i:i + batch]) for i in range(0, len(specs), batch)])
+    return np.concatenate([draw(family, specs[i:i + batch], inputs[i:i + batch], runner=runner)
+                           for i in range(0, len(specs), batch)])
 
 
 def controlled(images: np.ndarray) -> list[RequestInputs]:

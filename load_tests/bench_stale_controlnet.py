@@ -33,25 +33,30 @@ from stepserve.deployments.controlnet_service import ControlNetService
 from stepserve.engine.addons.controlnet import control_pixels, control_tensor
 from stepserve.engine.addons.source import AddonKind, AddonSource
 from stepserve.engine.families import ALL_PARTS, ModelSource, load_family
-from stepserve.engine.sampler import Conditioning, Sampler
+from stepserve.engine.sampler import Conditioning
+from stepserve.engine.step_runner import Admission, StepRunner
 from stepserve.engine.text_encoding import encode_conditioning
 from stepserve.load_tests.addon_mix import control_image_b64
 from stepserve.load_tests.fidelity import psnr, ssim
 from stepserve.load_tests.plots import plot_stale_controlnet
-from stepserve.policies.types import ControlNetUse, RequestSpec
+from stepserve.policies.types import ControlNetUse, RequestSpec, StepGroup, WorkerPlan
 
 NAMES = ("canny", "depth", "pose")
 
 
 def image(family, spec: RequestSpec, stale: bool) -> np.ndarray:
-    family.controlnet_stale = stale
+    """The request's image, denoised alone by a worker's step runner, its ControlNets stale or exact."""
     text = encode_conditioning(family, spec)
     control = tuple(control_tensor(control_pixels(_png(use.name, spec), spec.height, spec.width))
                     for use in spec.controlnets)
-    sampler = Sampler(spec, family, Conditioning(text.prompt, text.negative, control))
-    while not sampler.done:
-        sampler.step(family)
-    return family.decode(sampler.latents)[0]
+    runner = StepRunner("bench", {spec.model: family}, stale_controlnets=stale)
+    admission = Admission(spec, Conditioning(text.prompt, text.negative, control))
+    step, rid = (StepGroup((spec.request_id,)),), spec.request_id
+    plan = WorkerPlan("bench", admit=(rid,), groups=step, steps=spec.steps_to_run, finish=(rid,))
+    report, (latents,) = runner.execute(plan, {rid: admission})
+    if report.failed:
+        raise RuntimeError(report.failed[0].message)
+    return family.decode(torch.from_numpy(latents))[0]
 
 
 def _png(name: str, spec: RequestSpec) -> PIL.Image.Image:

@@ -51,13 +51,15 @@ def solo_pipeline_image(family, spec: RequestSpec):
         ).images[0]
 
 
-def run_continuous_batch(family, arrivals: dict[int, list], rounds: int = 100, admit=None) -> dict[str, np.ndarray]:
+def run_continuous_batch(family, arrivals: dict[int, list], rounds: int = 100, admit=None,
+                         **modes) -> dict[str, np.ndarray]:
     """Drive a StepRunner like continuous batching does: everyone resident steps each round,
     newcomers join at step boundaries, and a request finishes in the plan of its last step.
     `arrivals` maps a round to the specs arriving then; `admit(spec)` gives each one's admission
-    (default: a fresh start with its text conditioning). Returns the finished latents by id."""
+    (default: a fresh start with its text conditioning); `modes`: the runner's mode settings.
+    Returns the finished latents by id."""
     admit = admit or (lambda spec: admission_for(family, spec))
-    runner = StepRunner("w0", {family.source.name: family})
+    runner = StepRunner("w0", {family.source.name: family}, **modes)
     left: dict[str, int] = {}
     done = {}
     for rnd in range(rounds):

@@ -29,11 +29,9 @@ Residuals = tuple[list[torch.Tensor], torch.Tensor]
 
 
 class StaleResiduals:
-    """One request's use of one ControlNet, one step stale (`controlnet_service.stale`,
-    SwiftDiffusion's pipelined ControlNet for slow links): a step adds the residuals of the
-    previous step's input while this step's are computed for the next, so neither the
-    ControlNet nor the transfer is waited for. The residuals are kept unscaled; a step scales
-    them by its own scale. Not part of an exported state: after a move, a step waits once."""
+    """One request's use of one ControlNet, one step stale (the add-on mode
+    `engine.addon_modes.stale_controlnet`): what the family's service forward keeps between the
+    request's steps. The residuals are kept unscaled; a step scales them by its own scale."""
 
     def __init__(self) -> None:
         self.ready: Residuals | None = None  # of the previous step's input
@@ -151,12 +149,11 @@ class ControlNetService(Protocol):
 
 @dataclass(frozen=True)
 class RemoteControlNets:
-    """Where a family's ControlNets run when not on its worker (given when the family is built):
-    the service, and whether a step may add its request's previous step's residuals
-    (`controlnet_service.stale`)."""
+    """Where a family's ControlNets run when not on its worker (given when the family is built).
+    Whether a step may add its request's previous step's residuals is its worker's add-on mode
+    (`engine.addon_modes.stale_controlnet`)."""
 
     service: ControlNetService
-    stale: bool = False
 
 
 def control_pixels(image: PIL.Image.Image, height: int, width: int) -> np.ndarray:

@@ -152,10 +152,8 @@ class SD15Family(DiffusionFamily):
         self.denoiser = components.get(DENOISER)
         self.vae = components.get(VAE)
         self.controlnets: dict[str, ControlNetModel] = {}
-        # Where the ControlNets run when not here (SwiftDiffusion's ControlNet-as-a-Service), and
-        # whether their residuals may be one step stale (`controlnet_service.stale`).
+        # Where the ControlNets run when not here (SwiftDiffusion's ControlNet-as-a-Service).
         self.controlnet_service: ControlNetService | None = None if remote is None else remote.service
-        self.controlnet_stale = remote is not None and remote.stale
         self.loras: dict[str, LoraWeights] = {}
         if self.denoiser is not None and device.type == "cuda" and self.xformers_attention \
                 and importlib.util.find_spec("xformers"):

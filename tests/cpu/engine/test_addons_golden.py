@@ -110,19 +110,20 @@ def test_one_step_stale_controlnets_stay_close_to_exact_and_survive_a_move(serve
     family.controlnet_service = InProcessControlNets(ControlNetService(sources, [family.source], "cpu"))
     try:
         exact = run_continuous_batch(family, {0: [spec]}, admit=lambda s: admission(family, s))["s"]
-        family.controlnet_stale = True
-        stale = run_continuous_batch(family, {0: [spec]}, admit=lambda s: admission(family, s))["s"]
-        runner, step = StepRunner("w0", {family.source.name: family}), (StepGroup(("s",)),)
+        stale = run_continuous_batch(family, {0: [spec]}, admit=lambda s: admission(family, s),
+                                     stale_controlnets=True)["s"]
+        runner = StepRunner("w0", {family.source.name: family}, stale_controlnets=True)
+        step = (StepGroup(("s",)),)
         runner.execute(WorkerPlan("w0", admit=("s",), groups=step), {"s": admission(family, spec)})
         runner.execute(WorkerPlan("w0", groups=step), {})
         _, (state,) = runner.execute(WorkerPlan("w0", groups=step, export=("s",)), {})
-        other = StepRunner("w1", {family.source.name: family})
+        other = StepRunner("w1", {family.source.name: family}, stale_controlnets=True)
         other.execute(WorkerPlan("w1", admit=("s",), groups=step), {"s": Admission(spec, state=state)})
         other.execute(WorkerPlan("w1", groups=step), {})
         report, (moved,) = other.execute(WorkerPlan("w1", groups=step, finish=("s",)), {})
         assert not report.failed and state["step_index"] == 3
     finally:
-        family.controlnet_service, family.controlnet_stale = None, False
+        family.controlnet_service = None
     without = reference_image(family.source, dataclasses.replace(spec, controlnets=()), IMAGES, {})
     images = {k: family.decode(torch.from_numpy(v))[0] for k, v in (("exact", exact), ("stale", stale),
                                                                     ("moved", moved))}

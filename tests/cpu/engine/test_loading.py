@@ -96,9 +96,9 @@ def test_a_family_is_built_with_where_its_controlnets_run():
     """The ControlNet service is given when the family is built (a worker changes no family after)."""
     service = object()
     family = load_family(ModelSource("tiny-sd", "sd15", preset="tiny"), {DENOISER}, "cpu",
-                         RemoteControlNets(service, stale=True))
-    assert family.controlnet_service is service and family.controlnet_stale
+                         RemoteControlNets(service))
+    assert family.controlnet_service is service
     plain = load_family(ModelSource("tiny-sd", "sd15", preset="tiny"), {DENOISER}, "cpu")
-    assert plain.controlnet_service is None and not plain.controlnet_stale
+    assert plain.controlnet_service is None
     with pytest.raises(ValueError, match="takes no ControlNets"):
         load_family(ModelSource("tiny-wan", "wan", preset="tiny"), {DENOISER}, "cpu", RemoteControlNets(service))
