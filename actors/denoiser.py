@@ -30,11 +30,13 @@ from stepserve.actors.node_stores import stores_by_node
 from stepserve.actors.sp_world import DEFAULT_TIMEOUT_S, SPWorld, backend_for, rendezvous_address
 from stepserve.actors.worker_options import WorkerPoolSpec, WorkerServices
 from stepserve.engine.addons.controlnet import RemoteControlNets
+from stepserve.engine.addons.lora import LoraLoader
 from stepserve.engine.addons.source import AddonKind, load_addon
 from stepserve.engine.decode_lane import DecodeLane, PendingDecode
 from stepserve.engine.families import (DENOISER, TEXT, VAE, DiffusionFamily, ModelSource, family_class, load_family,
                                       resolve_device)
 from stepserve.engine.forward_modes.base import ModeName
+from stepserve.engine.mode_settings import ModeSettings
 from stepserve.engine.patch_cache.calibration import calibrate
 from stepserve.engine.round_sequencer import RoundSequencer
 from stepserve.engine.sampler import Conditioning
@@ -113,8 +115,8 @@ class DenoiserWorker:
         if o.sequencer is not None and self.lane is not None:
             sequencer = RoundSequencer(o.sequencer.tables, o.sequencer.alpha, o.sequencer.controller)
         self.runner = StepRunner(worker_id, families, self.incarnation, decode_images=o.decode_images,
-                                 decode_lane=self.lane, sequencer=sequencer, loras=loras,
-                                 **mode_settings(o, families, services))
+                                 decode_lane=self.lane, sequencer=sequencer,
+                                 modes=mode_settings(o, families, services, loras))
         self.sp_world: SPWorld | None = None
         self._interrupted = 0  # the plan id the router last asked to cut short
         self._held_since: float | None = None  # when the last plan ended with requests resident
@@ -221,14 +223,14 @@ class DenoiserWorker:
         return self.sp_world.group(ranks)
 
 
-def mode_settings(options: WorkerPoolSpec, families: Mapping[str, DiffusionFamily],
-                  services: WorkerServices) -> dict[str, Any]:
-    """The settings of the worker's forward and add-on modes (`engine.forward_modes.registry`,
-    `engine.addon_modes.registry`; its LoRA loader apart) from the pool's options: where edits
-    of templates find cached activations (this node's activation store, behind an LRU of the
-    records this worker used last), the patch cache's predictor of each model that has one
-    (calibrated here, now), whether plain groups pack resolutions, how late each LoRA may join,
-    and whether ControlNets the service runs may be one step stale."""
+def mode_settings(options: WorkerPoolSpec, families: Mapping[str, DiffusionFamily], services: WorkerServices,
+                  loras: LoraLoader | None = None) -> ModeSettings:
+    """The settings of the worker's forward and add-on modes from the pool's options: where
+    edits of templates find cached activations (this node's activation store, behind an LRU of
+    the records this worker used last), the patch cache's predictor of each model that has one
+    (calibrated here, now), whether plain groups pack resolutions, what brings LoRAs (`loras`,
+    None: all are loaded at start) and how late each may join, and whether ControlNets the
+    service runs may be one step stale."""
     templates = None
     if services.activation_stores:
         local = ActivationCache(options.edit_cache_worker_bytes) if options.edit_cache_worker_bytes else None
@@ -238,9 +240,8 @@ def mode_settings(options: WorkerPoolSpec, families: Mapping[str, DiffusionFamil
     if options.patch_cache is not None:
         patch_reuse = {name: calibrate(family, name, options.patch_cache) for name, family in families.items()
                        if ModeName.PATCH_CACHE in family.forward_modes}
-    return {"templates": templates, "patch_reuse": patch_reuse, "pack_resolutions": options.pack_resolutions,
-            "lora_bounds": options.lora_bounds,
-            "stale_controlnets": options.controlnet_stale}
+    return ModeSettings(templates, patch_reuse, options.pack_resolutions, loras, options.lora_bounds,
+                        options.controlnet_stale)
 
 
 def _fetch(refs: list[AdmissionRef]) -> dict[str, Any]:

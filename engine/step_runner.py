@@ -31,12 +31,11 @@ import torch
 from stepserve.engine.addon_modes.base import AddonModeName
 from stepserve.engine.addon_modes.registry import addon_modes
 from stepserve.engine.addons import StepAddons
-from stepserve.engine.addons.lora import LoraLoader
-from stepserve.engine.addons.source import LoraJoinBounds
 from stepserve.engine.decode_lane import DecodeLane, PendingDecode
 from stepserve.engine.families.base import DiffusionFamily
 from stepserve.engine.forward_modes.base import ForwardBatch, ForwardMode, ModeName
 from stepserve.engine.forward_modes.registry import forward_modes
+from stepserve.engine.mode_settings import ModeSettings
 from stepserve.engine.png import encode_png
 from stepserve.engine.round_sequencer import RoundSequencer
 from stepserve.engine.sampler import Conditioning, Sampler
@@ -64,8 +63,7 @@ class Admission:
 class StepRunner:
     def __init__(self, worker_id: str, families: Mapping[str, DiffusionFamily], incarnation: str = "",
                  decode_images: bool = False, decode_lane: DecodeLane | None = None,
-                 sequencer: RoundSequencer | None = None, *, loras: LoraLoader | None = None,
-                 lora_bounds: LoraJoinBounds = LoraJoinBounds(), stale_controlnets: bool = False, **modes: Any):
+                 sequencer: RoundSequencer | None = None, modes: ModeSettings = ModeSettings()):
         """`decode_images`: a finished image leaves as its PNG, decoded by this worker's VAE, not as
         its latents (`vae_decoder.on_workers`); with a `decode_lane`, as a `PendingDecode` whose PNG
         the lane decodes in chunks beside the next rounds (SynerDiff's VAE chunking). A video
@@ -73,10 +71,8 @@ class StepRunner:
         splits each step of a group into sub-rounds, each with its share of the lane's decodes
         and its choice of skip-CFG, and whose load controller, if it has one, follows the queue
         each plan carries (`engine.round_sequencer`).
-        `loras`, `lora_bounds`, `stale_controlnets`: the settings of its add-on modes
-        (`engine.addon_modes.registry.addon_modes`); `modes`: those of its forward modes
-        (`engine.forward_modes.registry.forward_modes`: `templates`, `patch_reuse`,
-        `pack_resolutions`). None given, every mode runs exactly, and groups as planned."""
+        `modes`: the settings of its forward and add-on modes (`engine.forward_modes`,
+        `engine.addon_modes`); by default every mode runs exactly, and groups as planned."""
         self.worker_id = worker_id
         self.families = dict(families)
         self.incarnation = incarnation
@@ -87,9 +83,9 @@ class StepRunner:
             raise ValueError("a sequencer orders a decode lane's chunks: it needs a decode_lane")
         self.decode_lane = decode_lane
         self.sequencer = sequencer
-        self.addon_modes = addon_modes(loras=loras, lora_bounds=lora_bounds, stale_controlnets=stale_controlnets)
+        self.addon_modes = addon_modes(modes)
         self._loras = self.addon_modes[AddonModeName.LORA_JOINING]
-        self.modes = forward_modes(**modes)
+        self.modes = forward_modes(modes)
         self._packed = self.modes[ModeName.PACKED]
         self.samplers: dict[str, Sampler] = {}
         self._cuda_devices = {f.device for f in self.families.values() if f.device.type == "cuda"}

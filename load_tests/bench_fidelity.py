@@ -65,6 +65,7 @@ import numpy as np
 
 from stepserve.engine.addons.source import LoraJoinBounds
 from stepserve.engine.forward_modes.base import ModeName
+from stepserve.engine.mode_settings import ModeSettings
 from stepserve.engine.shapes import dataset
 from stepserve.engine.shapes.judge import Judge, prompt_accuracy
 from stepserve.load_tests.bench_shapes import (
@@ -112,8 +113,8 @@ def joined_late(family, specs: Sequence[RequestSpec], join_by: float) -> np.ndar
     def batch(chunk: list[RequestSpec]) -> np.ndarray:
         for name in loras:  # gone again: each batch's requests start before their LoRA arrives
             family.remove_lora(name)
-        runner = StepRunner("bench", {chunk[0].model: family}, decode_images=True, loras=DueLoras(family, loras),
-                            lora_bounds=LoraJoinBounds(join_by))
+        runner = StepRunner("bench", {chunk[0].model: family}, decode_images=True,
+                            modes=ModeSettings(loras=DueLoras(family, loras), lora_bounds=LoraJoinBounds(join_by)))
         return draw(family, chunk, runner=runner)
 
     try:
@@ -147,7 +148,8 @@ def with_controlnet_service(family, app, model, stale: bool, specs, inputs) -> n
 
     family.controlnet_service = InProcessControlNets(ControlNetService(sources, [model.to_source()], "cpu"))
     try:
-        runner = StepRunner("bench", {model.name: family}, decode_images=True, stale_controlnets=stale)
+        runner = StepRunner("bench", {model.name: family}, decode_images=True,
+                            modes=ModeSettings(stale_controlnets=stale))
         return in_batches(family, specs, inputs, BATCH, runner=runner)
     finally:
         family.controlnet_service = None
@@ -211,7 +213,7 @@ def patch_cached(family, model: str, specs: Sequence[RequestSpec], spec) -> tupl
     from stepserve.engine.step_runner import StepRunner
 
     reuse = calibrate(family, model, spec)
-    runner = StepRunner("bench", {model: family}, decode_images=True, patch_reuse={model: reuse})
+    runner = StepRunner("bench", {model: family}, decode_images=True, modes=ModeSettings(patch_reuse={model: reuse}))
     caches = kept_states(runner, ModeName.PATCH_CACHE)
     pictures = batched(lambda chunk: draw(family, chunk, runner=runner), specs)
     reused = sum(float(c.reused.sum()) for c in caches)
@@ -227,7 +229,7 @@ def template_edited(family, model: str, first: list, second: list, kind) -> tupl
     from stepserve.engine.template_edits import TemplateCache
 
     runner = StepRunner("bench", {model: family}, decode_images=True,
-                        templates=TemplateCache(ActivationCache(memory_bytes=1 << 30), kind))
+                        modes=ModeSettings(templates=TemplateCache(ActivationCache(memory_bytes=1 << 30), kind)))
     batched_edits(family, first, runner)
     edits = kept_states(runner, ModeName.TEMPLATE_EDIT)
     pictures = batched_edits(family, second, runner)

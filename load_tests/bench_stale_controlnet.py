@@ -34,6 +34,7 @@ from stepserve.engine.addons.controlnet import control_pixels, control_tensor
 from stepserve.engine.addons.source import AddonKind, AddonSource
 from stepserve.engine.families import ALL_PARTS, ModelSource, load_family
 from stepserve.engine.sampler import Conditioning
+from stepserve.engine.mode_settings import ModeSettings
 from stepserve.engine.step_runner import Admission, StepRunner
 from stepserve.engine.text_encoding import encode_conditioning
 from stepserve.load_tests.addon_mix import control_image_b64
@@ -49,7 +50,7 @@ def image(family, spec: RequestSpec, stale: bool) -> np.ndarray:
     text = encode_conditioning(family, spec)
     control = tuple(control_tensor(control_pixels(_png(use.name, spec), spec.height, spec.width))
                     for use in spec.controlnets)
-    runner = StepRunner("bench", {spec.model: family}, stale_controlnets=stale)
+    runner = StepRunner("bench", {spec.model: family}, modes=ModeSettings(stale_controlnets=stale))
     admission = Admission(spec, Conditioning(text.prompt, text.negative, control))
     step, rid = (StepGroup((spec.request_id,)),), spec.request_id
     plan = WorkerPlan("bench", admit=(rid,), groups=step, steps=spec.steps_to_run, finish=(rid,))

@@ -5,6 +5,7 @@ import PIL.Image
 import torch
 
 from stepserve.engine.families import ModelSource, family_class
+from stepserve.engine.mode_settings import ModeSettings
 from stepserve.engine.sampler import Conditioning
 from stepserve.engine.step_runner import Admission, StepRunner
 from stepserve.engine.text_encoding import encode_conditioning
@@ -52,14 +53,14 @@ def solo_pipeline_image(family, spec: RequestSpec):
 
 
 def run_continuous_batch(family, arrivals: dict[int, list], rounds: int = 100, admit=None,
-                         **modes) -> dict[str, np.ndarray]:
+                         modes: ModeSettings = ModeSettings()) -> dict[str, np.ndarray]:
     """Drive a StepRunner like continuous batching does: everyone resident steps each round,
     newcomers join at step boundaries, and a request finishes in the plan of its last step.
     `arrivals` maps a round to the specs arriving then; `admit(spec)` gives each one's admission
     (default: a fresh start with its text conditioning); `modes`: the runner's mode settings.
     Returns the finished latents by id."""
     admit = admit or (lambda spec: admission_for(family, spec))
-    runner = StepRunner("w0", {family.source.name: family}, **modes)
+    runner = StepRunner("w0", {family.source.name: family}, modes=modes)
     left: dict[str, int] = {}
     done = {}
     for rnd in range(rounds):

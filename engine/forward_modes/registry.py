@@ -9,8 +9,6 @@ that asks for both holds the step cache, whose forward skips its unconditional r
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from stepserve.engine.forward_modes.base import ForwardMode, ModeName
 from stepserve.engine.forward_modes.cfg_split import CfgSplit
 from stepserve.engine.forward_modes.packed import PackedResolutions
@@ -19,21 +17,17 @@ from stepserve.engine.forward_modes.plain import Plain
 from stepserve.engine.forward_modes.skip_cfg import CfgSkipping
 from stepserve.engine.forward_modes.step_cache import StepCaching
 from stepserve.engine.forward_modes.template_edit import TemplateEdits
-from stepserve.engine.patch_cache.cached_sd3 import PatchReuse
-from stepserve.engine.template_edits import TemplateCache
+from stepserve.engine.mode_settings import ModeSettings
 
 
-def forward_modes(*, templates: TemplateCache | None = None, patch_reuse: Mapping[str, PatchReuse] | None = None,
-                  pack_resolutions: bool = False) -> dict[ModeName, ForwardMode]:
-    """A step runner's modes by name, in order, from their settings (the keywords of
-    `StepRunner`; a worker's come from `actors.denoiser.mode_settings`). `templates`: where
-    edits of templates find and keep cached activations (None: every edit is exact); `patch_reuse`: by model, how its requests reuse their patches (None or a model not
-    named: never); `pack_resolutions`: a plan's plain groups of one model run as one forward."""
-    modes: list[ForwardMode] = [PackedResolutions(join=pack_resolutions), CfgSplit()]
-    if templates is not None:
-        modes.append(TemplateEdits(templates))
-    if patch_reuse:
-        modes.append(PatchCaching(patch_reuse))
+def forward_modes(settings: ModeSettings = ModeSettings()) -> dict[ModeName, ForwardMode]:
+    """A step runner's forward modes by name, in order, from its settings (`templates`,
+    `patch_reuse`, `pack_resolutions`)."""
+    modes: list[ForwardMode] = [PackedResolutions(join=settings.pack_resolutions), CfgSplit()]
+    if settings.templates is not None:
+        modes.append(TemplateEdits(settings.templates))
+    if settings.patch_reuse:
+        modes.append(PatchCaching(settings.patch_reuse))
     modes.append(StepCaching())
     modes.append(CfgSkipping())
     modes.append(Plain())

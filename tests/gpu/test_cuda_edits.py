@@ -14,6 +14,7 @@ from stepserve.engine.editing.masked_sd3 import (
 )
 from stepserve.engine.families import ALL_PARTS, ModelSource, load_family
 from stepserve.engine.families.sd3 import TINY
+from stepserve.engine.mode_settings import ModeSettings
 from stepserve.engine.step_runner import StepRunner
 from stepserve.engine.template_edits import TemplateCache
 
@@ -56,7 +57,8 @@ def test_masked_forward_with_its_own_record_equals_plain_on_cuda(cuda_sd3):
 
 def test_template_edits_record_and_reuse_on_cuda(cuda_sd3):
     runner = StepRunner("gpu0", {"tiny-sd3": cuda_sd3},
-                        templates=TemplateCache(ActivationCache(memory_bytes=256 << 20), CacheKind.KEYS_VALUES))
+                        modes=ModeSettings(templates=TemplateCache(ActivationCache(memory_bytes=256 << 20),
+                                                                   CacheKind.KEYS_VALUES)))
     first, first_in = edit_spec(cuda_sd3, "a", seed=1)
     recorded = run(runner, cuda_sd3, [(templated(first), first_in)])["a"]
     again = run(runner, cuda_sd3, [(templated(first.__class__(**{**first.__dict__, "request_id": "b"})), first_in)])

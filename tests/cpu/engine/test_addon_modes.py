@@ -12,6 +12,7 @@ from stepserve.engine.addons.controlnet import RemoteControlNets, StaleResiduals
 from stepserve.engine.families import ALL_PARTS, DENOISER, ModelSource, load_family
 from stepserve.engine.forward_modes.base import ModeName
 from stepserve.engine.sampler import Conditioning
+from stepserve.engine.mode_settings import ModeSettings
 from stepserve.engine.step_runner import Admission, StepRunner
 from stepserve.policies.types import ControlNetUse, WorkerPlan
 
@@ -36,11 +37,12 @@ def admitted(runner, family, spec):
 
 def test_lora_joining_is_always_there_and_stale_controlnets_only_when_set():
     assert list(addon_modes()) == [AddonModeName.LORA_JOINING]
-    assert list(addon_modes(stale_controlnets=True)) == [AddonModeName.LORA_JOINING, AddonModeName.STALE_CONTROLNET]
+    stale = ModeSettings(stale_controlnets=True)
+    assert list(addon_modes(stale)) == [AddonModeName.LORA_JOINING, AddonModeName.STALE_CONTROLNET]
 
 
 def test_stale_controlnets_are_served_only_where_a_service_runs_them(served):
-    stale = addon_modes(stale_controlnets=True)[AddonModeName.STALE_CONTROLNET]
+    stale = addon_modes(ModeSettings(stale_controlnets=True))[AddonModeName.STALE_CONTROLNET]
     assert stale.serves(served)
     assert not stale.serves(load_family(TINY, {DENOISER}, "cpu"))  # its ControlNets run on the worker
     assert not stale.serves(load_family(ModelSource("tiny-wan", "wan", preset="tiny"), {DENOISER}, "cpu"))
@@ -49,7 +51,8 @@ def test_stale_controlnets_are_served_only_where_a_service_runs_them(served):
 def test_a_request_holds_its_forward_modes_state_and_its_add_on_modes_state(served):
     spec = dataclasses.replace(make_spec("r", steps=4, seed=1, model=served.source.name), step_cache=0.1,
                                controlnets=(ControlNetUse("canny", 1.0), ControlNetUse("depth", 0.5, start=0.5)))
-    sampler = admitted(StepRunner("w0", {served.source.name: served}, stale_controlnets=True), served, spec)
+    sampler = admitted(StepRunner("w0", {served.source.name: served},
+                                  modes=ModeSettings(stale_controlnets=True)), served, spec)
     assert sampler.mode is ModeName.STEP_CACHE
     holders = sampler.addon_state[AddonModeName.STALE_CONTROLNET]
     assert len(holders) == 2 and all(isinstance(h, StaleResiduals) for h in holders)
@@ -62,7 +65,7 @@ def test_a_request_holds_its_forward_modes_state_and_its_add_on_modes_state(serv
 def test_a_stale_controlnet_brings_its_holder_and_drops_it_while_off(served):
     spec = dataclasses.replace(make_spec("r", steps=4, seed=1, model=served.source.name),
                                controlnets=(ControlNetUse("canny", 1.0), ControlNetUse("depth", 0.5, start=0.5)))
-    runner = StepRunner("w0", {served.source.name: served}, stale_controlnets=True)
+    runner = StepRunner("w0", {served.source.name: served}, modes=ModeSettings(stale_controlnets=True))
     sampler = admitted(runner, served, spec)
     on, off = sampler.addon_state[AddonModeName.STALE_CONTROLNET]
     on.ready = off.ready = ([], torch.zeros(1))

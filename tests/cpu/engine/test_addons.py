@@ -16,6 +16,7 @@ from stepserve.engine.addons.presets import preset_controlnet, preset_lora, save
 from stepserve.engine.addons.source import AddonKind, AddonSource, LoraJoinBounds
 from stepserve.engine.families import ALL_PARTS, DENOISER, load_family
 from stepserve.engine.sampler import Conditioning, Sampler
+from stepserve.engine.mode_settings import ModeSettings
 from stepserve.engine.step_runner import Admission, StepRunner
 from stepserve.policies.types import ControlNetUse, LoraUse, StepGroup, WorkerPlan
 
@@ -173,7 +174,8 @@ def run_alone(runner, spec, steps):
 def test_exact_lora_loading_waits_for_the_lora_before_the_first_step(family, bare_family):
     spec = dataclasses.replace(make_spec("r", steps=4, seed=5), loras=(LoraUse("papercut", 0.8),))
     loader = ArrivingLoras({bare_family.source.name: bare_family}, family.loras, after=10)
-    late = StepRunner("w0", {bare_family.source.name: bare_family}, loras=loader, lora_bounds=LoraJoinBounds(0.0))
+    late = StepRunner("w0", {bare_family.source.name: bare_family},
+                      modes=ModeSettings(loras=loader, lora_bounds=LoraJoinBounds(0.0)))
     exact = StepRunner("w1", {family.source.name: family})
     np.testing.assert_array_equal(run_alone(late, spec, 4), run_alone(exact, spec, 4))
     assert loader.waited == ["papercut"]
@@ -183,8 +185,9 @@ def test_exact_lora_loading_waits_for_the_lora_before_the_first_step(family, bar
 def test_a_late_lora_joins_when_it_arrives_and_by_its_deadline_at_the_latest(family, bare_family):
     spec = dataclasses.replace(make_spec("r", steps=8, seed=5), loras=(LoraUse("papercut", 0.8),))
     families = {bare_family.source.name: bare_family}
-    arrives = StepRunner("w0", families, loras=ArrivingLoras(families, family.loras, after=2),
-                         lora_bounds=LoraJoinBounds(0.5))
+    arrives = StepRunner("w0", families,
+                         modes=ModeSettings(loras=ArrivingLoras(families, family.loras, after=2),
+                                            lora_bounds=LoraJoinBounds(0.5)))
     step = (StepGroup(("r",)),)
     arrives.execute(WorkerPlan("w0", admit=("r",), groups=step), {"r": Admission(spec, conditioning_for(
         bare_family, spec))})
@@ -194,7 +197,7 @@ def test_a_late_lora_joins_when_it_arrives_and_by_its_deadline_at_the_latest(fam
 
     bare_family.remove_lora("papercut")
     slow = ArrivingLoras(families, family.loras, after=100)
-    bounded = StepRunner("w1", families, loras=slow, lora_bounds=LoraJoinBounds(0.5))
+    bounded = StepRunner("w1", families, modes=ModeSettings(loras=slow, lora_bounds=LoraJoinBounds(0.5)))
     late = run_alone(bounded, dataclasses.replace(spec, request_id="s"), 8)
     assert slow.waited == ["papercut"]  # it had not come by step 4 of 8: the step waited for it
     exact = run_alone(StepRunner("w2", {family.source.name: family}), spec, 8)
@@ -212,7 +215,7 @@ def test_each_lora_joins_by_its_own_bound(family, bare_family):
     own = LoraJoinBounds(0.5, {(bare_family.source.name, "papercut"): 0.0})
     assert own.bound(bare_family.source.name, "papercut") == 0.0 and own.bound(bare_family.source.name, "ink") == 0.5
     assert own.tightest(bare_family.source.name, ["ink", "papercut"]) == 0.0
-    runner = StepRunner("w0", families, loras=slow, lora_bounds=own)
+    runner = StepRunner("w0", families, modes=ModeSettings(loras=slow, lora_bounds=own))
     exact = run_alone(StepRunner("w1", {family.source.name: family}), spec, 4)
     np.testing.assert_array_equal(run_alone(runner, spec, 4), exact)
     assert slow.waited == ["papercut"]

@@ -17,6 +17,7 @@ from stepserve.engine.addons.presets import preset_controlnet
 from stepserve.engine.addons.source import AddonKind, AddonSource
 from stepserve.engine.families import ALL_PARTS, load_family
 from stepserve.engine.sampler import Conditioning
+from stepserve.engine.mode_settings import ModeSettings
 from stepserve.engine.step_runner import Admission, StepRunner
 from stepserve.load_tests.fidelity import psnr
 from stepserve.policies.types import ControlNetUse, LoraUse, StepGroup, WorkerPlan
@@ -111,13 +112,13 @@ def test_one_step_stale_controlnets_stay_close_to_exact_and_survive_a_move(serve
     try:
         exact = run_continuous_batch(family, {0: [spec]}, admit=lambda s: admission(family, s))["s"]
         stale = run_continuous_batch(family, {0: [spec]}, admit=lambda s: admission(family, s),
-                                     stale_controlnets=True)["s"]
-        runner = StepRunner("w0", {family.source.name: family}, stale_controlnets=True)
+                                     modes=ModeSettings(stale_controlnets=True))["s"]
+        runner = StepRunner("w0", {family.source.name: family}, modes=ModeSettings(stale_controlnets=True))
         step = (StepGroup(("s",)),)
         runner.execute(WorkerPlan("w0", admit=("s",), groups=step), {"s": admission(family, spec)})
         runner.execute(WorkerPlan("w0", groups=step), {})
         _, (state,) = runner.execute(WorkerPlan("w0", groups=step, export=("s",)), {})
-        other = StepRunner("w1", {family.source.name: family}, stale_controlnets=True)
+        other = StepRunner("w1", {family.source.name: family}, modes=ModeSettings(stale_controlnets=True))
         other.execute(WorkerPlan("w1", admit=("s",), groups=step), {"s": Admission(spec, state=state)})
         other.execute(WorkerPlan("w1", groups=step), {})
         report, (moved,) = other.execute(WorkerPlan("w1", groups=step, finish=("s",)), {})

@@ -8,6 +8,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from stepserve.engine.mode_settings import ModeSettings
 from stepserve.engine.step_runner import StepRunner
 from stepserve.policies.types import StepGroup, WorkerPlan
 
@@ -30,7 +31,7 @@ def test_sizes_joining_at_different_steps_step_in_one_forward_and_each_equals_it
 
         monkeypatch.setattr(tiny_flux, name, counted)
 
-    runner = StepRunner("w0", {model: tiny_flux}, pack_resolutions=True)
+    runner = StepRunner("w0", {model: tiny_flux}, modes=ModeSettings(pack_resolutions=True))
     left, finished = {}, {}
     for rnd in range(4):
         admissions = {s.request_id: admission_for(tiny_flux, s) for s in arrivals.get(rnd, [])}

@@ -9,6 +9,7 @@ from stepserve.engine.editing.masked_sd3 import CacheKind
 from stepserve.engine.families import FAMILIES
 from stepserve.engine.forward_modes.base import ModeName
 from stepserve.engine.forward_modes.registry import forward_modes
+from stepserve.engine.mode_settings import ModeSettings
 from stepserve.engine.step_runner import StepRunner
 from stepserve.engine.template_edits import TemplateCache
 from stepserve.policies.types import StepGroup, WorkerPlan
@@ -30,7 +31,7 @@ def test_exact_modes_are_always_there_and_approximations_only_when_set():
     assert list(forward_modes()) == [ModeName.PACKED, ModeName.CFG_SPLIT, ModeName.STEP_CACHE, ModeName.SKIP_CFG,
                                      ModeName.PLAIN]
     templates = TemplateCache(ActivationCache(memory_bytes=1 << 20))
-    modes = forward_modes(templates=templates, patch_reuse={"m": object()}, pack_resolutions=True)
+    modes = forward_modes(ModeSettings(templates=templates, patch_reuse={"m": object()}, pack_resolutions=True))
     # The plain forward last: it takes every group; a template edit's state before the patch cache's.
     assert list(modes) == [ModeName.PACKED, ModeName.CFG_SPLIT, ModeName.TEMPLATE_EDIT, ModeName.PATCH_CACHE,
                            ModeName.STEP_CACHE, ModeName.SKIP_CFG, ModeName.PLAIN]
@@ -48,8 +49,9 @@ def test_a_family_has_what_its_declared_modes_call(name):
 def test_a_request_holds_one_modes_state(tiny_sd3):
     spec, inputs = edit_spec(tiny_sd3, "a", seed=1, size=64)
     runner = StepRunner("w0", {tiny_sd3.source.name: tiny_sd3},
-                        templates=TemplateCache(ActivationCache(memory_bytes=64 << 20), CacheKind.OUTPUTS),
-                        patch_reuse={tiny_sd3.source.name: object()})
+                        modes=ModeSettings(templates=TemplateCache(ActivationCache(memory_bytes=64 << 20),
+                                                                   CacheKind.OUTPUTS),
+                                           patch_reuse={tiny_sd3.source.name: object()}))
     admission = edit_admission(tiny_sd3, templated(spec), inputs)
     runner.execute(WorkerPlan("w0", admit=("a",)), {"a": admission})
     sampler = runner.samplers["a"]
@@ -61,7 +63,8 @@ def test_a_request_holds_one_modes_state(tiny_sd3):
 def test_a_template_edit_stepped_beside_a_plain_edit_leaves_its_mode(tiny_sd3):
     """Its record would miss that step, so it records nothing (and the store gets nothing)."""
     store = ActivationCache(memory_bytes=64 << 20)
-    runner = StepRunner("w0", {tiny_sd3.source.name: tiny_sd3}, templates=TemplateCache(store, CacheKind.OUTPUTS))
+    runner = StepRunner("w0", {tiny_sd3.source.name: tiny_sd3},
+                        modes=ModeSettings(templates=TemplateCache(store, CacheKind.OUTPUTS)))
     (b, b_in), (d, d_in) = edit_spec(tiny_sd3, "b", seed=2, size=64), edit_spec(tiny_sd3, "d", seed=4, size=64)
     admissions = {"b": edit_admission(tiny_sd3, templated(b), b_in), "d": edit_admission(tiny_sd3, d, d_in)}
     report, _ = runner.execute(WorkerPlan("w0", admit=("b", "d"), groups=(StepGroup(("b",)),)), admissions)

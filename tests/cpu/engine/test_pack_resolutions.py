@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from stepserve.engine.forward_modes.base import ModeName
+from stepserve.engine.mode_settings import ModeSettings
 from stepserve.engine.step_runner import StepRunner
 from stepserve.policies.types import LoraUse, StepGroup, WorkerPlan
 
@@ -40,7 +41,7 @@ class Forwards:
 def run_plans(family, specs, pack: bool, steps: int):
     """Every spec admitted in the first plan, one group per spec, `steps` one-step plans; the
     finished latents by id."""
-    runner = StepRunner("w0", {family.source.name: family}, pack_resolutions=pack)
+    runner = StepRunner("w0", {family.source.name: family}, modes=ModeSettings(pack_resolutions=pack))
     admissions = {s.request_id: admission_for(family, s) for s in specs}
     groups = tuple(StepGroup((s.request_id,)) for s in specs)
     done = {}
@@ -77,7 +78,7 @@ def test_off_each_group_is_its_own_forward(tiny_family, monkeypatch):
 
 
 def test_groups_that_must_stay_apart_do(tiny_family):
-    runner = StepRunner("w0", {"tiny-sd": tiny_family}, pack_resolutions=True)
+    runner = StepRunner("w0", {"tiny-sd": tiny_family}, modes=ModeSettings(pack_resolutions=True))
     specs = [make_spec("a", size=64), make_spec("b", size=128), make_spec("c", size=96),
              replace(make_spec("styled", size=64), loras=(LoraUse("x"),)), make_spec("split", size=64)]
     runner.samplers = {s.request_id: _Resident(s) for s in specs}
@@ -91,7 +92,7 @@ def test_sizes_a_unet_cannot_patch_stay_apart(tiny_family):
     """A patch must stay whole at the UNet's deepest level: odd latent sides share no such patch."""
     assert tiny_family.packs([(4, 8, 8), (4, 16, 12)])
     assert not tiny_family.packs([(4, 8, 8), (4, 9, 9)])
-    runner = StepRunner("w0", {"tiny-sd": tiny_family}, pack_resolutions=True)
+    runner = StepRunner("w0", {"tiny-sd": tiny_family}, modes=ModeSettings(pack_resolutions=True))
     runner.samplers = {"a": _Resident(make_spec("a", size=64)), "odd": _Resident(make_spec("odd", size=72))}
     assert joined(runner, (StepGroup(("a",)), StepGroup(("odd",)))) == [StepGroup(("a",)), StepGroup(("odd",))]
 
@@ -101,7 +102,7 @@ def test_a_family_without_mixed_resolutions_refuses_a_mixed_group(tiny_flux, mon
     monkeypatch.setattr(tiny_flux, "forward_modes", frozenset())
     monkeypatch.setattr(tiny_flux, "packs", lambda sizes: False)
     specs = [make_spec("a", steps=2, size=64, model="tiny-flux"), make_spec("b", steps=2, size=32, model="tiny-flux")]
-    runner = StepRunner("w0", {"tiny-flux": tiny_flux}, pack_resolutions=True)
+    runner = StepRunner("w0", {"tiny-flux": tiny_flux}, modes=ModeSettings(pack_resolutions=True))
     admissions = {s.request_id: admission_for(tiny_flux, s) for s in specs}
     report, _ = runner.execute(WorkerPlan("w0", admit=tuple(admissions), groups=(StepGroup(("a", "b")),)),
                                admissions)

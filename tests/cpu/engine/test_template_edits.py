@@ -6,6 +6,7 @@ import pytest
 
 from stepserve.actors.activation_cache import ActivationCache
 from stepserve.engine.editing.masked_sd3 import CacheKind, cache_slots
+from stepserve.engine.mode_settings import ModeSettings
 from stepserve.engine.step_runner import StepRunner
 from stepserve.engine.template_edits import TemplateCache, template_key
 from stepserve.policies.types import RequestSpec, StepGroup, WorkerPlan
@@ -49,7 +50,8 @@ def kind(request):
 
 
 def test_the_first_edit_records_exactly_and_a_later_one_reuses_the_record(tiny_sd3, store, kind, monkeypatch):
-    runner = StepRunner("w0", {tiny_sd3.source.name: tiny_sd3}, templates=TemplateCache(store, kind))
+    runner = StepRunner("w0", {tiny_sd3.source.name: tiny_sd3},
+                        modes=ModeSettings(templates=TemplateCache(store, kind)))
     exact = StepRunner("w0", {tiny_sd3.source.name: tiny_sd3})
     first, first_in = edit_spec(tiny_sd3, "a", seed=1, size=128, box=(32, 32, 80, 64))
     recorded = run(runner, tiny_sd3, [(templated(first), first_in)])
@@ -76,7 +78,8 @@ def test_the_first_edit_records_exactly_and_a_later_one_reuses_the_record(tiny_s
 
 
 def test_template_edits_batch_together_and_a_mixed_group_falls_back_to_exact(tiny_sd3, store, kind):
-    runner = StepRunner("w0", {tiny_sd3.source.name: tiny_sd3}, templates=TemplateCache(store, kind))
+    runner = StepRunner("w0", {tiny_sd3.source.name: tiny_sd3},
+                        modes=ModeSettings(templates=TemplateCache(store, kind)))
     exact = StepRunner("w0", {tiny_sd3.source.name: tiny_sd3})
     a, a_in = edit_spec(tiny_sd3, "a", seed=1, size=64)
     run(runner, tiny_sd3, [(templated(a), a_in)])
@@ -107,7 +110,8 @@ def test_each_report_counts_the_blocks_its_masked_forwards_loaded_and_computed(t
     # optimum still computes the first block in full and loads the second.
     costs = measured((0.0, 0.0), (0.011, 0.011), (0.010, 0.010), share=1 / 16, model=tiny_sd3.source.name)
     runner = StepRunner("w0", {tiny_sd3.source.name: tiny_sd3},
-                        templates=TemplateCache(store, kind, LoadingPlanner(Loading.OPTIMAL, costs)))
+                        modes=ModeSettings(templates=TemplateCache(store, kind,
+                                                                   LoadingPlanner(Loading.OPTIMAL, costs))))
     run(runner, tiny_sd3, [(templated(first), first_in)])  # records: exact, no masked forward
     again = templated(RequestSpec(**{**first.__dict__, "request_id": "b"}))
     plan = WorkerPlan("w0", admit=("b",), groups=(StepGroup(("b",)),), plan_id=100)

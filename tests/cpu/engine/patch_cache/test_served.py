@@ -16,6 +16,7 @@ from stepserve.engine.forward_modes.base import ModeName
 from stepserve.engine.patch_cache.cached_sd3 import PatchReuse
 from stepserve.engine.patch_cache.calibration import PatchCacheSpec, calibrate
 from stepserve.engine.patch_cache.predictor import ReusePredictor
+from stepserve.engine.mode_settings import ModeSettings
 from stepserve.engine.step_runner import Admission, StepRunner
 from stepserve.policies.types import StepGroup, WorkerPlan
 
@@ -29,8 +30,9 @@ def rule(family, bias: float) -> PatchReuse:
 def generate(family, specs, reuse: PatchReuse | None, steps: int, groups=None):
     """`specs` admitted together and stepped to the end, one group each unless `groups` says:
     their patch caches and the finished latents by id."""
-    runner = StepRunner("w0", {"tiny-sd3": family}, pack_resolutions=True,
-                        patch_reuse={"tiny-sd3": reuse} if reuse is not None else None)
+    runner = StepRunner("w0", {"tiny-sd3": family},
+                        modes=ModeSettings(pack_resolutions=True,
+                                           patch_reuse={} if reuse is None else {"tiny-sd3": reuse}))
     done, caches = run_together(runner, family, specs, steps, groups)
     return caches, done
 
@@ -73,11 +75,11 @@ def test_the_config_switch_and_the_worker_parts():
 def test_a_request_resumed_elsewhere_starts_a_fresh_cache(tiny_sd3):
     spec = make_spec("m", steps=4, size=64, model="tiny-sd3")
     reuse = {"tiny-sd3": rule(tiny_sd3, math.inf)}
-    first = StepRunner("w0", {"tiny-sd3": tiny_sd3}, patch_reuse=reuse)
+    first = StepRunner("w0", {"tiny-sd3": tiny_sd3}, modes=ModeSettings(patch_reuse=reuse))
     admission = admission_for(tiny_sd3, spec)
     _, (state,) = first.execute(WorkerPlan("w0", admit=("m",), groups=(StepGroup(("m",)),), export=("m",)),
                                 {"m": admission})
-    second = StepRunner("w1", {"tiny-sd3": tiny_sd3}, patch_reuse=reuse)
+    second = StepRunner("w1", {"tiny-sd3": tiny_sd3}, modes=ModeSettings(patch_reuse=reuse))
     report, _ = second.execute(WorkerPlan("w1", admit=("m",), groups=(StepGroup(("m",)),)),
                                {"m": Admission(spec, state=state)})
     assert not report.failed, report.failed
