@@ -1,19 +1,25 @@
-"""Prometheus metrics of the router: one registry per router, served by the ingress."""
+"""Prometheus metrics of the router: one registry per router, served by the ingress, with the
+ingress replicas' own HTTP metrics summed into it (`actors.replica_metrics`)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
+from stepserve.actors.replica_metrics import ReplicaSums
 from stepserve.policies.patchedserve.predictor import HoldoutReport
-from stepserve.policies.types import EditBlockCounts, RequestKind
+from stepserve.policies.types import EditBlockCounts, RequestKind, RequestSpec
 from stepserve.routing.core import RequestState
 
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250)
 STAGE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 100)
+# What an activation store's `CacheStats` holds now, and what it counts from its start.
+CACHE_LEVELS = ("memory_values", "memory_bytes", "disk_values", "disk_bytes")
+CACHE_EVENTS = ("memory_hits", "disk_hits", "misses", "bytes_loaded", "bytes_spilled", "evictions", "drops")
 # A finished request's time inside the router, in order (the ingress adds its own stages).
 ROUTER_STAGES = ("text_encode", "queue", "denoise", "step", "decode")
 
@@ -22,15 +28,23 @@ class RouterMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        self.ingress = ReplicaSums()  # every ingress replica's last push, summed
+        r.register(self.ingress)
         self.queue_length = Gauge("stepserve_queue_length", "Requests waiting for a worker (queued or paused).",
                                   ["kind"], registry=r)
         self.running = Gauge("stepserve_running_requests", "Requests resident on workers.", registry=r)
         self.decoding = Gauge("stepserve_decoding_requests", "Denoised requests being decoded or stored.",
                               registry=r)
         self.step_latency = Histogram(
-            "stepserve_step_latency_seconds", "Time to execute one worker plan (all its groups).",
+            "stepserve_step_latency_seconds", "Time of one denoising step on a worker: its plan's time over the "
+            "steps the plan ran, observed once per step.", ["worker"], buckets=STEP_BUCKETS, registry=r,
+        )
+        self.worker_plan = Histogram(
+            "stepserve_worker_plan_seconds", "Time a worker took to execute one plan (all its groups and steps).",
             ["worker"], buckets=STEP_BUCKETS, registry=r,
         )
+        self.queued_steps = Gauge("stepserve_queued_steps", "Denoising steps still to run of the requests waiting "
+                                  "for a worker (queued or paused).", ["kind"], registry=r)
         self.batch_size = Histogram(
             "stepserve_batch_size", "Requests stepping together in one worker plan.",
             buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32), registry=r,
@@ -44,8 +58,13 @@ class RouterMetrics:
             "stepserve_plan_seconds", "Router decision time per scheduling round (snapshot + policy + checks).",
             buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2), registry=r,
         )
-        self.requests = Counter("stepserve_requests", "Requests by final status ('refused': turned away by the router "
-                                "itself, past the ingress's admission gate).", ["status"], registry=r)
+        self.requests = Counter("stepserve_requests", "Requests by final status and model ('refused': turned away by "
+                                "the router itself, past the ingress's admission gate).", ["status", "model"],
+                                registry=r)
+        self.slo = Counter(
+            "stepserve_slo_requests", "Requests with a latency objective (their model's `slo_s`) by how they ended: "
+            "met (finished within it, arrival to result), missed (finished late) or failed. Attainment is met over "
+            "all; goodput is the rate of met.", ["model", "kind", "outcome"], registry=r)
         self.queue_wait = Histogram(
             "stepserve_queue_wait_seconds", "Arrival to first admission on a worker.", buckets=LATENCY_BUCKETS,
             registry=r,
@@ -68,10 +87,10 @@ class RouterMetrics:
         )
         self.activation_cache = Gauge(
             "stepserve_activation_cache",
-            "Each node's activation store (`edit_cache`): gets that hit memory or disk or missed, templates and "
-            "bytes held in memory and on disk, bytes read back from and spilled to disk, evictions and drops.",
-            ["node", "stat"], registry=r,
-        )
+            "Each node's activation store (`edit_cache`) now: templates and bytes held in memory and on disk.",
+            ["node", "stat"], registry=r)
+        self.activation_cache_events = _CacheEvents()  # its counts since it started
+        r.register(self.activation_cache_events)
 
         # InstGenIE's loading DP on the workers (`edit_cache.loading`), from each plan's report.
         self.edit_blocks = Counter(
@@ -115,20 +134,35 @@ class RouterMetrics:
             "Where a finished request's time went in the router: text_encode (arrival to embeddings), queue "
             "(embeddings to first admission), denoise (first admission to last step), step (denoise / steps: one "
             "step including the wait between steps), decode (last step to decoded PNG, or to the stored video).",
-            ["kind", "stage"], buckets=STAGE_BUCKETS, registry=r,
+            ["model", "kind", "stage"], buckets=STAGE_BUCKETS, registry=r,
         )
 
-    def finished(self, state: RequestState, now: float) -> None:
-        """Count a finished request and observe its stages (see `request_stage`)."""
-        self.requests.labels("finished").inc()
+    def finished(self, spec: RequestSpec, state: RequestState, now: float) -> None:
+        """Count a finished request, whether it met its SLO, and observe its stages (see `request_stage`)."""
+        kind = _kind(spec.kind)
+        self.requests.labels("finished", spec.model).inc()
+        if spec.slo_s is not None:
+            self.slo.labels(spec.model, kind, "met" if now - state.arrival_time <= spec.slo_s else "missed").inc()
         if state.ready_time is None or state.admit_time is None or state.denoised_time is None:
             return  # nothing to split: it never went through every stage
-        kind = "video" if state.kind is RequestKind.T2V else "image"  # as stepserve_queue_length says
         denoise = state.denoised_time - state.admit_time
         for stage, seconds in zip(ROUTER_STAGES, (
                 state.ready_time - state.arrival_time, state.admit_time - state.ready_time, denoise,
                 denoise / max(1, state.steps_total), now - state.denoised_time)):
-            self.request_stage.labels(kind, stage).observe(max(0.0, seconds))
+            self.request_stage.labels(spec.model, kind, stage).observe(max(0.0, seconds))
+
+    def ended(self, spec: RequestSpec, status: str) -> None:
+        """Count a request that ended without a result: 'failed', 'cancelled' or 'refused'. A failed
+        request with an SLO did not meet it; a cancelled one withdrew, a refused one never started."""
+        self.requests.labels(status, spec.model).inc()
+        if status == "failed" and spec.slo_s is not None:
+            self.slo.labels(spec.model, _kind(spec.kind), "failed").inc()
+
+    def observe_plan(self, worker: str, duration_s: float, steps: int) -> None:
+        """A plan's time, and each of the steps it ran (a plan that only admitted or finished ran none)."""
+        self.worker_plan.labels(worker).observe(duration_s)
+        for _ in range(steps):
+            self.step_latency.labels(worker).observe(duration_s / steps)
 
     def observe_analyzers(self, reports: Mapping[str, HoldoutReport]) -> None:
         """Each model's `HoldoutReport` (the patchedserve policy's `holdout`)."""
@@ -140,9 +174,10 @@ class RouterMetrics:
                     self.throughput_analyzer.labels(model, stat).set(value)
 
     def observe_activation_cache(self, node: str, stats: Any) -> None:
-        """A node's `actors.activation_cache.CacheStats`."""
-        for stat, value in vars(stats).items():
-            self.activation_cache.labels(node[:8], stat).set(value)
+        """A node's `actors.activation_cache.CacheStats`: its levels as gauges, its counts as counters."""
+        for stat in CACHE_LEVELS:
+            self.activation_cache.labels(node[:8], stat).set(getattr(stats, stat))
+        self.activation_cache_events.latest[node[:8]] = stats
 
     def observe_load_control(self, worker: str, control: tuple[float, int] | None) -> None:
         """A plan's `StepReport.load_control` (None: the worker runs no load controller)."""
@@ -161,3 +196,27 @@ class RouterMetrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _kind(kind: RequestKind) -> str:
+    """A request's class as the metrics name it (as `stepserve_queue_length` does)."""
+    return "video" if kind is RequestKind.T2V else "image"
+
+
+class _CacheEvents:
+    """The activation stores' counts as counters (`stepserve_activation_cache_events_total{node, event}`):
+    the stores count them, the router publishes each node's latest (a restarted store starts at 0,
+    which Prometheus reads as a counter reset)."""
+
+    def __init__(self) -> None:
+        self.latest: dict[str, Any] = {}  # node -> its last `CacheStats`
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "stepserve_activation_cache_events", "Each node's activation store (`edit_cache`) since it started: "
+            "gets that hit memory or disk or missed, bytes read back from and spilled to disk, evictions (out of "
+            "memory) and drops (out of the store).", labels=["node", "event"])
+        for node, stats in self.latest.items():
+            for event in CACHE_EVENTS:
+                family.add_metric([node, event], getattr(stats, event))
+        yield family

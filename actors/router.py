@@ -27,6 +27,7 @@ import ray
 
 from stepserve.actors.activation_store import start_activation_stores
 from stepserve.actors.metrics import RouterMetrics
+from stepserve.actors.replica_metrics import FamilySnapshot
 from stepserve.actors.pool import start_lora_stores, start_workers
 from stepserve.actors.worker_options import WorkerPoolSpec
 from stepserve.engine.families import ModelSource, family_class
@@ -219,14 +220,14 @@ class Router:
     def _cancel(self, request_id: str) -> tuple[bool, asyncio.Task | None]:
         """Whether something live was cancelled, and the task recording a video's outcome."""
         try:
-            kind = self.core.spec(request_id).kind
+            spec = self.core.spec(request_id)
         except KeyError:
             return False, None
         if not self.core.cancel(request_id, time.monotonic()):
             return False, None
-        self.metrics.requests.labels("cancelled").inc()
+        self.metrics.ended(spec, "cancelled")
         self._kick.set()
-        return True, self._ended(request_id, kind, RequestCancelledError(f"request {request_id} was cancelled"),
+        return True, self._ended(request_id, spec.kind, RequestCancelledError(f"request {request_id} was cancelled"),
                                  "cancelled")
 
     async def progress(self, request_id: str) -> dict[str, Any] | None:
@@ -261,7 +262,13 @@ class Router:
         return {"workers": len(self.workers), "live_workers": self.core.live_workers,
                 "queued": self.core.queue_length(), "running": self.core.count(RequestStatus.RUNNING)}
 
+    async def ingress_metrics(self, replica: str, sequence: int, families: tuple[FamilySnapshot, ...]) -> None:
+        """An ingress replica's push of its HTTP metrics (`actors.replica_metrics`): `metrics_text`
+        publishes every replica's, summed."""
+        self.metrics.ingress.update(replica, sequence, families)
+
     async def metrics_text(self) -> bytes:
+        """The router's metrics and the ingress replicas' summed, in Prometheus's text format."""
         if self.activation_stores:
             nodes = list(self.activation_stores)
             stats = await asyncio.gather(*(self.activation_stores[n].stats.remote() for n in nodes),
@@ -288,7 +295,7 @@ class Router:
         try:
             self.core.submit(spec, time.monotonic(), self._tail_s(spec), inputs)
         except QueueFullError:
-            self.metrics.requests.labels("refused").inc()  # past the edge: what its gate did not catch
+            self.metrics.ended(spec, "refused")  # past the edge: what its gate did not catch
             raise
         if spec.template_id is not None and self.activation_stores:
             # A template spilled to disk comes back to memory while the edit waits (InstGenIE §4.2).
@@ -427,7 +434,7 @@ class Router:
                 continue
             queue.popleft()
             now = time.monotonic()
-            self.metrics.step_latency.labels(wid).observe(report.duration_s)
+            self.metrics.observe_plan(wid, report.duration_s, self.core.steps_ran(report))
             if report.waited_s is not None:
                 self.metrics.worker_wait.labels(wid).observe(report.waited_s)
             if report.batch_size:
@@ -446,7 +453,7 @@ class Router:
             self._spawn(self._store_video(spec, handle) if spec.is_video else self._decode_image(spec, handle))
         for rid in outcome.failed:
             state = self.core.state(rid)
-            self.metrics.requests.labels("failed").inc()
+            self.metrics.ended(self.core.spec(rid), "failed")
             logger.warning("request %s failed: %s", rid, state.error)
             self._ended(rid, state.kind, RequestFailedError(state.error or "request failed"), "failed")
         for rid in outcome.recovered:
@@ -465,7 +472,7 @@ class Router:
             return
         now = time.monotonic()
         if self.core.complete(rid, now):
-            self.metrics.finished(self.core.state(rid), now)
+            self.metrics.finished(spec, self.core.state(rid), now)
             waiter = self._waiters.pop(rid, None)
             if waiter is not None and not waiter.done():
                 waiter.set_result(png)
@@ -501,7 +508,7 @@ class Router:
             stored = False
         now = time.monotonic()
         if stored and self.core.complete(rid, now):
-            self.metrics.finished(self.core.state(rid), now)
+            self.metrics.finished(spec, self.core.state(rid), now)
         elif not stored:
             self._fail(rid, "the finished video could not be stored")
         if self.core.state(rid).status.is_terminal:
@@ -511,18 +518,18 @@ class Router:
 
     def _fail(self, rid: str, message: str) -> None:
         try:
-            kind = self.core.spec(rid).kind
+            spec = self.core.spec(rid)
         except KeyError:
             return
         if self.core.fail(rid, message, time.monotonic()):
-            self.metrics.requests.labels("failed").inc()
-            self._ended(rid, kind, RequestFailedError(message), "failed")
+            self.metrics.ended(spec, "failed")
+            self._ended(rid, spec.kind, RequestFailedError(message), "failed")
             self._kick.set()
 
     def _discarded(self, failure: RequestFailure) -> None:
         """A request the policy gave up, already FAILED in the core: its callers get the reason."""
         rid = failure.request_id
-        self.metrics.requests.labels("failed").inc()
+        self.metrics.ended(self.core.spec(rid), "failed")
         logger.info("request %s was given up by the scheduler: %s", rid, failure.message)
         self._ended(rid, self.core.spec(rid).kind, RequestDiscardedError(failure.message), "failed")
 
@@ -597,6 +604,8 @@ class Router:
             self._load_changed.set()
         self.metrics.queue_length.labels("image").set(self.core.queue_length(RequestKind.T2I))
         self.metrics.queue_length.labels("video").set(self.core.queue_length(RequestKind.T2V))
+        self.metrics.queued_steps.labels("image").set(self.core.queued_steps(RequestKind.T2I))
+        self.metrics.queued_steps.labels("video").set(self.core.queued_steps(RequestKind.T2V))
         self.metrics.running.set(self.core.count(RequestStatus.RUNNING))
         self.metrics.decoding.set(self.core.count(RequestStatus.DECODING))
 

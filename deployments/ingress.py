@@ -30,10 +30,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.routing import APIRoute
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
 from ray import serve
 from starlette.routing import Match
 
+from stepserve.actors.replica_metrics import snapshot
 from stepserve.deployments.config import AppConfig, ModelConfig
 from stepserve.deployments.edge import AdmissionGate, as_api_error, mapped
 from stepserve.deployments.errors import APIError, invalid, server_error
@@ -49,6 +50,8 @@ from stepserve.engine.families import family_class
 from stepserve.policies.types import RequestKind
 
 logger = logging.getLogger("stepserve.ingress")
+# How soon a replica's counts reach the router after they change (`HTTPMetrics`).
+PUSH_DELAY_S = 1.0
 
 READY_TIMEOUT_S = 5.0
 IDEMPOTENCY_HEADER = "idempotency-key"
@@ -145,7 +148,15 @@ def model_entry(config: AppConfig, model: ModelConfig) -> dict[str, Any]:
 
 
 class HTTPMetrics:
-    def __init__(self) -> None:
+    """This replica's HTTP metrics. The router publishes every ingress replica's, summed
+    (`actors.replica_metrics`): a change reaches it within `PUSH_DELAY_S`, and a scrape of
+    `/metrics` pushes first, so it sees its own replica's counts up to its own request."""
+
+    def __init__(self, router: Any) -> None:
+        self.router = router
+        self.replica = uuid.uuid4().hex  # (a restarted replica is another: its counts start anew)
+        self._sequence = 0
+        self._pending: asyncio.Task | None = None
         self.registry = CollectorRegistry()
         self.requests = Counter("stepserve_http_requests", "HTTP requests by route and status code.",
                                 ["route", "code"], registry=self.registry)
@@ -164,6 +175,23 @@ class HTTPMetrics:
             registry=self.registry)
         self.image_hints = hints_counter(self.registry)
 
+    def changed(self) -> None:
+        """Something was counted: push within `PUSH_DELAY_S` (one push carries every change before it)."""
+        if self._pending is None:
+            self._pending = asyncio.get_running_loop().create_task(self._push_soon())
+
+    async def _push_soon(self) -> None:
+        await asyncio.sleep(PUSH_DELAY_S)
+        self._pending = None  # what is counted from here on takes the next push
+        await self.push()
+
+    async def push(self) -> None:
+        self._sequence += 1
+        try:
+            await self.router.ingress_metrics.remote(self.replica, self._sequence, snapshot(self.registry))
+        except Exception as exc:  # a lost push costs nothing: the next carries the same counts and more
+            logger.warning("could not push this ingress replica's metrics to the router: %s", exc)
+
 
 @serve.ingress(api)
 class Ingress:
@@ -175,7 +203,7 @@ class Ingress:
         if config.api_keys_env and not self.api_keys:
             raise RuntimeError(f"{config.api_keys_env} holds no API keys in this replica: refusing to serve openly")
         self.metrics_keys = tuple(config.metrics_api_keys) or self.api_keys
-        self.http = HTTPMetrics()
+        self.http = HTTPMetrics(router)
         self.gate = AdmissionGate(router)
         self.images = ImageRequests(config, router, store, self.gate, self.http.image_stage, self.http.image_hints)
         self.videos = VideoJobs(config, router, store, self.gate)
@@ -185,11 +213,17 @@ class Ingress:
     async def generate(self, request: ImageGenerationRequest | dict, request_id: str | None = None) -> dict:
         """Generate images; returns the OpenAI images response body. `request_id`: a client id
         that makes retries idempotent and names the request for `progress`/`cancel`."""
-        return await self.images.generate(request, request_id)
+        try:
+            return await self.images.generate(request, request_id)
+        finally:
+            self.http.changed()  # its stages and hints
 
     async def edit(self, request: ImageEditRequest | dict, request_id: str | None = None) -> dict:
         """Edit an image under a mask (POST /v1/images/edits); as `generate` otherwise."""
-        return await self.images.edit(request, request_id)
+        try:
+            return await self.images.edit(request, request_id)
+        finally:
+            self.http.changed()
 
     async def progress(self, request_id: str) -> dict | None:
         """{status, steps_done, steps_total, ...} of the request `generate` got this id for."""
@@ -344,8 +378,9 @@ class Ingress:
     @api.get("/metrics")
     async def http_metrics(self, request: Request) -> Response:
         self._authorize(request, self.metrics_keys)
-        router_text = await mapped(self.router.metrics_text.remote(), f"metrics-{uuid.uuid4().hex[:8]}")
-        return Response(generate_latest(self.http.registry) + router_text, media_type=CONTENT_TYPE_LATEST)
+        await self.http.push()
+        text = await mapped(self.router.metrics_text.remote(), f"metrics-{uuid.uuid4().hex[:8]}")
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     @api.get("/openapi.json")
     async def http_openapi(self, request: Request) -> Response:
@@ -408,3 +443,4 @@ class Ingress:
         finally:
             self.http.requests.labels(route, str(code)).inc()
             self.http.latency.labels(route, str(code)).observe(time.perf_counter() - start)
+            self.http.changed()

@@ -16,7 +16,7 @@ from stepserve.load_tests.live import loopback_client
 # What the router exports (actors/metrics.py), by the name results use.
 HISTOGRAMS = {
     "batch_size": "stepserve_batch_size",
-    "round_s": "stepserve_step_latency_seconds",
+    "round_s": "stepserve_worker_plan_seconds",
     "worker_wait_s": "stepserve_worker_wait_seconds",  # a worker holding requests, between two plans
     "queue_wait_s": "stepserve_queue_wait_seconds",
     "denoise_s": "stepserve_denoise_latency_seconds",

@@ -489,6 +489,15 @@ class RouterCore:
 
     # ---- reports in -----------------------------------------------------------------------
 
+    def steps_ran(self, report: StepReport) -> int:
+        """How many denoising steps the plan `report` answers ran, before it is applied (0: a plan
+        no longer in flight, or one that stepped no group)."""
+        worker = self._workers.get(report.worker_id)
+        sent = None if worker is None else next((s for s in worker.in_flight if s.plan.plan_id == report.plan_id), None)
+        if sent is None or not sent.plan.groups:
+            return 0
+        return sent.plan.steps if report.steps_run is None else report.steps_run
+
     def apply(self, report: StepReport, now: float) -> Outcome:
         """Fold in a worker's report of its oldest plan in flight; the whole report is checked
         before anything changes."""
@@ -731,6 +740,13 @@ class RouterCore:
     def queue_length(self, kind: RequestKind | None = None) -> int:
         kinds = RequestKind if kind is None else (kind,)
         return sum(self._counts[k].get(s, 0) for k in kinds for s in (RequestStatus.QUEUED, RequestStatus.PAUSED))
+
+    def queued_steps(self, lane: RequestKind) -> int:
+        """Denoising steps still to run of the requests of `lane` (edits are images) waiting for a
+        worker, queued or paused."""
+        waiting = (RequestStatus.QUEUED, RequestStatus.PAUSED)
+        return sum(r.spec.steps_to_run - r.steps_done for r in self._requests.values()
+                   if r.status in waiting and r.spec.kind.lane is lane)
 
     def count(self, status: RequestStatus, kind: RequestKind | None = None) -> int:
         kinds = RequestKind if kind is None else (kind,)

@@ -78,6 +78,18 @@ def test_each_plan_carries_what_still_waits():
     assert [plan.queued for plan in h.sent] == [3] * len(h.sent)
 
 
+def test_queued_steps_count_what_waits_and_a_report_says_how_many_steps_its_plan_ran():
+    h = Harness(workers=1, batch=1)
+    h.submit(spec("a", steps=3), spec("b", steps=4), spec("v", steps=5, frames=5))
+    h.schedule()
+    assert h.core.queued_steps(RequestKind.T2I) == 4 and h.core.queued_steps(RequestKind.T2V) == 5
+    plan, admissions, _ = h.queues["w0"][0]
+    report, _, _ = h.workers["w0"].execute(plan, {a.spec.request_id: SimAdmission(a.spec, None) for a in admissions})
+    assert h.core.steps_ran(report) == plan.steps >= 1
+    h.core.apply(report, h.now)
+    assert h.core.steps_ran(report) == 0  # applied: no longer in flight
+
+
 def test_unready_requests_wait_and_ready_ones_pass_them():
     h = Harness(workers=1)
     h.submit(spec("late"), ready=False)

@@ -18,7 +18,9 @@ import numpy as np
 import ray.exceptions
 import ray.serve
 from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry, generate_latest
 
+from stepserve.actors.replica_metrics import ReplicaSums
 from stepserve.actors.router import RequestCancelledError
 from stepserve.deployments import ingress as ingress_module
 from stepserve.deployments.config import AppConfig
@@ -139,7 +141,9 @@ class FakeRouter:
         self.received: dict[str, Counter] = {}  # gate id -> requests of each class received from it
         self.readiness_state = {"workers": 2, "live_workers": 2, "queued": 0, "running": 0}
         self.metrics = b"# TYPE stepserve_router_rounds counter\nstepserve_router_rounds 7\n"
-        for name in ("submit", "submit_video", "cancel", "progress", "load", "readiness", "metrics_text"):
+        self.ingress = ReplicaSums()  # the real sum of the ingress replicas' pushes
+        for name in ("submit", "submit_video", "cancel", "progress", "load", "readiness", "metrics_text",
+                     "ingress_metrics"):
             setattr(self, name, Method(getattr(self, f"_{name}")))
 
     # -- the router's methods ----------------------------------------------------------------
@@ -186,7 +190,12 @@ class FakeRouter:
         return dict(self.readiness_state)
 
     def _metrics_text(self) -> bytes:
-        return self.metrics
+        registry = CollectorRegistry()
+        registry.register(self.ingress)
+        return self.metrics + generate_latest(registry)
+
+    def _ingress_metrics(self, replica: str, sequence: int, families: tuple) -> None:
+        self.ingress.update(replica, sequence, families)
 
     # -- what the test drives ------------------------------------------------------------------
 

@@ -213,10 +213,12 @@ def test_health_ready_models_and_metrics(live_app):
     assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "tiny-sd"
     httpx.post(f"{url}/v1/images/generations", json=body(), timeout=60).raise_for_status()
     metrics = httpx.get(f"{url}/metrics").text
-    for name in ('stepserve_queue_length{kind="image"}', "stepserve_running_requests", "stepserve_step_latency_seconds_bucket",
-                 "stepserve_batch_size_bucket", 'stepserve_requests_total{status="finished"}',
+    for name in ('stepserve_queue_length{kind="image"}', 'stepserve_queued_steps{kind="image"}',
+                 "stepserve_running_requests", "stepserve_step_latency_seconds_bucket",
+                 "stepserve_worker_plan_seconds_bucket", "stepserve_batch_size_bucket",
+                 'stepserve_requests_total{model="tiny-sd",status="finished"}',
                  'stepserve_http_requests_total{code="200",route="/v1/images/generations"}',
-                 'stepserve_request_stage_seconds_count{kind="image",stage="denoise"}',
+                 'stepserve_request_stage_seconds_count{kind="image",model="tiny-sd",stage="denoise"}',
                  'stepserve_ingress_stage_seconds_count{stage="router"}'):
         assert name in metrics, name
 

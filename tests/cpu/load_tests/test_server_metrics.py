@@ -11,12 +11,12 @@ from stepserve.load_tests.server_metrics import histogram_totals, run_means
 def test_means_over_a_run_sum_workers_and_exclude_earlier_observations():
     metrics = RouterMetrics()
     metrics.batch_size.observe(8)  # warm-up, before the run
-    metrics.step_latency.labels("w0").observe(1.0)
+    metrics.worker_plan.labels("w0").observe(1.0)
     before = histogram_totals(metrics.exposition().decode())
     for size in (1, 2, 3):
         metrics.batch_size.observe(size)
-    metrics.step_latency.labels("w0").observe(0.02)
-    metrics.step_latency.labels("w1").observe(0.04)
+    metrics.worker_plan.labels("w0").observe(0.02)
+    metrics.worker_plan.labels("w1").observe(0.04)
     after = histogram_totals(metrics.exposition().decode())
 
     means = run_means(before, after)
@@ -28,10 +28,11 @@ def test_means_over_a_run_sum_workers_and_exclude_earlier_observations():
 def test_stage_means_cover_one_kind_and_the_run_only():
     from stepserve.routing.core import RequestState
     from stepserve.load_tests.server_metrics import stage_means, stage_totals
-    from stepserve.policies.types import RequestKind, RequestStatus
+    from stepserve.policies.types import RequestKind, RequestSpec, RequestStatus
 
     def finished(kind, admit):
-        metrics.finished(RequestState("r", kind, RequestStatus.FINISHED, 2, 2, (), 0.0, 0.5, admit, 3.0, None, None,
+        metrics.finished(RequestSpec("r", "m", "p", 64, 64, 2, 7.5, 0, kind=kind),
+                         RequestState("r", kind, RequestStatus.FINISHED, 2, 2, (), 0.0, 0.5, admit, 3.0, None, None,
                                       0, 0, ()), now=3.5)
 
     metrics = RouterMetrics()
