@@ -18,6 +18,7 @@ from ray.serve import Application
 from stepserve.actors.router import Router, RouterSpec
 from stepserve.deployments.config import AppConfig, ComponentConfig
 from stepserve.deployments.controlnet_service import ControlNetService
+from stepserve.deployments.api_access import ApiAccess
 from stepserve.deployments.ingress import Ingress
 from stepserve.deployments.job_store import JobStore
 from stepserve.deployments.text_encoder import TextEncoder
@@ -100,4 +101,4 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
     return serve.deployment(Ingress, name="Ingress").options(
         num_replicas=ing.num_replicas, max_ongoing_requests=LONG_CALLS,
         ray_actor_options=actor_options(config, ing.num_cpus, ing.num_gpus),
-    ).bind(config, router, store, text_encoder)
+    ).bind(config, router, store, text_encoder, ApiAccess.of(config))  # keys resolved here, digests only

@@ -17,8 +17,6 @@ nothing else (the details go to the log).
 # methods that `serve.ingress` wraps, or it mistakes `request: Request` for a query parameter.
 
 import asyncio
-import hashlib
-import hmac
 import json
 import logging
 import time
@@ -35,6 +33,7 @@ from ray import serve
 from starlette.routing import Match
 
 from stepserve.actors.replica_metrics import snapshot
+from stepserve.deployments.api_access import ApiAccess
 from stepserve.deployments.config import AppConfig, ModelConfig
 from stepserve.deployments.edge import AdmissionGate, as_api_error, mapped
 from stepserve.deployments.errors import APIError, invalid, server_error
@@ -117,12 +116,6 @@ def parse_json(body: bytes) -> Any:
         raise invalid(None, "request body is not valid JSON", code="invalid_json") from None
 
 
-def owner_of(api_key: str) -> str:
-    """A tenant: a digest of its API key (never the key), which owns its jobs, its idempotency
-    keys and its edit templates."""
-    return hashlib.sha256(b"stepserve-tenant:" + api_key.encode()).hexdigest()[:32]
-
-
 def scoped(key: str | None, owner: str | None) -> str | None:
     """An Idempotency-Key as its tenant's own: two tenants' equal keys never meet."""
     return key if key is None or owner is None else f"{owner}/{key}"
@@ -195,14 +188,17 @@ class HTTPMetrics:
 
 @serve.ingress(api)
 class Ingress:
-    def __init__(self, config: AppConfig, router: Any, store: Any, text_encoder: Any | None):
+    def __init__(self, config: AppConfig, router: Any, store: Any, text_encoder: Any | None,
+                 access: ApiAccess | None = None):
+        """`access`: the digests of the API keys, made where the app was built (`build_app`);
+        None: made here, from this process's environment."""
         self.config = config
         self.router = router
         self.text_encoder = text_encoder
-        self.api_keys = config.resolved_api_keys()
-        if config.api_keys_env and not self.api_keys:
-            raise RuntimeError(f"{config.api_keys_env} holds no API keys in this replica: refusing to serve openly")
-        self.metrics_keys = tuple(config.metrics_api_keys) or self.api_keys
+        self.access = ApiAccess.of(config) if access is None else access
+        if config.api_keys_env and not self.access.keys:
+            raise RuntimeError(f"{config.api_keys_env} held no API keys where the app was built: refusing to serve "
+                               "openly")
         self.http = HTTPMetrics(router)
         self.gate = AdmissionGate(router)
         self.images = ImageRequests(config, router, store, self.gate, self.http.image_stage, self.http.image_hints)
@@ -377,7 +373,7 @@ class Ingress:
 
     @api.get("/metrics")
     async def http_metrics(self, request: Request) -> Response:
-        self._authorize(request, self.metrics_keys)
+        self._authorize(request, metrics=True)
         await self.http.push()
         text = await mapped(self.router.metrics_text.remote(), f"metrics-{uuid.uuid4().hex[:8]}")
         return Response(text, media_type=CONTENT_TYPE_LATEST)
@@ -410,21 +406,10 @@ class Ingress:
         if idempotency_key is None:
             self.gate.shed(kind, f"req-{uuid.uuid4().hex}")
 
-    def _authorize(self, request: Request, keys: tuple[str, ...] | None = None) -> str | None:
-        """The caller's tenant (`owner_of` its key), or None when no key is asked for; 401 without
-        one of `keys` (default: the API keys)."""
-        keys = self.api_keys if keys is None else keys
-        if not keys:
-            return None
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        # Compared as bytes (compare_digest refuses non-ASCII str): the header's own bytes, which
-        # Starlette decoded as latin-1, against the key's UTF-8. Every key is compared (no early
-        # exit), so the time taken says nothing of which matched.
-        given = token.encode("latin-1", "replace")
-        matched = [k for k in keys if hmac.compare_digest(given, k.encode())]
-        if scheme.lower() != "bearer" or not matched:
-            raise APIError(401, "missing or invalid API key (Authorization: Bearer <key>)", code="invalid_api_key")
-        return owner_of(matched[0])
+    def _authorize(self, request: Request, metrics: bool = False) -> str | None:
+        """The caller's tenant, or None when no key is asked for; 401 without a valid key
+        (`ApiAccess.owner`)."""
+        return self.access.owner(request.headers.get("authorization", ""), metrics)
 
     async def _observed(self, route: str, handle) -> Response:
         start = time.perf_counter()

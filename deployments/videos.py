@@ -43,7 +43,7 @@ class VideoJobs:
         # fetch the content more than once, and encoding costs seconds of ingress CPU.
         self._files: OrderedDict[str, EncodedVideo] = OrderedDict()
 
-    # `owner` below: the caller's tenant (`ingress.owner_of`), whose jobs are its own: another
+    # `owner` below: the caller's tenant (`api_access.owner_of`), whose jobs are its own: another
     # tenant's are unknown to it (404). None: every job (no keys, or a trusted handle caller).
 
     async def create(self, payload: VideoCreateRequest | dict, idempotency_key: str | None = None,

@@ -24,6 +24,8 @@ def _serve(args: argparse.Namespace) -> int:
     from stepserve.runtime import load_serve_config, run_app, start_local_ray
 
     config = load_serve_config(args.config)
+    if args.host is not None:
+        config["http_options"] = {**(config.get("http_options") or {}), "host": args.host}
     # Ctrl-C ends in the `finally` below, which shuts Serve and Ray down, also when it comes
     # while the app is still deploying (the proxy can answer /ready before serve.run returns).
     # SIGINT is reset because a shell may start background jobs with it ignored. (SIGTERM is
@@ -148,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     serve_p = sub.add_parser("serve", help="start a lean local Ray and serve a config until Ctrl-C")
     serve_p.add_argument("config", nargs="?", default=str(default_config_path()), help="Serve YAML")
     serve_p.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may use (default: all)")
+    serve_p.add_argument("--host", default=None, help="address HTTP listens on (default: the config's; a "
+                                                      "container's: 0.0.0.0)")
     serve_p.set_defaults(func=_serve)
 
     gen = sub.add_parser("generate", help="make one image with the server's engine in this process (no Ray, no "

@@ -208,10 +208,11 @@ def test_serve_answers_the_openai_client_and_stops_on_ctrl_c(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     config = load_serve_config(default_config_path())
-    config["http_options"] = {"host": "127.0.0.1", "port": port}
+    config["http_options"] = {"host": "192.0.2.1", "port": port}  # (a documentation address: --host replaces it)
     path = tmp_path / "local.yaml"
     path.write_text(yaml.safe_dump(config))
-    proc = subprocess.Popen([sys.executable, "-m", "stepserve.cli", "serve", str(path), "--num-cpus", "2"],
+    proc = subprocess.Popen([sys.executable, "-m", "stepserve.cli", "serve", str(path), "--num-cpus", "2",
+                             "--host", "127.0.0.1"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 180

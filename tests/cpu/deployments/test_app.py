@@ -104,4 +104,4 @@ def test_workers_that_encode_prompts_replace_the_text_encoder_deployment():
     # The workers load the text encoders, each with the configured cache; the router predicts
     # each admitting plan with its encoding, and the ingress checks no text encoder for /ready.
     assert pool.encode_text and pool.text_cache_size == 7 and spec.core.text_encode_on_workers and encoder is None
-    assert graph["Ingress"].init_args[-1] is None
+    assert graph["Ingress"].init_args[3] is None  # its text encoder

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 from starlette.requests import Request
 
+from stepserve.deployments.api_access import ApiAccess, key_digest, owner_of
 from stepserve.deployments.config import AppConfig
 from stepserve.deployments.errors import APIError
 from stepserve.deployments.ingress import Ingress, api_routes
@@ -24,7 +25,8 @@ def request(headers: dict[str, str]) -> Request:
 
 
 def authorize(keys, headers):
-    Ingress._authorize(SimpleNamespace(api_keys=keys), request(headers))
+    digests = tuple(key_digest(k) for k in keys)
+    Ingress._authorize(SimpleNamespace(access=ApiAccess(digests, digests)), request(headers))
 
 
 def test_no_keys_means_open():
@@ -186,11 +188,19 @@ def test_metrics_keys_with_keys_from_the_environment_load(monkeypatch):
     assert (config.resolved_api_keys(), config.metrics_api_keys) == (("a",), ["scraper"])
 
 
-def test_a_replica_whose_environment_lacks_the_keys_refuses_to_start(monkeypatch):
-    # The config was checked where it loaded; the replica may run where the variable is unset.
-    monkeypatch.setenv(ENV, "a")
+def test_a_replica_whose_environment_lacks_the_keys_checks_them_by_the_builds_digests(monkeypatch):
+    """The keys are read where the app is built (Serve's build task on the head, whose environment
+    holds them); a replica elsewhere gets their digests only, and checks keys by them."""
+    monkeypatch.setenv(ENV, "sk-head-only")
     config = AppConfig.model_validate({"models": MODELS, "api_keys_env": ENV})
+    access = ApiAccess.of(config)
     monkeypatch.delenv(ENV)
+    assert "sk-head-only" not in repr(access) and access.keys == (key_digest("sk-head-only"),)
     app = build()
-    with pytest.raises(RuntimeError, match=f"{ENV} holds no API keys"):
+    ingress = INGRESS(config, app.router, StoreHandle(app.store), app.text_encoder, access)
+    assert ingress._authorize(request({"Authorization": "Bearer sk-head-only"})) == owner_of("sk-head-only")
+    with pytest.raises(APIError):
+        ingress._authorize(request({"Authorization": "Bearer b"}))
+    # Without the build's digests, a replica reads its own environment, which holds none: it refuses.
+    with pytest.raises(RuntimeError, match=f"{ENV} held no API keys where the app was built"):
         INGRESS(config, app.router, StoreHandle(app.store), app.text_encoder)

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from stepserve.deployments.ingress import owner_of
+from stepserve.deployments.api_access import owner_of
 from tests.cpu.deployments.fakes import assert_error, build, http_client
 from tests.cpu.deployments.test_auth import FOX
 from tests.cpu.deployments.test_edits_api import EDITS, body
