@@ -19,6 +19,7 @@ nothing else (the details go to the log).
 import asyncio
 import json
 import logging
+import re
 import time
 import uuid
 from typing import Any
@@ -49,6 +50,8 @@ from stepserve.engine.families import family_class
 from stepserve.policies.types import RequestKind
 
 logger = logging.getLogger("stepserve.ingress")
+# A client's x-request-id we repeat (in the error body, its header, the logs): a plain token.
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:+=/-]{1,128}")
 # How soon a replica's counts reach the router after they change (`HTTPMetrics`).
 PUSH_DELAY_S = 1.0
 
@@ -78,10 +81,18 @@ async def _on_bad_parameter(_: Request, exc: RequestValidationError) -> JSONResp
 
 
 @api.exception_handler(Exception)
-async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
-    error = server_error(f"req-{uuid.uuid4().hex}")
+async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    error = server_error(request_id_of(request))
     logger.error("unhandled error (request id %s)", error.request_id, exc_info=exc)
     return JSONResponse(error.body(), status_code=500, headers=error.headers())
+
+
+def request_id_of(request: Request) -> str:
+    """The id an HTTP request goes by in its error and in the logs: its `x-request-id` when that
+    is a sane token (a client's, which Serve's proxy passes on, or the one the proxy made, which
+    Serve's replicas put on their log lines of the request), else a fresh one."""
+    given = request.headers.get("x-request-id", "")
+    return given if REQUEST_ID.fullmatch(given) else f"req-{uuid.uuid4().hex}"
 
 
 def api_routes(router: Any = api) -> list[APIRoute]:
@@ -258,7 +269,7 @@ class Ingress:
     async def http_generate(self, request: Request) -> Response:
         async def handle() -> Response:
             key = scoped(idempotency_key(request), self._authorize(request))
-            self._shed(RequestKind.T2I, key)
+            self._shed(RequestKind.T2I, key, request)
             body = await read_body(request, self.config.limits.max_body_bytes)
             if is_form(request):  # control images uploaded as files, not base64
                 limits = self.config.limits
@@ -269,14 +280,14 @@ class Ingress:
                 payload = parse_json(body)
             return JSONResponse(await self.generate(payload, key))
 
-        return await self._observed("/v1/images/generations", handle)
+        return await self._observed("/v1/images/generations", request, handle)
 
     @api.post("/v1/images/edits")
     async def http_edit(self, request: Request) -> Response:
         async def handle() -> Response:
             owner = self._authorize(request)
             key = scoped(idempotency_key(request), owner)
-            self._shed(RequestKind.EDIT.lane, key)
+            self._shed(RequestKind.EDIT.lane, key, request)
             body = await read_body(request, self.config.limits.max_body_bytes)
             if is_form(request):  # OpenAI's clients: the image and mask as file parts
                 payload = edit_payload(await read_form(request, body, EDIT_FILE_PARTS, max_files=len(EDIT_FILE_PARTS)))
@@ -284,20 +295,20 @@ class Ingress:
                 payload = parse_json(body)
             return JSONResponse(await self.images.edit(payload, key, owner))
 
-        return await self._observed("/v1/images/edits", handle)
+        return await self._observed("/v1/images/edits", request, handle)
 
     @api.post("/v1/videos")
     async def http_create_video(self, request: Request) -> Response:
         async def handle() -> Response:
             owner = self._authorize(request)
             key = scoped(idempotency_key(request), owner)
-            self._shed(RequestKind.T2V, key)
+            self._shed(RequestKind.T2V, key, request)
             body = await read_body(request, self.config.limits.max_body_bytes)
             # OpenAI's clients send this route multipart/form-data; curl users send JSON.
             payload = (await read_form(request, body)).fields if is_form(request) else parse_json(body)
             return JSONResponse(await self.videos.create(payload, key, owner))
 
-        return await self._observed("/v1/videos", handle)
+        return await self._observed("/v1/videos", request, handle)
 
     @api.get("/v1/videos")
     async def http_list_videos(self, request: Request, after: str | None = None, limit: int = 20,
@@ -305,7 +316,7 @@ class Ingress:
         async def handle() -> Response:
             return JSONResponse(await self.videos.page(after, limit, order, self._authorize(request)))
 
-        return await self._observed("/v1/videos:list", handle)
+        return await self._observed("/v1/videos:list", request, handle)
 
     @api.get("/v1/videos/{video_id}")
     async def http_get_video(self, video_id: str, request: Request) -> Response:
@@ -315,21 +326,21 @@ class Ingress:
             headers = {"Preference-Applied": f"wait={wait_s:g}"} if wait_s else None
             return JSONResponse(await self.videos.get(video_id, wait_s, owner), headers=headers)
 
-        return await self._observed("/v1/videos/{video_id}", handle)
+        return await self._observed("/v1/videos/{video_id}", request, handle)
 
     @api.delete("/v1/videos/{video_id}")
     async def http_delete_video(self, video_id: str, request: Request) -> Response:
         async def handle() -> Response:
             return JSONResponse(await self.videos.delete(video_id, self._authorize(request)))
 
-        return await self._observed("/v1/videos/{video_id}:delete", handle)
+        return await self._observed("/v1/videos/{video_id}:delete", request, handle)
 
     @api.post("/v1/videos/{video_id}/cancel")
     async def http_cancel_video(self, video_id: str, request: Request) -> Response:
         async def handle() -> Response:
             return JSONResponse(await self.videos.cancel(video_id, self._authorize(request)))
 
-        return await self._observed("/v1/videos/{video_id}/cancel", handle)
+        return await self._observed("/v1/videos/{video_id}/cancel", request, handle)
 
     @api.get("/v1/videos/{video_id}/content")
     async def http_video_content(self, video_id: str, request: Request, variant: str = "video") -> Response:
@@ -337,7 +348,7 @@ class Ingress:
             video = await self.videos.content(video_id, variant, self._authorize(request))
             return Response(video.data, media_type=video.media_type, headers={FORMAT_HEADER: video.format})
 
-        return await self._observed("/v1/videos/{video_id}/content", handle)
+        return await self._observed("/v1/videos/{video_id}/content", request, handle)
 
     @api.get("/v1/models")
     async def http_models(self, request: Request) -> Response:
@@ -345,7 +356,7 @@ class Ingress:
             self._authorize(request)
             return JSONResponse({"object": "list", "data": [model_entry(self.config, m) for m in self.config.models]})
 
-        return await self._observed("/v1/models", handle)
+        return await self._observed("/v1/models", request, handle)
 
     @api.get("/health")
     async def http_health(self) -> JSONResponse:
@@ -356,7 +367,7 @@ class Ingress:
         """200 while at least one denoiser worker serves and the text encoder (if any) answers."""
         async def handle() -> Response:
             self._authorize(request)
-            rid = f"ready-{uuid.uuid4().hex[:8]}"
+            rid = request_id_of(request)
             try:
                 calls = [self.router.readiness.remote()]
                 if self.text_encoder is not None:  # None: the workers encode prompts
@@ -369,13 +380,13 @@ class Ingress:
                 raise server_error(rid, "not_ready", "no denoiser worker is serving", status=503, retry_after_s=1.0)
             return JSONResponse({"status": "ready", **state})
 
-        return await self._observed("/ready", handle)
+        return await self._observed("/ready", request, handle)
 
     @api.get("/metrics")
     async def http_metrics(self, request: Request) -> Response:
         self._authorize(request, metrics=True)
         await self.http.push()
-        text = await mapped(self.router.metrics_text.remote(), f"metrics-{uuid.uuid4().hex[:8]}")
+        text = await mapped(self.router.metrics_text.remote(), request_id_of(request))
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     @api.get("/openapi.json")
@@ -400,18 +411,18 @@ class Ingress:
             raise APIError(405, f"{request.method} is not allowed on /{path}", code="method_not_allowed")
         raise APIError(404, f"Invalid URL ({request.method} /{path})", code="unknown_url")
 
-    def _shed(self, kind: RequestKind, idempotency_key: str | None) -> None:
+    def _shed(self, kind: RequestKind, idempotency_key: str | None, request: Request) -> None:
         """Under overload, refuse before the body is read (`AdmissionGate.shed`). Not a retry with
         an Idempotency-Key: its answer may be stored already, and costs nothing to give."""
         if idempotency_key is None:
-            self.gate.shed(kind, f"req-{uuid.uuid4().hex}")
+            self.gate.shed(kind, request_id_of(request))
 
     def _authorize(self, request: Request, metrics: bool = False) -> str | None:
         """The caller's tenant, or None when no key is asked for; 401 without a valid key
         (`ApiAccess.owner`)."""
         return self.access.owner(request.headers.get("authorization", ""), metrics)
 
-    async def _observed(self, route: str, handle) -> Response:
+    async def _observed(self, route: str, request: Request, handle) -> Response:
         start = time.perf_counter()
         code = 500
         try:
@@ -422,7 +433,7 @@ class Ingress:
             code = exc.status
             raise
         except Exception as exc:
-            error = as_api_error(exc, f"req-{uuid.uuid4().hex}")
+            error = as_api_error(exc, request_id_of(request))
             code = getattr(error, "status", 500)
             raise error from None
         finally:

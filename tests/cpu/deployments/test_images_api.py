@@ -188,6 +188,26 @@ def test_metrics_and_ready_failures_leak_nothing(http, router, app):
     assert_no_leak(response)
 
 
+def test_an_error_goes_by_the_clients_request_id_when_it_gives_a_sane_one(http, router, app):
+    """A client's `x-request-id` (Serve's proxy passes it on, and tags the replicas' log lines of
+    the request with it) names the request in its error; one that is no plain token does not."""
+    def broken():
+        raise RuntimeError(LEAKY_TEXT)
+
+    router.metrics_text.fn = broken
+    given = http.get("/metrics", headers={"x-request-id": "client-7f3a:retry.2"})
+    assert assert_no_leak(given) == "client-7f3a:retry.2"
+    for odd in ("a" * 129, "two words", "<script>"):
+        assert assert_no_leak(http.get("/metrics", headers={"x-request-id": odd})).startswith("req-")
+    assert http.post("/v1/images/generations", json=CAT).status_code == 200  # the gate now holds a report
+    full = router.publish(classes={RequestKind.T2I: ClassLoad(queued=4, running=2, decoding=0, max_queued=4,
+                                                               drain_per_s=None)})
+    wait_until(lambda: app.ingress.gate.report.version == full.version)
+    shed = http.post("/v1/images/generations", json=CAT, headers={"x-request-id": "client-8"})
+    assert_error(shed, 429, "overloaded")
+    assert shed.headers["x-request-id"] == "client-8"
+
+
 def test_ready_needs_a_live_worker_and_the_text_encoder(http, router, app):
     response = http.get("/ready")
     assert response.status_code == 200
