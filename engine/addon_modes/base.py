@@ -14,7 +14,7 @@ needs before the forward gathers its inputs (`prepare`, after `begin_forward` on
 and changes the add-ons the member brings (`adjust`). What it raises fails that request alone.
 
 A new way to bring add-ons is a new mode: its file here, its name below, its place in
-`registry.addon_modes`, and its setting.
+`registry.addon_modes`, and its field of `engine.mode_settings.ModeSettings`.
 """
 
 from __future__ import annotations

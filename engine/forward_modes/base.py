@@ -12,7 +12,9 @@ most one mode's state (`Sampler.mode_state`); when a step of it runs in another 
 its mode hears of it (`missed`), and when it has advanced, too (`stepped`).
 
 A new approximation is a new mode: its file here, its name below, its place in
-`registry.forward_modes`, its option, and the families that declare it.
+`registry.forward_modes`, its switch (a field of `engine.mode_settings.ModeSettings`, or the
+request's own field), and the families that declare it. What a request adds to a forward (its
+ControlNets, its LoRAs) is the add-on modes' (`engine.addon_modes`), which compose with these.
 """
 
 from __future__ import annotations
