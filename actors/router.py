@@ -47,6 +47,7 @@ from stepserve.routing.core import AdmissionRef, CoreConfig, Outcome, QueueFullE
 logger = logging.getLogger("stepserve.router")
 
 DECODE_ATTEMPTS = 3  # a decoder replica may die under a request; its latents are still here
+MAX_RESUMES = 2  # times a video job interrupted by a router restart runs again from its start
 LOAD_POLL_TIMEOUT_S = 5.0  # an idle long poll costs one small call this often; shutdown waits for it
 
 
@@ -123,12 +124,13 @@ class Router:
                        text_encoder: Any | None, decoder: Any | None, store: Any, name: str = "stepserve",
                        controlnet_service: Any | None = None):
         self.text_encoder, self.decoder, self.store = text_encoder, decoder, store
-        # First of all: jobs an earlier router accepted and never finished are gone with its
-        # workers; say so, rather than let them poll as queued forever. Only those: a job the
-        # ingress creates from here on waits for this router's first load report (the edge
-        # refuses it 503 until then), so it is never taken for one of them. Finished jobs are
-        # safe in the store.
-        await self.store.fail_unfinished.remote("the job was interrupted by a router restart; create it again")
+        # First of all: jobs an earlier router accepted and never finished lost their state with its
+        # workers; this router runs them again from the start (queued before anything new). A job
+        # interrupted once more after MAX_RESUMES resumes fails instead. Finished jobs are safe in
+        # the store. A job the ingress creates while this runs may be taken up here too: its own
+        # submission then joins it.
+        resumed = await self.store.resume_unfinished.remote(
+            MAX_RESUMES, f"the job was interrupted by a router restart {MAX_RESUMES + 1} times; create it again")
         self.id = uuid.uuid4().hex  # this incarnation: the edge's counts of what it received start here
         self.lora_stores = start_lora_stores(pool, models, name)  # by node id; none without LoRAs
         self.lora_bounds = pool.lora_bounds
@@ -168,6 +170,8 @@ class Router:
         await self.ready()
         if self._uses_world:
             await self._join_world()
+        for record in resumed:
+            self._resume(record.spec)
         self._loops = [asyncio.create_task(self._schedule_loop(), name="schedule")]
         self._loops += [asyncio.create_task(self._report_loop(wid), name=f"reports-{wid}") for wid in self.workers]
 
@@ -205,9 +209,30 @@ class Router:
                 self._callers.pop(rid, None)
 
     async def submit_video(self, spec: RequestSpec, gate: str | None = None) -> None:
-        """Queue a video job (its record is already in the job store); returns once queued."""
+        """Queue a video job (its record is already in the job store); returns once queued. A job
+        this router already runs with the same spec (it took it up when it started) stays as it is."""
         self._arrived(gate, spec)
-        self._submit(spec)
+        if self._live_spec(spec.request_id) != spec:
+            self._submit(spec)
+
+    def _live_spec(self, rid: str) -> RequestSpec | None:
+        try:
+            return self.core.spec(rid)
+        except KeyError:
+            return None
+
+    def _resume(self, spec: RequestSpec) -> None:
+        """Run again a job an earlier router accepted (its job record says queued)."""
+        try:
+            self._submit(spec)
+        except QueueFullError:
+            logger.warning("video %s could not be resumed: the video queue is full", spec.request_id)
+            error = {"code": "interrupted", "message": "the job was interrupted by a router restart, and the queue "
+                                                       "was full when it restarted; create it again"}
+
+            async def record() -> None:
+                await self.store.set_status.remote(spec.request_id, "failed", error)
+            self._spawn(record())
 
     async def cancel(self, request_id: str) -> bool:
         """Cancel a live request; it leaves its worker at the worker's next step boundary. A video's

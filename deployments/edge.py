@@ -9,8 +9,7 @@ the queue bound here, without a router round trip, whatever the last report said
 applies the same rule again on submit, so nothing ever gets past the bound.
 
 Until the router has answered once (it is starting, or restarting) nothing is let in: a request
-waits a moment for it and is then refused 503 with `Retry-After`, so a video job is never
-created that the starting router would then fail as interrupted.
+waits a moment for it and is then refused 503 with `Retry-After`.
 """
 
 from __future__ import annotations

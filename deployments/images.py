@@ -6,6 +6,10 @@ its requests are named after it, so a retry while the first attempt runs joins i
 returns the same images to both), and a retry after it finished gets the stored response from
 the job store (kept under the same TTL and byte budget as videos). A retry with another body
 is a 409. Without an id every call is a new request.
+
+A router that dies holding an image (it restarts) loses it: the ingress still has its spec and
+inputs, and submits it again to the next router, for up to `ROUTER_RESTART_WAIT_S`. The image is
+denoised again from its start, with its seed: the same picture.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import logging
 import time
 import uuid
 from typing import Any
@@ -33,6 +38,11 @@ from stepserve.deployments.videos import key_seed, request_digest
 from stepserve.engine.sampler import RequestInputs
 from stepserve.policies.types import RequestSpec
 from stepserve.routing.core import DuplicateRequestError
+
+logger = logging.getLogger("stepserve.images")
+# How long an image waits for a router that died holding it to come back (models reload first).
+ROUTER_RESTART_WAIT_S = 300.0
+RESUBMIT_PAUSE_S = 1.0
 
 
 class ImageRequests:
@@ -84,7 +94,7 @@ class ImageRequests:
                     return stored
             await self.gate.admit(specs[0].kind.lane, rid, len(specs))
             submitted = time.perf_counter()
-            pngs = await asyncio.gather(*(self.router.submit.remote(spec, refs, self.gate.id) for spec in specs))
+            pngs = await asyncio.gather(*(self._submit(spec, refs) for spec in specs))
             answered = time.perf_counter()
         except BaseException as exc:
             # Free the siblings of a failed request (a disconnect cancels them all already). A
@@ -106,6 +116,19 @@ class ImageRequests:
                                ("respond", time.perf_counter() - answered)):
             self.stages.labels(stage).observe(seconds)
         return body
+
+    async def _submit(self, spec: RequestSpec, refs: list | None) -> bytes:
+        """Its PNG from the router; submitted again when the router dies holding it."""
+        deadline = time.monotonic() + ROUTER_RESTART_WAIT_S
+        while True:
+            try:
+                return await self.router.submit.remote(spec, refs, self.gate.id)
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+                if time.monotonic() >= deadline:
+                    raise
+                logger.warning("the router died holding %s (%s): submitting it again", spec.request_id,
+                               type(exc).__name__)
+                await asyncio.sleep(RESUBMIT_PAUSE_S)
 
 
 def request_id_for(client_id: str | None) -> str:

@@ -1,9 +1,10 @@
 """The job store: the source of truth for video jobs and idempotent image results.
 
 A single-replica Serve deployment of its own, apart from the router, so a router restart loses
-no job records and no finished results. It keeps everything in its own process memory: its own
-restart still loses them. Calls are short and run one at a time on the replica's event loop, so
-the table needs no lock.
+no job records and no finished results, and the new router runs the unfinished jobs again
+(`resume_unfinished`). It keeps everything in its own process memory: its own restart still
+loses them. Calls are short and run one at a time on the replica's event loop, so the table
+needs no lock.
 """
 
 from __future__ import annotations
@@ -37,15 +38,19 @@ class JobStore:
         """The new job, or the existing one when this is an idempotent retry (compare job ids)."""
         return self.table.create(record, self.clock())
 
-    async def fail_unfinished(self, message: str) -> list[str]:
-        """Every job still queued or running fails with `message` (called by a router starting
-        up: whatever an earlier router was running is gone). Returns their ids."""
-        lost = self.table.fail_unfinished({"code": "interrupted", "message": message}, self.clock())
-        for job_id in lost:
+    async def resume_unfinished(self, max_resumes: int, message: str) -> list[JobRecord]:
+        """The jobs still queued or running, for a router that starts up to run again from the
+        start (what an earlier router ran is gone with its workers); those it has resumed
+        `max_resumes` times already fail with `message` (code `interrupted`)."""
+        resumed, failed = self.table.resume_unfinished(max_resumes, {"code": "interrupted", "message": message},
+                                                       self.clock())
+        for job_id in failed:
             self._wake(job_id)
-        if lost:
-            logger.warning("%d video jobs were interrupted by a router restart: %s", len(lost), lost)
-        return lost
+        if resumed:
+            logger.warning("%d video jobs resume after a router restart: %s", len(resumed), [r.job_id for r in resumed])
+        if failed:
+            logger.warning("%d video jobs failed after %d router restarts: %s", len(failed), max_resumes, failed)
+        return resumed
 
     async def get(self, job_id: str) -> JobRecord | None:
         return self.table.get(job_id, self.clock())

@@ -62,6 +62,7 @@ class JobRecord:
     pauses: int = 0
     sp_degrees: tuple[int, ...] = ()
     owner: str | None = None  # the tenant that made it (a digest of its API key); None: everyone's
+    resumes: int = 0  # times a starting router took it up again from the start (a router restart)
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -184,13 +185,23 @@ class JobTable:
             self._retire(job_id)
         return True
 
-    def fail_unfinished(self, error: dict[str, str], now: float) -> list[str]:
-        """End every live job as failed with `error` (a new router knows nothing of the jobs the
-        old one was running: they must not poll as queued forever). Returns their ids."""
-        live = [job_id for job_id, entry in self._entries.items() if not entry.record.terminal]
-        for job_id in live:
-            self.update_status(job_id, "failed", now, error)
-        return live
+    def resume_unfinished(self, max_resumes: int, error: dict[str, str],
+                          now: float) -> tuple[list[JobRecord], list[str]]:
+        """The live jobs a starting router is to take up again (an earlier router's, lost with
+        its workers), queued anew with one resume more; and the ids of those resumed
+        `max_resumes` times already, which fail with `error` instead (a job that keeps taking
+        its router down must not do so forever)."""
+        resumed, failed = [], []
+        for job_id, entry in list(self._entries.items()):
+            if entry.record.terminal:
+                continue
+            if entry.record.resumes >= max_resumes:
+                self.update_status(job_id, "failed", now, error)
+                failed.append(job_id)
+            else:
+                self._set(entry, status="queued", resumes=entry.record.resumes + 1)
+                resumed.append(entry.record)
+        return resumed, failed
 
     def complete(self, job_id: str, result: Any, nbytes: int, now: float, **run: Any) -> bool:
         """Store a live job's result and mark it completed. False when the id is unknown or the

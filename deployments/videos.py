@@ -55,8 +55,8 @@ class VideoJobs:
         rid = spec.request_id
         record = JobRecord(rid, "video", time.time(), spec, idempotency_key=idempotency_key, request_digest=digest,
                            owner=owner)
-        # No job before the router is up: a router that starts fails every unfinished job it
-        # finds (an earlier router's, lost with its workers), so one created first would be too.
+        # No job before the router is up. One created while a new router starts may be taken up
+        # by it (it resumes every unfinished job it finds); this submission then joins it.
         await self.gate.ready(rid)
         record = await mapped(self.store.create.remote(record), rid)  # a retry gets its job back (or a 409)
         if record.job_id != rid:

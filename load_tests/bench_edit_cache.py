@@ -128,12 +128,18 @@ async def measure(url: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cache_stats(exposition: str) -> dict[str, float]:
-    """The node's activation store counters (`stepserve_activation_cache`), summed over nodes."""
+    """The activation stores' counts (`stepserve_activation_cache_events_total`, by event) and
+    contents (`stepserve_activation_cache`, by stat), summed over nodes."""
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(exposition):
         for sample in family.samples:
             if sample.name == "stepserve_activation_cache":
-                out[sample.labels["stat"]] = out.get(sample.labels["stat"], 0.0) + sample.value
+                key = sample.labels["stat"]
+            elif sample.name == "stepserve_activation_cache_events_total":
+                key = sample.labels["event"]
+            else:
+                continue
+            out[key] = out.get(key, 0.0) + sample.value
     return out
 
 

@@ -143,9 +143,9 @@ def round_totals(metrics_text: str) -> tuple[float, float]:
     """(sum, count) of the router's per-round worker execute times, over all workers."""
     total = count = 0.0
     for line in metrics_text.splitlines():
-        if line.startswith("stepserve_step_latency_seconds_sum"):
+        if line.startswith("stepserve_worker_plan_seconds_sum"):
             total += float(line.rsplit(" ", 1)[1])
-        elif line.startswith("stepserve_step_latency_seconds_count"):
+        elif line.startswith("stepserve_worker_plan_seconds_count"):
             count += float(line.rsplit(" ", 1)[1])
     return total, count
 

@@ -21,7 +21,7 @@ from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry, generate_latest
 
 from stepserve.actors.replica_metrics import ReplicaSums
-from stepserve.actors.router import RequestCancelledError
+from stepserve.actors.router import MAX_RESUMES, RequestCancelledError
 from stepserve.deployments import ingress as ingress_module
 from stepserve.deployments.config import AppConfig
 from stepserve.deployments.job_store import JobStore
@@ -221,9 +221,14 @@ class FakeRouter:
 
     def restart(self) -> list[str]:
         """A new router replica: it knows nothing of the old one's requests and, starting up,
-        fails every unfinished job in the store."""
+        runs the unfinished jobs in the store again from the start, as the real router does (up
+        to `MAX_RESUMES` times). Returns the ids it resumed."""
         self.live.clear()
-        return settle(self.store.fail_unfinished("the job was interrupted by a router restart; create it again"))
+        resumed = settle(self.store.resume_unfinished(
+            MAX_RESUMES, f"the job was interrupted by a router restart {MAX_RESUMES + 1} times; create it again"))
+        for record in resumed:
+            self._accept(record.spec)
+        return [record.job_id for record in resumed]
 
     def publish(self, **changes: Any) -> LoadReport:
         """A new load report (the version moves on), as the router publishes one on every change."""

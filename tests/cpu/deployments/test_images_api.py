@@ -13,6 +13,7 @@ import ray.exceptions
 from prometheus_client.parser import text_string_to_metric_families
 
 from stepserve.actors.router import RequestFailedError
+from stepserve.deployments import images as images_module
 from stepserve.deployments import ingress as ingress_module
 from stepserve.deployments.errors import APIError
 from stepserve.deployments.images import request_id_for
@@ -149,7 +150,10 @@ def test_5xx_bodies_hold_nothing_of_the_failure(http, router, raised, status, co
     assert request_id == request_id_for("k")  # the id a client can quote is its request's
 
 
-def test_a_dead_router_is_503_with_retry_after(http, router):
+def test_a_router_that_stays_dead_is_503_with_retry_after(http, router, monkeypatch):
+    monkeypatch.setattr(images_module, "ROUTER_RESTART_WAIT_S", 0.05)
+    monkeypatch.setattr(images_module, "RESUBMIT_PAUSE_S", 0.01)
+
     async def dead(spec, inputs, gate):
         raise ray.exceptions.RayActorError(error_msg=LEAKY_TEXT)
 
@@ -158,6 +162,25 @@ def test_a_dead_router_is_503_with_retry_after(http, router):
     assert_error(response, 503, "unavailable")
     assert_no_leak(response)
     assert response.headers["retry-after"] == "5"
+    assert len(router.submit.calls) > 1  # it was submitted again meanwhile
+
+
+def test_an_image_the_router_died_holding_is_submitted_again_to_the_next_router(http, router, monkeypatch):
+    monkeypatch.setattr(images_module, "RESUBMIT_PAUSE_S", 0.01)
+    accept = router.submit.fn
+    deaths = []
+
+    async def restarting(spec, inputs, gate):
+        if len(deaths) < 2:  # the old router dies holding it; the next call finds the new one starting
+            deaths.append(spec.request_id)
+            raise (ray.exceptions.RayActorError() if not deaths[:-1] else
+                   ray.exceptions.ActorUnavailableError("the router is starting", None))
+        return await accept(spec, inputs, gate)
+
+    router.submit.fn = restarting
+    response = http.post("/v1/images/generations", json={**CAT, "seed": 3})
+    assert response.status_code == 200 and response.json()["data"][0]["seed"] == 3
+    assert len(set(deaths)) == 1 and router.submitted == deaths[:1]  # one request, denoised once it took
 
 
 def test_a_failed_sibling_frees_the_others(http, router):

@@ -325,7 +325,7 @@ def test_job_store_wait_returns_when_the_job_ends():
         for vid, action, expect in (
                 ("failed", store.set_status("failed", "failed", {"code": "x", "message": "y"}), "failed"),
                 ("gone", store.delete("gone"), None),
-                ("lost", store.fail_unfinished("router restarted"), "failed")):
+                ("lost", store.resume_unfinished(0, "router restarted"), "failed")):
             waited, _ = await asyncio.wait_for(asyncio.gather(store.wait(vid, 30), later(action)), 5)
             assert (waited and waited.status) == expect
         # A status change that does not end the job does not wake it; the timeout does.
