@@ -27,7 +27,7 @@ from stepserve.actors.activation_store import StoreActivations, node_store
 from stepserve.actors.controlnet_client import ServiceControlNets
 from stepserve.actors.lora_store import StoreLoras
 from stepserve.actors.node_stores import stores_by_node
-from stepserve.actors.sp_world import DEFAULT_TIMEOUT_S, SPWorld, backend_for, rendezvous_address
+from stepserve.actors.sp_world import DEFAULT_TIMEOUT_S, SPWorld, backend_for, rendezvous
 from stepserve.actors.worker_options import WorkerPoolSpec, WorkerServices
 from stepserve.engine.addons.controlnet import RemoteControlNets
 from stepserve.engine.addons.lora import LoraLoader
@@ -195,17 +195,22 @@ class DenoiserWorker:
 
     # ---- sequence-parallel world --------------------------------------------------------
 
-    def sp_rendezvous_address(self) -> tuple[str, int]:
-        """An address for `join_sp_world`, on this worker's node: ask the worker that will be rank 0."""
-        return rendezvous_address()
+    def node_id(self) -> str:
+        """The Ray node this worker runs on."""
+        return ray.get_runtime_context().get_node_id()
 
-    def join_sp_world(self, addr: str, port: int, rank: int, world_size: int,
+    def sp_rendezvous(self, one_node: bool) -> str:
+        """Where the SP world's members meet (`sp_world.rendezvous`), made on this worker's node:
+        ask the worker that will be rank 0. `one_node`: every member runs on this node."""
+        return rendezvous(one_node)
+
+    def join_sp_world(self, init_method: str, rank: int, world_size: int,
                       timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         """Blocks until all ranks have joined: call it on every worker concurrently."""
         if self.sp_world is not None:
             raise RuntimeError(f"worker {self.runner.worker_id} already joined an SP world as rank "
                                f"{self.sp_world.rank}")
-        self.sp_world = SPWorld.join(addr, port, rank, world_size, backend_for(self.device), timeout_s)
+        self.sp_world = SPWorld.join(init_method, rank, world_size, backend_for(self.device), timeout_s)
 
     def leave_sp_world(self) -> None:
         if self.sp_world is not None:

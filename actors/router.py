@@ -590,9 +590,11 @@ class Router:
                 await asyncio.sleep(1.0)
 
     async def _join_world(self) -> None:
+        """Every worker joins one world; on one node its store is a file, not a listening port."""
+        nodes = await asyncio.gather(*(w.node_id.remote() for w in self.workers.values()))
         first = next(iter(self.workers.values()))
-        addr, port = await first.sp_rendezvous_address.remote()
-        await asyncio.gather(*(w.join_sp_world.remote(addr, port, rank, len(self.workers))
+        init_method = await first.sp_rendezvous.remote(len(set(nodes)) == 1)
+        await asyncio.gather(*(w.join_sp_world.remote(init_method, rank, len(self.workers))
                                for rank, w in enumerate(self.workers.values())))
 
     async def _rebuild_world(self) -> None:
