@@ -160,6 +160,11 @@ class Sampler:
         return self.step_index >= self.steps_total
 
     @property
+    def uses_addons(self) -> bool:
+        """It names ControlNets or LoRAs (only then do add-on modes touch its steps)."""
+        return bool(self.spec.controlnets or self.spec.loras)
+
+    @property
     def pending_loras(self) -> list[str]:
         """Its LoRAs that do not apply yet (still loading when it started), in its order."""
         return [use.name for use in self.spec.loras if use.name not in self.loras_joined]

@@ -251,10 +251,11 @@ class _PlanRun:
             if sampler is None:
                 continue
             try:
-                family = self.family(sampler.spec)
-                for addon_mode in addon_modes:
-                    if addon_mode.serves(family):
-                        addon_mode.prepare(sampler, family)
+                if sampler.uses_addons:  # (the step loop: most members have none)
+                    family = self.family(sampler.spec)
+                    for addon_mode in addon_modes:
+                        if addon_mode.serves(family):
+                            addon_mode.prepare(sampler, family)
                 members.append((rid, sampler, sampler.model_input()))
             except Exception as exc:
                 self.fail(rid, f"denoising step failed: {type(exc).__name__}: {exc}", lost=False)
@@ -360,7 +361,7 @@ def _group_addons(samplers: list[Sampler], modes) -> StepAddons:
     the add-on modes that hold its state adjust them."""
     controls, loras, first_row = [], [], 0
     for sampler in samplers:
-        if sampler.spec.controlnets or sampler.spec.loras:
+        if sampler.uses_addons:
             mine = sampler.addons(first_row)
             for mode in modes:
                 if mode.name in sampler.addon_state:
