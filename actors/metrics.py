@@ -102,6 +102,14 @@ class RouterMetrics:
             "block costs for: they loaded every block.", registry=r)
         self.worker_restarts = Counter("stepserve_worker_restarts", "Denoiser workers lost and restarted.",
                                        registry=r)
+        self.pool_workers = Gauge(
+            "stepserve_pool_workers", "Denoiser workers by state: serving (taking plans), starting (loading, or "
+            "waiting for a node from Ray's autoscaler) and draining (handing their requests back).", ["state"],
+            registry=r)
+        self.pool_target = Gauge("stepserve_pool_target_workers", "The size the pool scaler last set "
+                                 "(`workers.autoscaling`; a fixed pool: num_workers).", registry=r)
+        self.pool_changes = Counter("stepserve_pool_changes", "Workers the pool scaler started (grow) or drained and "
+                                    "removed (shrink).", ["direction"], registry=r)
         self.recoveries = Counter(
             "stepserve_recoveries", "Requests that lost their state to a worker fault and resumed from their "
             "last checkpoint.", registry=r)

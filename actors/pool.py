@@ -23,30 +23,33 @@ def start_lora_stores(spec: WorkerPoolSpec, models: Sequence[ModelSource], name_
                                                                             spec.lora_store_bytes))
 
 
-def start_workers(spec: WorkerPoolSpec, models: Sequence[ModelSource], name_prefix: str,
-                  lora_stores: dict[str, Any] | None = None, controlnet_service: Any | None = None,
-                  activation_stores: dict[str, Any] | None = None,
-                  ) -> tuple[dict[str, ray.actor.ActorHandle], dict[str, str]]:
-    """Create the workers; each loads its models in its constructor (await `ready` to know).
-    Returns their handles and their actor names, by worker id. `lora_stores`: from
-    `start_lora_stores`; `controlnet_service`: a handle to the ControlNet deployment, if any;
-    `activation_stores`: from `start_activation_stores` (`edit_cache`), if any.
+class WorkerLauncher:
+    """Starts denoiser workers one at a time, each loading its models in its constructor (await
+    its `ready` to know); the router starts its first ones at once and more as its pool grows.
+    `services`: the LoRA stores, ControlNet deployment and activation stores the router started.
 
     Each is a named actor, `<prefix>-w<i>-<token>`, so an operator can find it with `ray list
     actors`; the token keeps a restarted router's workers apart from the ones its predecessor is
-    still tearing down."""
-    # One plan at a time; an interrupt, and a chunked decode, run beside it (Ray takes concurrency
-    # groups only here).
-    remote_cls = ray.remote(concurrency_groups={CONTROL: 1, DECODE: 1})(DenoiserWorker)
-    services = WorkerServices(lora_stores or {}, controlnet_service, activation_stores or {})
-    token = uuid.uuid4().hex[:8]
-    workers, names = {}, {}
-    for i in range(spec.num_workers):
-        worker_id = f"{name_prefix}-w{i}"
-        names[worker_id] = f"{worker_id}-{token}"
-        workers[worker_id] = remote_cls.options(
+    still tearing down. Indexes are never reused: a worker's id names one actor for its life."""
+
+    def __init__(self, spec: WorkerPoolSpec, models: Sequence[ModelSource], name_prefix: str,
+                 services: WorkerServices) -> None:
+        # One plan at a time; an interrupt, and a chunked decode, run beside it (Ray takes
+        # concurrency groups only here).
+        self._remote_cls = ray.remote(concurrency_groups={CONTROL: 1, DECODE: 1})(DenoiserWorker)
+        self.spec, self.models, self.prefix, self.services = spec, list(models), name_prefix, services
+        self._token = uuid.uuid4().hex[:8]
+        self._next = 0
+
+    def start(self) -> tuple[int, str, str, ray.actor.ActorHandle]:
+        """Create the next worker: its index (its rank), id, actor name and handle."""
+        index, self._next = self._next, self._next + 1
+        worker_id = f"{self.prefix}-w{index}"
+        name = f"{worker_id}-{self._token}"
+        spec = self.spec
+        handle = self._remote_cls.options(
             # A crashed worker comes back (reloading its models); the router resumes what it held.
-            name=names[worker_id], num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, max_restarts=-1,
-            max_concurrency=1,
-        ).remote(worker_id, list(models), spec, services)
-    return workers, names
+            name=name, num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, resources=dict(spec.resources) or None,
+            max_restarts=-1, max_concurrency=1,
+        ).remote(worker_id, self.models, spec, self.services)
+        return index, worker_id, name, handle

@@ -2,14 +2,16 @@
 
 It owns the denoiser workers and runs one scheduling task (schedule / execute / update for the
 whole pool: the core decides and sends plans, the workers run them, their reports come back)
-and one report loop per worker (reports are applied in plan order). It asks the text encoder
-for embeddings while a request waits and hands workers only object refs (with no text encoder,
-`text_encoder.on_workers`, a request is ready at once and the worker that admits it encodes its
-prompts); a denoised image's
-latents go by reference to the VAE decoder (or, with no decoder, its worker already decoded it
-and its PNG comes back), a video's frames to the job store. A plain class:
-`build_app` deploys it as a single-replica Serve deployment, so Serve health-checks and
-restarts it; the workers it owns share its fate, the job store does not.
+and one report loop per worker (reports are applied in plan order). With `workers.autoscaling` a
+third task sizes the pool once a second (`routing.pool_scaler`): it starts workers, or drains one
+(the core hands its requests back to the queue at a step boundary) and ends it once it is empty.
+
+It asks the text encoder for embeddings while a request waits and hands workers only object refs
+(with no text encoder, `text_encoder.on_workers`, a request is ready at once and the worker that
+admits it encodes its prompts); a denoised image's latents go by reference to the VAE decoder
+(or, with no decoder, its worker already decoded it and its PNG comes back), a video's frames to
+the job store. A plain class: `build_app` deploys it as a single-replica Serve deployment, so
+Serve health-checks and restarts it; the workers it owns share its fate, the job store does not.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ import ray
 from stepserve.actors.activation_store import start_activation_stores
 from stepserve.actors.metrics import RouterMetrics
 from stepserve.actors.replica_metrics import FamilySnapshot
-from stepserve.actors.pool import start_lora_stores, start_workers
-from stepserve.actors.worker_options import WorkerPoolSpec
+from stepserve.actors.pool import WorkerLauncher, start_lora_stores
+from stepserve.actors.worker_options import WorkerPoolSpec, WorkerServices
 from stepserve.engine.families import ModelSource, family_class
 from stepserve.engine.forward_modes.base import ModeName
 from stepserve.engine.template_edits import template_key
@@ -43,12 +45,14 @@ from stepserve.policies.patchedserve.mixed_costs import packed
 from stepserve.policies.patchedserve.packed_profile import packing_fits
 from stepserve.policies.types import RequestFailure, RequestKind, RequestSpec, RequestStatus, WorkerPlan
 from stepserve.routing.core import AdmissionRef, CoreConfig, Outcome, QueueFullError, RouterCore, WorkerSlot
+from stepserve.routing.pool_scaler import PoolScaler
 
 logger = logging.getLogger("stepserve.router")
 
 DECODE_ATTEMPTS = 3  # a decoder replica may die under a request; its latents are still here
 MAX_RESUMES = 2  # times a video job interrupted by a router restart runs again from its start
 LOAD_POLL_TIMEOUT_S = 5.0  # an idle long poll costs one small call this often; shutdown waits for it
+SCALE_INTERVAL_S = 1.0  # how often the pool scaler (`workers.autoscaling`) reads the load
 
 
 class RequestFailedError(RuntimeError):
@@ -116,7 +120,7 @@ def _edit_costs(profile: ProfiledCostModel, models: Sequence[ModelSource], pool:
 
 
 class Router:
-    # Async so the replica reports healthy only once every worker has loaded its models (Serve
+    # Async so the replica reports healthy only once a worker has loaded its models (Serve
     # awaits async constructors); this class is only ever built as a Serve deployment. Every
     # public method is async too: Serve runs sync methods in a thread pool, and the core must
     # only ever be touched from the event loop.
@@ -137,11 +141,38 @@ class Router:
         # By node id; none unless `edit_cache` is on.
         self.activation_stores = start_activation_stores(pool.edit_cache, name) if pool.edit_cache else {}
         self.edit_cache_kind = pool.edit_cache_kind
-        self.workers, self._actor_names = start_workers(pool, models, name, self.lora_stores, controlnet_service,
-                                                        self.activation_stores)
         costs = router_costs(spec, models, pool)
         policy = make_policy(spec.policy, spec.policy_options, costs if needs_costs(spec.policy) else None)
-        slots = [WorkerSlot(wid, pool.max_batch_size, rank) for rank, wid in enumerate(self.workers)]
+        # A world of process groups only when a forward may be split over workers: some model's
+        # by sequence parallelism, or any CFG request's under a policy that splits CFG rows. Its
+        # size is fixed: when the pool changes, it is built again (`_world_changed`).
+        largest = pool.num_workers if pool.scaling is None else pool.scaling.max_workers
+        self._uses_world = largest > 1 and (
+            any(family_class(m.family).sequence_parallel for m in models) or policy.splits_cfg)
+        self._world_dirty = False
+        self._rebuilding: asyncio.Task | None = None
+        self.pool = pool
+        self.launcher = WorkerLauncher(pool, models, name, WorkerServices(self.lora_stores, controlnet_service,
+                                                                          self.activation_stores))
+        self.workers: dict[str, Any] = {}  # in the pool: loaded, known to the core (draining ones too)
+        self._actor_names: dict[str, str] = {}
+        # Started, loading (or waiting for a node): its joining task and its actor.
+        self._starting: dict[str, tuple[asyncio.Task, Any]] = {}
+        self._report_loops: dict[str, asyncio.Task] = {}
+        self._tasks: set[asyncio.Task] = set()
+        # The pool serves as soon as one worker has loaded (every one, when they form a world); the
+        # others join as they load.
+        started = [self.launcher.start() for _ in range(pool.num_workers)]
+        loading = {asyncio.ensure_future(handle.ready.remote()): (index, wid, actor, handle)
+                   for index, wid, actor, handle in started}
+        done, _ = await asyncio.wait(loading, return_when=asyncio.ALL_COMPLETED if self._uses_world
+                                     else asyncio.FIRST_COMPLETED)
+        slots = []
+        for future in done:
+            future.result()  # a worker that cannot load its models fails the deployment
+            index, wid, actor, handle = loading.pop(future)
+            self.workers[wid], self._actor_names[wid] = handle, actor
+            slots.append(WorkerSlot(wid, pool.max_batch_size, index))
         self.core = RouterCore(policy, slots, spec.core, costs)
         self.costs = costs
         self.metrics = RouterMetrics()
@@ -152,8 +183,8 @@ class Router:
                     self.lora_bounds.bound(lora.model, lora.name))
         self._waiters: dict[str, asyncio.Future] = {}  # image id -> its PNG bytes
         self._callers: dict[str, int] = {}  # image id -> calls waiting for it (idempotent retries join)
-        self._reports: dict[str, deque[ray.ObjectRef]] = {wid: deque() for wid in self.workers}
-        self._report_ready = {wid: asyncio.Event() for wid in self.workers}
+        self._reports: dict[str, deque[ray.ObjectRef]] = {}
+        self._report_ready: dict[str, asyncio.Event] = {}
         self._kick = asyncio.Event()
         self._load_changed = asyncio.Event()
         self._published_version = -1
@@ -162,25 +193,22 @@ class Router:
         # Gate id -> requests of each class received from it (refused ones too): each report
         # tells its gate, so the gate knows exactly what is still on its way here.
         self._received: dict[str, Counter[RequestKind]] = {}
-        self._tasks: set[asyncio.Task] = set()
-        # A world of process groups only when a forward may be split over workers: some model's
-        # by sequence parallelism, or any CFG request's under a policy that splits CFG rows.
-        self._uses_world = len(self.workers) > 1 and (
-            any(family_class(m.family).sequence_parallel for m in models) or policy.splits_cfg)
-        await self.ready()
         if self._uses_world:
-            await self._join_world()
+            await self._join_world(list(self.workers))
         for record in resumed:
             self._resume(record.spec)
         self._loops = [asyncio.create_task(self._schedule_loop(), name="schedule")]
-        self._loops += [asyncio.create_task(self._report_loop(wid), name=f"reports-{wid}") for wid in self.workers]
+        for wid in self.workers:
+            self._start_reports(wid)
+        for future, (index, wid, actor, handle) in loading.items():
+            self._starting[wid] = (self._spawn(self._join(index, wid, actor, handle, future)), handle)
+        self.scaler = None if pool.scaling is None else PoolScaler(pool.scaling)
+        if self.scaler is not None:
+            self._loops.append(asyncio.create_task(self._scale_loop(), name="scale"))
+        self.metrics.pool_target.set(pool.num_workers)
+        self._published_pool()
 
     # -- public methods (called through a DeploymentHandle) ------------------------------
-
-    async def ready(self) -> bool:
-        """True once every worker has loaded its models."""
-        await asyncio.gather(*(w.ready.remote() for w in self.workers.values()))
-        return True
 
     async def submit(self, spec: RequestSpec, inputs: list | None = None, gate: str | None = None) -> bytes:
         """Queue an image and return its PNG once decoded. Submitting an id that is live with the
@@ -284,7 +312,9 @@ class Router:
         return dict(self._actor_names)
 
     async def readiness(self) -> dict[str, int]:
-        return {"workers": len(self.workers), "live_workers": self.core.live_workers,
+        """`workers`: the pool's size as it will be (serving, draining and starting ones)."""
+        return {"workers": len(self.workers) + len(self._starting), "live_workers": self.core.live_workers,
+                "starting_workers": len(self._starting), "draining_workers": len(self.core.draining_workers),
                 "queued": self.core.queue_length(), "running": self.core.count(RequestStatus.RUNNING)}
 
     async def ingress_metrics(self, replica: str, sequence: int, families: tuple[FamilySnapshot, ...]) -> None:
@@ -305,7 +335,7 @@ class Router:
 
     def check_health(self) -> None:
         """Serve's health hook: a dead loop means the replica must be replaced."""
-        for task in self._loops:
+        for task in [*self._loops, *self._report_loops.values()]:
             if task.done() and not task.cancelled() and task.exception() is not None:
                 raise RuntimeError(f"router loop {task.get_name()} died: {task.exception()!r}")
 
@@ -440,6 +470,8 @@ class Router:
             try:
                 report = await queue[0]
             except Exception as exc:
+                if wid not in self.workers:
+                    return  # drained and removed from the pool
                 if not isinstance(exc, ray.exceptions.RayActorError):
                     # The worker raised out of a plan (a bug: it isolates request failures):
                     # its state is suspect, so it restarts clean and what it held resumes.
@@ -454,7 +486,7 @@ class Router:
                 self._kick.set()
                 incarnation = await self._await_restart(worker)
                 self.core.worker_back(wid, incarnation)
-                self._spawn(self._rebuild_world())
+                self._world_changed()
                 self._kick.set()
                 continue
             queue.popleft()
@@ -580,6 +612,104 @@ class Router:
         except Exception:
             logger.exception("could not record video %s as %s in the job store", rid, status)
 
+    # -- the pool grows and shrinks ---------------------------------------------------------
+
+    def _start_reports(self, wid: str) -> None:
+        self._reports[wid] = deque()
+        self._report_ready[wid] = asyncio.Event()
+        self._report_loops[wid] = asyncio.create_task(self._report_loop(wid), name=f"reports-{wid}")
+
+    async def _join(self, index: int, wid: str, actor: str, handle: Any, loaded: Any) -> None:
+        """A started worker joins the pool once it has loaded its models. One that cannot is
+        killed (the scaler starts another while the load still asks for it)."""
+        try:
+            incarnation = await loaded
+        except Exception:
+            logger.exception("worker %s could not start; it is given up", wid)
+            ray.kill(handle, no_restart=True)
+            return
+        finally:
+            self._starting.pop(wid, None)
+        self.workers[wid], self._actor_names[wid] = handle, actor
+        self.core.add_worker(WorkerSlot(wid, self.pool.max_batch_size, index), incarnation)
+        self._start_reports(wid)
+        self._world_changed()
+        logger.info("worker %s joined the pool", wid)
+        self._published_pool()
+        self._kick.set()
+
+    async def _scale_loop(self) -> None:
+        """Once a second: the scaler's target from the load signal; start workers to reach it, or
+        drain one (a starting one is stopped first: it serves nobody yet). A drained worker is
+        removed and its actor ended, which frees its resources for Ray's autoscaler to reclaim."""
+        target = None
+        while True:
+            await asyncio.sleep(SCALE_INTERVAL_S)
+            rebuilding = self._rebuilding is not None and not self._rebuilding.done()
+            for wid in [w for w in self.core.draining_workers if self.core.drained(w) and not rebuilding]:
+                self._remove(wid)  # (not while the world is rebuilt with it in)
+            size = len(self.workers) - len(self.core.draining_workers) + len(self._starting)
+            wanted = self.scaler.target(self.core.pool_load(time.monotonic()), size, time.monotonic())
+            for _ in range(wanted - size):
+                index, wid, actor, handle = self.launcher.start()
+                joining = self._spawn(self._join(index, wid, actor, handle, handle.ready.remote()))
+                self._starting[wid] = (joining, handle)
+                self.metrics.pool_changes.labels("grow").inc()
+                logger.info("pool: %d -> %d workers; starting %s", size, wanted, wid)
+            if wanted < size:
+                self._shrink()
+            if wanted != target:
+                target = wanted
+                self.metrics.pool_target.set(wanted)
+                self._request_nodes(wanted)
+            self._published_pool()
+
+    def _shrink(self) -> None:
+        """One worker fewer: the newest starting one, else the serving one holding least."""
+        if self._starting:
+            wid = next(reversed(self._starting))
+            task, handle = self._starting.pop(wid)
+            task.cancel()
+            ray.kill(handle, no_restart=True)
+        else:
+            serving = [w for w in self.workers if w not in self.core.draining_workers]
+            by_load = sorted(serving, key=lambda w: (len(self.core.worker_record(w).residents), -self.core.rank(w)))
+            wid = next((w for w in by_load if self.core.drain(w)), None)
+            if wid is None:
+                return  # every candidate holds a group over several workers: next time
+            self._kick.set()  # its export plan goes out in the next round
+        self.metrics.pool_changes.labels("shrink").inc()
+        logger.info("pool: draining %s", wid)
+
+    def _remove(self, wid: str) -> None:
+        self.core.remove_worker(wid)
+        handle = self.workers.pop(wid)
+        self._actor_names.pop(wid, None)
+        self._report_loops.pop(wid).cancel()
+        self._reports.pop(wid, None)
+        self._report_ready.pop(wid, None)
+        # What it exported lives on in its node's object store (this router owns it) until the
+        # requests resume elsewhere; only the actor goes.
+        ray.kill(handle, no_restart=True)
+        self._world_changed()
+        logger.info("worker %s left the pool", wid)
+
+    def _request_nodes(self, workers: int) -> None:
+        """Tell Ray's autoscaler the pool's whole demand (it replaces the last request): it brings
+        up nodes for workers still waiting, and may reclaim those no request covers."""
+        from ray.autoscaler.sdk import request_resources
+
+        try:
+            request_resources(bundles=[self.pool.bundle] * workers)
+        except Exception:  # no autoscaler (a fixed cluster): the pending actors are the only ask
+            logger.debug("request_resources failed", exc_info=True)
+
+    def _published_pool(self) -> None:
+        draining = len(self.core.draining_workers)
+        self.metrics.pool_workers.labels("serving").set(len(self.workers) - draining)
+        self.metrics.pool_workers.labels("starting").set(len(self._starting))
+        self.metrics.pool_workers.labels("draining").set(draining)
+
     # -- faults and the SP world -----------------------------------------------------------
 
     async def _await_restart(self, worker: Any) -> str:
@@ -589,23 +719,37 @@ class Router:
             except ray.exceptions.RayActorError:
                 await asyncio.sleep(1.0)
 
-    async def _join_world(self) -> None:
-        """Every worker joins one world; on one node its store is a file, not a listening port."""
-        nodes = await asyncio.gather(*(w.node_id.remote() for w in self.workers.values()))
-        first = next(iter(self.workers.values()))
-        init_method = await first.sp_rendezvous.remote(len(set(nodes)) == 1)
-        await asyncio.gather(*(w.join_sp_world.remote(init_method, rank, len(self.workers))
-                               for rank, w in enumerate(self.workers.values())))
+    async def _join_world(self, workers: list[str]) -> None:
+        """`workers` join one world, ranked in that order; on one node its store is a file, not a
+        listening port."""
+        handles = [self.workers[wid] for wid in workers]
+        nodes = await asyncio.gather(*(w.node_id.remote() for w in handles))
+        init_method = await handles[0].sp_rendezvous.remote(len(set(nodes)) == 1)
+        await asyncio.gather(*(w.join_sp_world.remote(init_method, rank, len(handles))
+                               for rank, w in enumerate(handles)))
 
-    async def _rebuild_world(self) -> None:
-        """After a worker restart: once no SP step is in flight and every worker is back, all
-        leave the old world and join a new one (a world's size is fixed)."""
+    def _world_changed(self) -> None:
+        """A worker restarted, joined or left: no SP group forms until every worker is in a new
+        world (a world's size and members are fixed)."""
         if not self._uses_world:
             return
-        while self.core.sp_in_use or self.core.live_workers < len(self.workers):
-            await asyncio.sleep(0.2)
-        await asyncio.gather(*(w.leave_sp_world.remote() for w in self.workers.values()))
-        await self._join_world()
+        self.core.set_sp_available(False)
+        self._world_dirty = True
+        if self._rebuilding is None or self._rebuilding.done():
+            self._rebuilding = self._spawn(self._rebuild_world())
+
+    async def _rebuild_world(self) -> None:
+        """Once no SP step is in flight and every worker is live, all leave the old world and join
+        a new one, ranked in pool order (the core's ranks follow); again while the pool changed
+        meanwhile."""
+        while self._world_dirty:
+            self._world_dirty = False
+            while self.core.sp_in_use or self.core.live_workers < len(self.workers):
+                await asyncio.sleep(0.2)
+            workers = list(self.workers)
+            await asyncio.gather(*(self.workers[w].leave_sp_world.remote() for w in workers))
+            self.core.rerank(workers)
+            await self._join_world(workers)
         self.core.set_sp_available(True)
         self._kick.set()
 

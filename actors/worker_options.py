@@ -14,6 +14,7 @@ from stepserve.engine.editing.loading_plan import LoadingPlanner
 from stepserve.engine.editing.masked_sd3 import CacheKind
 from stepserve.engine.patch_cache.calibration import PatchCacheSpec
 from stepserve.engine.round_sequencer import SequencerSpec
+from stepserve.routing.pool_scaler import ScalingSpec
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,8 @@ class WorkerPoolSpec:
     max_batch_size: int = 8
     num_cpus: float = 0.5
     num_gpus: float = 0
+    resources: tuple[tuple[str, float], ...] = ()  # `workers.resources`: custom Ray resources, by name
+    scaling: ScalingSpec | None = None  # `workers.autoscaling` (None: a fixed pool of num_workers)
     device: str = "auto"
     torch_threads: int | None = None
     pack_resolutions: bool = False  # `workers.pack_resolutions`: a plan's plain groups of a model in one forward
@@ -47,6 +50,12 @@ class WorkerPoolSpec:
     @property
     def loras(self) -> tuple[AddonSource, ...]:
         return tuple(a for a in self.addons if a.kind is AddonKind.LORA)
+
+    @property
+    def bundle(self) -> dict[str, float]:
+        """What one worker reserves, as Ray's autoscaler reads a resource request."""
+        bundle = {"CPU": self.num_cpus, "GPU": self.num_gpus, **dict(self.resources)}
+        return {name: amount for name, amount in bundle.items() if amount}
 
     @property
     def lora_bounds(self) -> LoraJoinBounds:

@@ -30,6 +30,7 @@ from stepserve.policies.registry import validate_policy
 from stepserve.policies.synerdiff.skip_cfg import SkipCfgCurve
 from stepserve.policies.synerdiff.types import ConcurrencyTable
 from stepserve.policies.types import LoraBatching, RequestKind, StepCacheMethod
+from stepserve.routing.pool_scaler import ScalingSpec
 
 
 if TYPE_CHECKING:
@@ -353,8 +354,40 @@ class PatchCacheConfig(_Strict):
                               self.calibration_steps)
 
 
+class WorkerAutoscalingConfig(_Strict):
+    min_workers: int = Field(ge=1, description="The pool never drains below this many workers.")
+    max_workers: int = Field(ge=1, description="The pool never grows past this many workers (nor past what Ray's "
+                                                "autoscaler can place: a worker it cannot place waits, counted).")
+    target_requests: float = Field(
+        default=4.0, gt=0,
+        description="Requests running or waiting per worker the pool sizes itself for (as Ray Serve's "
+                    "`target_ongoing_requests`): the pool grows at once to one worker per this much demand, and by "
+                    "one more while waiting requests are predicted to miss their deadlines. Set it to the batch a "
+                    "worker should run: for a large model at a tight SLO, well below `max_batch_size`.")
+    scale_down_delay_s: float = Field(
+        default=30.0, ge=0,
+        description="How long the demand must want fewer workers, with nothing waiting and nothing late, before "
+                    "one worker drains (one at a time): its requests move to the others at a step boundary, and its "
+                    "resources go back to Ray.")
+
+    def spec(self) -> ScalingSpec:
+        return ScalingSpec(self.min_workers, self.max_workers, self.target_requests, self.scale_down_delay_s)
+
+
 class WorkersConfig(_Strict):
-    num_workers: int = Field(default=2, ge=1, description="Denoiser workers (one per GPU on a GPU cluster).")
+    num_workers: int = Field(default=2, ge=1, description="Denoiser workers (one per GPU on a GPU cluster); with "
+                                                          "`autoscaling`, the pool's size at start.")
+    autoscaling: WorkerAutoscalingConfig | None = Field(
+        default=None,
+        description="Grow and shrink the pool between `min_workers` and `max_workers` from the router's load "
+                    "(None: a fixed pool of `num_workers`). The router asks Ray's autoscaler for the nodes "
+                    "(`ray.autoscaler.sdk.request_resources`). Where forwards may span workers (sequence-parallel "
+                    "video models, a policy that splits CFG rows), each change rebuilds the workers' process-group "
+                    "world once no such forward runs; none starts meanwhile.")
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources each worker reserves besides CPUs and GPUs (e.g. a node label such as "
+                    "{'gpu_node': 1}): what the autoscaler provisions a node type for.")
     max_batch_size: int = Field(default=8, ge=1, description="Requests resident and stepping together per worker.")
     num_cpus: float = Field(default=0.5, ge=0, description="Ray CPUs reserved per worker.")
     num_gpus: float = Field(default=0, ge=0, description="Ray GPUs per worker (1 on a GPU cluster).")
@@ -373,10 +406,20 @@ class WorkersConfig(_Strict):
                     "(its profile says by how much); on a GPU the gain (fewer, larger kernels) is not measured yet.",
     )
 
+    @model_validator(mode="after")
+    def _check_bounds(self) -> "WorkersConfig":
+        scaling = self.autoscaling
+        if scaling is not None and not scaling.min_workers <= self.num_workers <= scaling.max_workers:
+            raise ValueError(f"autoscaling: need min_workers <= num_workers <= max_workers, got {scaling.min_workers}, "
+                             f"{self.num_workers}, {scaling.max_workers}")
+        return self
+
     def to_spec(self) -> "WorkerPoolSpec":
         from stepserve.actors.worker_options import WorkerPoolSpec  # imports Ray: not for the one-shot CLI
 
-        return WorkerPoolSpec(**self.model_dump())
+        return WorkerPoolSpec(**self.model_dump(exclude={"autoscaling", "resources"}),
+                              scaling=None if self.autoscaling is None else self.autoscaling.spec(),
+                              resources=tuple(sorted(self.resources.items())))
 
 
 class RouterConfig(_Strict):

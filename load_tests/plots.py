@@ -646,3 +646,38 @@ def plot_concurrency(report: Mapping, rows: Sequence[tuple], title: str, path: P
     rounds.set(xlabel="requests stepping (m)", ylabel="round, ms (tau)")
     rounds.legend(fontsize=7)
     fig.savefig(path, dpi=110)
+
+
+def plot_elastic_pool(report: Mapping, path: Path) -> None:
+    """Per row: the pool's size over time, and the SLO attainment of the requests arriving in each
+    window; the offered rate of each phase behind both."""
+    fig = _figure(11.0, 6.5)
+    size_ax, slo_ax = fig.add_subplot(2, 1, 1), fig.add_subplot(2, 1, 2)
+    end = sum(p["duration_s"] for p in report["phases"])
+    for run in report["runs"]:
+        times = [t for t, _ in run["pool"]] + [end]
+        sizes = [n for _, n in run["pool"]] + [run["pool"][-1][1]]
+        size_ax.step(times, sizes, where="post", label=f"{run['label']}: {run['worker_s']:.0f} worker-s")
+        windows = [w for w in run["windows"] if w["slo_attainment"] is not None]
+        attained = 100 * (run["summary"]["slo_attainment"] or 0)
+        slo_ax.plot([w["start_s"] + report["window_s"] / 2 for w in windows],
+                    [100 * w["slo_attainment"] for w in windows], marker="o", markersize=3,
+                    label=f"{run['label']}: {attained:.1f}% overall")
+    for ax in (size_ax, slo_ax):
+        rate_ax = ax.twinx()
+        start, xs, ys = 0.0, [], []
+        for phase in report["phases"]:
+            xs += [start, start + phase["duration_s"]]
+            ys += [phase["rate"], phase["rate"]]
+            start += phase["duration_s"]
+        rate_ax.fill_between(xs, ys, color="0.9", zorder=0)
+        rate_ax.set_ylabel("offered req/s", color="0.5")
+        ax.set_zorder(rate_ax.get_zorder() + 1)
+        ax.patch.set_visible(False)
+        ax.legend(fontsize=8, loc="upper left")
+    size_ax.set_ylabel("workers (serving, starting, draining)")
+    slo_ax.set_ylabel(f"SLO attainment (%), by {report['window_s']:g} s of arrival")
+    slo_ax.set_xlabel("time (s)")
+    fig.suptitle(f"{report['model']} ({report['profile']}, derived), SLO {report['slo_scale']:g}x solo; a worker "
+                 f"serves {report['worker_start_s']:g} s after it is started")
+    fig.savefig(path, dpi=110)

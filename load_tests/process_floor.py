@@ -34,7 +34,7 @@ class FloorWorker:
 
 class FloorRouter:
     async def __init__(self, num_workers: int, num_cpus: float, num_gpus: float):
-        # As `actors.pool.start_workers` makes them: one call at a time, a control group beside it.
+        # As `actors.pool.WorkerLauncher` makes them: one call at a time, a control group beside it.
         remote_cls = ray.remote(concurrency_groups={CONTROL: 1})(FloorWorker)
         self.workers = [remote_cls.options(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=1).remote()
                         for _ in range(num_workers)]

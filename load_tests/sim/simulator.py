@@ -38,7 +38,9 @@ device of its own and takes exactly its profiled time, and the router's work is 
 Decisions and state moves are instantaneous in simulated time: the router's decision time is
 measured (wall clock) but on no request's path, nor is the plan/report RPC beyond the cost model's
 per-round overhead, nor pausing or moving a video (GenServe measures both under 1 ms against
-steps of hundreds, Table 7). Worker faults are not modelled.
+steps of hundreds, Table 7). Worker faults are not modelled. With `scaling` the pool grows and
+shrinks as the live router's does (`routing.pool_scaler`, once a simulated second): a started
+worker serves `worker_start_s` later, a drained one leaves once the core has moved what it held.
 """
 
 from __future__ import annotations
@@ -66,6 +68,9 @@ from stepserve.policies.patchedserve.packed_profile import packing_fits
 from stepserve.policies.types import (ControlNetUse, LoraBatching, LoraUse, RequestKind, RequestSpec, RequestStatus,
                                       WorkerPlan)
 from stepserve.routing.core import AdmissionRef, CoreConfig, QueueFullError, RouterCore, WorkerSlot
+from stepserve.routing.pool_scaler import PoolScaler, ScalingSpec
+
+SCALE_INTERVAL_S = 1.0  # as the live router's (`actors.router.SCALE_INTERVAL_S`)
 
 
 @dataclass(frozen=True)
@@ -101,6 +106,11 @@ class SimConfig:
     # Models whose workers run a step's resolutions as one forward (`workers.pack_resolutions`,
     # for the models whose family packs): their rounds are priced as the live router prices them.
     packing: tuple[str, ...] = ()
+    # `workers.autoscaling`: the pool grows and shrinks as the live router's scaler decides, from
+    # `workers` at the start (None: a fixed pool). A worker it starts serves `worker_start_s` later
+    # (a node coming up and the worker loading its models).
+    scaling: ScalingSpec | None = None
+    worker_start_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -115,6 +125,10 @@ class SimConfig:
             raise ValueError("synerdiff decodes images on the workers: it needs decoders=0")
         if self.host_cpus is not None and not self.host_cpus > 0:
             raise ValueError(f"host_cpus must be > 0 or None, got {self.host_cpus}")
+        if self.scaling is not None and not self.scaling.min_workers <= self.workers <= self.scaling.max_workers:
+            raise ValueError(f"scaling: need min_workers <= workers <= max_workers, got {self.scaling}, {self.workers}")
+        if self.worker_start_s < 0:
+            raise ValueError(f"worker_start_s must be >= 0, got {self.worker_start_s}")
 
     def describe(self) -> dict[str, Any]:
         out = asdict(self)
@@ -122,6 +136,7 @@ class SimConfig:
         out["lora_batches"] = self.lora_batches.value
         out["synerdiff"] = None if self.synerdiff is None else self.synerdiff.describe()
         out["packing"] = list(self.packing)
+        out["scaling"] = None if self.scaling is None else asdict(self.scaling)
         return out
 
 
@@ -183,6 +198,9 @@ class SimResult:
     controlnet_busy_s: float = 0.0
     forwards: int = 0  # denoiser forwards run (a step of a plan with three groups is three)
     lora_loads: int = 0  # LoRAs brought into a worker's memory
+    # The pool's size (workers serving, starting or draining) after each change, from (0, workers).
+    pool: tuple[tuple[float, int], ...] = ()
+    worker_s: float = 0.0  # seconds workers were held (started to removed, or to the end): what the pool cost
 
     @property
     def plan_wall_s(self) -> float:
@@ -283,6 +301,7 @@ class Simulation:
         options = options_for_workers(config.policy, config.policy_options, config.max_batch_size, bool(config.packing))
         policy = make_policy(config.policy, options, cost if needs_costs(config.policy) else None)
         worker_ids = [f"w{i}" for i in range(config.workers)]
+        self._next_worker = config.workers
         core_config = CoreConfig(
             pipeline_depth=config.pipeline_depth, pipeline_lead_s=config.pipeline_lead_s,
             max_plan_s=config.max_plan_s, checkpoint_interval_s=None, images_decode_on_workers=not config.decoders,
@@ -298,11 +317,15 @@ class Simulation:
                                            cost.text_encode_seconds, self._on_ready)
                         if config.text_encoder.replicas else None)
         self._worker_encode_s = 0.0  # text encoding the workers did (no text encoder)
-        self.lanes = {wid: _Lane(SimWorker(wid, self._round_seconds, self._worker_decode_seconds,
-                                           encode_cost=None if self.encoder else self._encoding_on_worker(),
-                                           lora_load_cost=getattr(cost, "lora_load_seconds", None),
-                                           lora_resident=config.lora_resident, sequencer=self._sequencer()))
-                      for wid in worker_ids}
+        self.lanes = {wid: self._lane(wid) for wid in worker_ids}
+        self._gone: dict[str, _Lane] = {}  # removed workers' lanes, for their totals
+        self._held_from = {wid: 0.0 for wid in worker_ids}  # when each worker was started
+        self._held_s = 0.0  # removed workers' held seconds
+        self._starting: dict[str, None] = {}  # started, not serving yet (a stopped one never serves)
+        self._pool: list[tuple[float, int]] = [(0.0, config.workers)]
+        self.scaler = None if config.scaling is None else PoolScaler(config.scaling)
+        if self.scaler is not None:
+            self.events.at(SCALE_INTERVAL_S, self._scale)
         self.decoder = (DecoderService(config.decoders, self.events, self._run_work, self._on_decoded)
                         if config.decoders else None)
         self.pending: dict[str, _Pending] = {}
@@ -325,6 +348,56 @@ class Simulation:
             spec = _spec_of(request, rid, request.slo_s)
             self.pending[rid] = _Pending(request, spec)
             self.events.at(request.offset_s, self._arrive, self.pending[rid])
+
+    def _lane(self, wid: str) -> _Lane:
+        config, cost = self.config, self.cost
+        return _Lane(SimWorker(wid, self._round_seconds, self._worker_decode_seconds,
+                               encode_cost=None if self.encoder else self._encoding_on_worker(),
+                               lora_load_cost=getattr(cost, "lora_load_seconds", None),
+                               lora_resident=config.lora_resident, sequencer=self._sequencer()))
+
+    # -- the pool grows and shrinks (the live router's `_scale_loop`) ------------------------
+
+    def _scale(self) -> None:
+        now = self.events.now
+        for wid in [w for w in self.core.draining_workers if self.core.drained(w)]:
+            self.core.remove_worker(wid)
+            self._gone[wid] = self.lanes.pop(wid)
+            self._held_s += now - self._held_from.pop(wid)
+        draining = len(self.core.draining_workers)
+        size = len(self.lanes) - draining + len(self._starting)
+        target = self.scaler.target(self.core.pool_load(now), size, now)
+        for _ in range(target - size):
+            wid = f"w{self._next_worker}"
+            self._next_worker += 1
+            self._starting[wid] = None
+            self._held_from[wid] = now
+            self.events.at(now + self.config.worker_start_s, self._worker_up, wid, self._next_worker - 1)
+        if target < size:
+            if self._starting:
+                wid = next(reversed(self._starting))
+                del self._starting[wid]
+                self._held_s += now - self._held_from.pop(wid)
+            else:
+                by_load = sorted((w for w in self.lanes if w not in self.core.draining_workers),
+                                 key=lambda w: (len(self.core.worker_record(w).residents), -self.core.rank(w)))
+                if next((w for w in by_load if self.core.drain(w)), None) is not None:
+                    self._request_decision()
+        pool = len(self.lanes) + len(self._starting)
+        if pool != self._pool[-1][1]:
+            self._pool.append((now, pool))
+        # Ticks go on while anything else will happen, and after that until the pool is back at
+        # its minimum (an idle pool drains); never for ever.
+        if len(self.events) or pool > self.config.scaling.min_workers:
+            self.events.at(now + SCALE_INTERVAL_S, self._scale)
+
+    def _worker_up(self, wid: str, rank: int) -> None:
+        if wid not in self._starting:
+            return  # stopped before it came up
+        del self._starting[wid]
+        self.lanes[wid] = self._lane(wid)
+        self.core.add_worker(WorkerSlot(wid, self.config.max_batch_size, rank))
+        self._request_decision()
 
     # -- costs -------------------------------------------------------------------------------
 
@@ -586,17 +659,20 @@ class Simulation:
         started = time.perf_counter()
         self.events.run()
         wall = time.perf_counter() - started
+        lanes = {**self._gone, **self.lanes}
         traces = tuple(self._trace(entry) for entry in self.pending.values())
         return SimResult(
-            config=self.config, traces=traces, busy_s={wid: lane.busy_s for wid, lane in self.lanes.items()},
-            rounds=sum(lane.worker.rounds for lane in self.lanes.values()), decisions=self.core.decisions,
+            config=self.config, traces=traces,
+            busy_s={wid: lane.busy_s for wid, lane in lanes.items()},
+            rounds=sum(lane.worker.rounds for lane in lanes.values()), decisions=self.core.decisions,
             events=self.events.processed, end_s=self.events.now, wall_s=wall,
             decision_wall_s=tuple(self.decision_wall),
             text_encoder_busy_s=self._worker_encode_s if self.encoder is None else self.encoder.busy_s,
             decoder_busy_s=0.0 if self.decoder is None else self.decoder.busy_s,
             host_peak_jobs=None if self.host is None else self.host.peak_jobs,
             controlnet_busy_s=self._controlnet_busy_s, forwards=self._forwards,
-            lora_loads=sum(lane.worker.lora_loads for lane in self.lanes.values()),
+            lora_loads=sum(lane.worker.lora_loads for lane in lanes.values()),
+            pool=tuple(self._pool), worker_s=self._held_s + sum(self.events.now - t for t in self._held_from.values()),
         )
 
     def _trace(self, entry: _Pending) -> RequestTrace:

@@ -35,7 +35,7 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from stepserve.policies.admission import ClassLoad, LoadReport, admit
 from stepserve.policies.base import Scheduler
@@ -56,6 +56,7 @@ from stepserve.policies.types import (
     WorkerView,
 )
 from stepserve.routing.plan_check import PlanChecker
+from stepserve.routing.pool_scaler import PoolLoad
 from stepserve.routing.records import RequestRecord, SentPlan, WorkerRecord, WorkerSlot
 from stepserve.routing.step_overhead import StepOverhead
 
@@ -213,6 +214,7 @@ class RouterCore:
         self._with_drops: dict[str, None] = {}  # workers holding cancelled requests to forget
         self._with_room: dict[str, None] = {}  # cuttable workers with room in their batch (`_refresh_workers`)
         self._interrupted: dict[str, None] = {}  # workers whose plan was asked to end early, until it reports
+        self._draining: dict[str, None] = {}  # workers leaving the pool (`drain`), until removed
         self._counts: dict[RequestKind, dict[RequestStatus, int]] = {k: {} for k in RequestKind}
         self.sp_available = True
         self.overhead = StepOverhead()
@@ -284,6 +286,10 @@ class RouterCore:
             for wid in self._with_drops:  # cancelled residents still to forget
                 if wid not in plans and self.is_open(self._workers[wid]):
                     plans[wid] = WorkerPlan(wid)
+            for wid in self._draining:  # a leaving worker hands what it holds back to the queue
+                worker = self._workers[wid]
+                if worker.residents and self.is_open(worker):
+                    plans[wid] = WorkerPlan(wid, export=tuple(worker.residents))
             again = False
             completed = self._complete(list(plans.values()), now)
             # Every member of an SP group admits from the state as it is before the round.
@@ -379,7 +385,7 @@ class RouterCore:
             free_at = worker.free_at()
             return worker.cuttable and free_at is not None and free_at - now > (worker.step_s or 0.0)
 
-        out = [self._workers[wid] for wid in self._with_drops if worth_it(self._workers[wid])]
+        out = [self._workers[wid] for wid in {**self._with_drops, **self._draining} if worth_it(self._workers[wid])]
         if not (self.policy.joins_running and self._waiting):
             return out
         if self._stale:
@@ -681,6 +687,89 @@ class RouterCore:
         self._retime(worker)
         self._changed_load()
 
+    # ---- the pool grows and shrinks --------------------------------------------------------
+
+    def add_worker(self, slot: WorkerSlot, incarnation: str = "") -> None:
+        """A worker joins the pool (started and loaded): plans go to it from the next round."""
+        if slot.worker_id in self._workers:
+            raise ValueError(f"duplicate worker id {slot.worker_id!r}")
+        if slot.max_batch_size < 1:
+            raise ValueError(f"worker {slot.worker_id!r}: max_batch_size must be >= 1, got {slot.max_batch_size}")
+        if any(w.slot.rank == slot.rank for w in self._workers.values()):
+            raise ValueError(f"worker rank {slot.rank} is taken")
+        worker = self._workers[slot.worker_id] = WorkerRecord(slot, self.config.lora_resident)
+        worker.incarnation = incarnation
+        self._retime(worker)
+        self._changed_load()
+
+    def drain(self, worker_id: str) -> bool:
+        """Start taking a worker out of the pool: no policy plans for it from now on; its plan of
+        several steps is cut at its next step boundary, and then what it holds goes back to the
+        queue (its states exported, PAUSED, to resume elsewhere). `drained` says when it holds
+        nothing. False (and nothing changes) for the last live worker, for a dead one, and for one
+        holding a request over several workers (a sequence-parallel group moves as a whole)."""
+        worker = self._worker(worker_id)
+        live = [w for w in self._workers.values() if w.alive and not w.draining]
+        if worker.draining or not worker.alive or live == [worker]:
+            return False
+        if any(len(self._requests[rid].workers) > 1 for rid in worker.residents):
+            return False
+        worker.draining = True
+        self._draining[worker_id] = None
+        self._stale.add(worker_id)
+        return True
+
+    def drained(self, worker_id: str) -> bool:
+        """It is draining and holds nothing: `remove_worker` may take it out."""
+        worker = self._worker(worker_id)
+        return worker.draining and not worker.in_flight and not worker.residents
+
+    def remove_worker(self, worker_id: str) -> None:
+        """Take a drained worker (or a dead one that holds nothing) out of the pool for good."""
+        worker = self._worker(worker_id)
+        if worker.in_flight or worker.residents or (worker.alive and not worker.draining):
+            raise ValueError(f"worker {worker_id!r} still holds work or was not drained")
+        worker.alive = False
+        self._stale.add(worker_id)
+        self._refresh_workers()  # its views leave the snapshot's tables
+        for table in (self._workers, self._draining, self._interrupted, self._with_drops):
+            table.pop(worker_id, None)
+        self._changed_load()
+
+    def pool_load(self, now: float, scan: int = 256) -> PoolLoad:
+        """The pool's load signal (`pool_scaler`): what runs or waits, and how many of the first
+        `scan` waiting requests miss their deadline unless they start now (their steps left at the
+        pool's measured step time end past it; the deadline is already early by the request's
+        predicted tail)."""
+        steps_s = [w.step_s for w in self._workers.values() if w.alive and not w.draining and w.step_s is not None]
+        step_s = sum(steps_s) / len(steps_s) if steps_s else 0.0
+        late = 0
+        for rid in itertools.islice(self._waiting, scan):
+            record = self._requests[rid]
+            if now + (record.spec.steps_to_run - record.steps_done) * step_s > record.deadline:
+                late += 1
+        waiting = self.queue_length()
+        return PoolLoad(self.count(RequestStatus.RUNNING) + waiting, waiting, late)
+
+    @property
+    def draining_workers(self) -> tuple[str, ...]:
+        return tuple(self._draining)
+
+    def rerank(self, order: Sequence[str]) -> None:
+        """Ranks 0, 1, ... to the workers in `order` (each once): the caller built the workers' world
+        again in that order (a world's ranks are contiguous, and the pool changed). Only while no
+        SP group is in use, so no plan or request holds the old ranks."""
+        if sorted(order) != sorted(self._workers):
+            raise ValueError(f"rerank needs every worker once, got {list(order)}")
+        if self.sp_in_use:
+            raise ValueError("cannot rerank while an SP group is in use")
+        for rank, wid in enumerate(order):
+            worker = self._workers[wid]
+            worker.slot = replace(worker.slot, rank=rank)
+        for table in (self._worker_views, self._all_views, self._open_ids, self._open_idle_ids, self._load_counts):
+            table.clear()
+        self._stale.update(self._workers)  # every view again, in the new rank order
+
     def set_sp_available(self, available: bool) -> None:
         """Whether SP groups can form: the caller takes the workers' world down when a member
         dies (its size is fixed; the restarted worker must join a new one) and up once rebuilt."""
@@ -796,7 +885,8 @@ class RouterCore:
         openings = self._openings
         while openings and openings[0][0] <= now:  # their plans in flight end within the lead now
             _, timer, wid = heapq.heappop(openings)
-            if self._workers[wid].timer == timer:
+            worker = self._workers.get(wid)  # (None: removed since)
+            if worker is not None and worker.timer == timer:
                 self._stale.add(wid)
         if self._stale:
             self._refresh_workers()
@@ -842,7 +932,10 @@ class RouterCore:
     def _next_opening(self) -> float | None:
         """When the next busy worker opens (for the caller's timer)."""
         openings = self._openings
-        while openings and self._workers[openings[0][2]].timer != openings[0][1]:
+        while openings:
+            worker = self._workers.get(openings[0][2])  # (None: removed since)
+            if worker is not None and worker.timer == openings[0][1]:
+                break
             heapq.heappop(openings)
         return openings[0][0] if openings else None
 
@@ -863,7 +956,7 @@ class RouterCore:
             self._open_idle_ids.pop(wid, None)
             self._all_views.pop(wid, None)
             self._with_room.pop(wid, None)
-            if not worker.alive:
+            if not worker.alive or worker.draining:  # no policy plans for either
                 continue
             if worker.cuttable and len(worker.residents) < worker.slot.max_batch_size:
                 self._with_room[wid] = None

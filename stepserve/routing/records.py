@@ -79,6 +79,8 @@ class WorkerRecord:
         self.slot = slot
         self.loras = LoraResidency(lora_resident)  # what it holds, as its StoreLoras keeps them
         self.alive = True
+        # Leaving the pool (`RouterCore.drain`): no policy sees it; the core moves what it holds.
+        self.draining = False
         self.incarnation = ""
         self.residents: dict[str, None] = {}  # as planned, admission order
         self.in_flight: deque[SentPlan] = deque()

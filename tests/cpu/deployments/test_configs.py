@@ -186,3 +186,22 @@ def test_the_clusters_workers_plan_template_edits_from_block_costs(monkeypatch):
     assert planned and 0 < use_cache.count(False) < 24
     assert planner.use_cache(CacheKind.OUTPUTS, 24, "stable-diffusion-3.5-medium", 1024, 1024, 2, 0.1) == ((True,) * 24,
                                                                                                          True)
+
+
+def test_the_cluster_pool_scales_and_its_bounds_reach_the_router(monkeypatch):
+    monkeypatch.setenv("STEPSERVE_API_KEYS", "sk-test")
+    (app,) = load_serve_config(CONFIGS / "cluster.yaml")["applications"]
+    pool = AppConfig(**app["args"]).pool_spec()
+    assert (pool.num_workers, pool.scaling.min_workers, pool.scaling.max_workers) == (14, 6, 22)
+    assert pool.bundle == {"CPU": 4, "GPU": 0.75}
+
+
+@pytest.mark.parametrize("workers, problem", [
+    ({"num_workers": 5, "autoscaling": {"min_workers": 1, "max_workers": 4}}, "min_workers <= num_workers"),
+    ({"num_workers": 1, "autoscaling": {"min_workers": 2, "max_workers": 4}}, "min_workers <= num_workers"),
+    ({"num_workers": 1, "autoscaling": {"min_workers": 1, "max_workers": 4, "target_requests": 0}}, "greater than 0"),
+])
+def test_bad_pool_bounds_are_refused_at_load(workers, problem):
+    (app,) = load_serve_config(CONFIGS / "local-tiny.yaml")["applications"]
+    with pytest.raises(ValueError, match=problem):
+        AppConfig(**{**app["args"], "workers": workers})

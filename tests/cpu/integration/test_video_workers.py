@@ -12,8 +12,8 @@ import ray
 import torch
 
 from stepserve.actors.denoiser import AdmissionRef
-from stepserve.actors.pool import start_workers
-from stepserve.actors.worker_options import WorkerPoolSpec
+from stepserve.actors.pool import WorkerLauncher
+from stepserve.actors.worker_options import WorkerPoolSpec, WorkerServices
 from stepserve.engine.families import TEXT, load_family
 from stepserve.policies.types import RequestProgress, StepGroup, StepReport, WorkerPlan
 from stepserve.runtime import start_local_ray
@@ -30,7 +30,8 @@ def workers():
     # One torch thread each: the two workers share the machine's cores. No CPU reservation, so
     # they can be placed even in a Ray whose CPUs another fixture's app already holds.
     pool = WorkerPoolSpec(num_workers=2, num_cpus=0, device="cpu", torch_threads=1)
-    handles = list(start_workers(pool, [TINY_WAN], "video-test")[0].values())
+    launcher = WorkerLauncher(pool, [TINY_WAN], "video-test", WorkerServices())
+    handles = [launcher.start()[3] for _ in range(pool.num_workers)]
     try:
         ray.get([w.ready.remote() for w in handles])
         init_method = ray.get(handles[0].sp_rendezvous.remote(True))
