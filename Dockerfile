@@ -21,6 +21,7 @@ RUN apt-get update \
 WORKDIR /opt/stepserve
 COPY pyproject.toml README.md ./
 COPY .ci/constraints.txt .ci/constraints.txt
+COPY requirements.lock requirements.lock
 COPY scripts/install.sh scripts/install.sh
 COPY stepserve stepserve
 COPY engine engine

@@ -44,7 +44,7 @@ from stepserve.policies.instgenie.edit_profile import profiled_costs
 from stepserve.policies.patchedserve.mixed_costs import packed
 from stepserve.policies.patchedserve.packed_profile import packing_fits
 from stepserve.policies.types import RequestFailure, RequestKind, RequestSpec, RequestStatus, WorkerPlan
-from stepserve.routing.core import AdmissionRef, CoreConfig, Outcome, QueueFullError, RouterCore, WorkerSlot
+from stepserve.routing.core import AdmissionRef, CoreConfig, Outcome, QueueFullError, Resume, RouterCore, WorkerSlot
 from stepserve.routing.pool_scaler import PoolScaler
 
 logger = logging.getLogger("stepserve.router")
@@ -53,6 +53,7 @@ DECODE_ATTEMPTS = 3  # a decoder replica may die under a request; its latents ar
 MAX_RESUMES = 2  # times a video job interrupted by a router restart runs again from its start
 LOAD_POLL_TIMEOUT_S = 5.0  # an idle long poll costs one small call this often; shutdown waits for it
 SCALE_INTERVAL_S = 1.0  # how often the pool scaler (`workers.autoscaling`) reads the load
+STORE_RESTART_WAIT_S = 120.0  # how long a call to a job store that died under it is made again
 
 
 class RequestFailedError(RuntimeError):
@@ -129,10 +130,10 @@ class Router:
                        controlnet_service: Any | None = None):
         self.text_encoder, self.decoder, self.store = text_encoder, decoder, store
         # First of all: jobs an earlier router accepted and never finished lost their state with its
-        # workers; this router runs them again from the start (queued before anything new). A job
-        # interrupted once more after MAX_RESUMES resumes fails instead. Finished jobs are safe in
-        # the store. A job the ingress creates while this runs may be taken up here too: its own
-        # submission then joins it.
+        # workers; this router runs them again from their last checkpoints, which the store keeps
+        # (from the start without one; queued before anything new). A job interrupted once more
+        # after MAX_RESUMES resumes fails instead. Finished jobs are safe in the store. A job the
+        # ingress creates while this runs may be taken up here too: its own submission then joins it.
         resumed = await self.store.resume_unfinished.remote(
             MAX_RESUMES, f"the job was interrupted by a router restart {MAX_RESUMES + 1} times; create it again")
         self.id = uuid.uuid4().hex  # this incarnation: the edge's counts of what it received start here
@@ -195,8 +196,8 @@ class Router:
         self._received: dict[str, Counter[RequestKind]] = {}
         if self._uses_world:
             await self._join_world(list(self.workers))
-        for record in resumed:
-            self._resume(record.spec)
+        for record, checkpoint in resumed:
+            self._resume(record.spec, checkpoint)
         self._loops = [asyncio.create_task(self._schedule_loop(), name="schedule")]
         for wid in self.workers:
             self._start_reports(wid)
@@ -249,17 +250,20 @@ class Router:
         except KeyError:
             return None
 
-    def _resume(self, spec: RequestSpec) -> None:
-        """Run again a job an earlier router accepted (its job record says queued)."""
+    def _resume(self, spec: RequestSpec, checkpoint: Any | None) -> None:
+        """Run again a job an earlier router accepted (its job record says queued), from its
+        checkpoint (the store's `Checkpoint`: steps, state, degrees) if it has one."""
+        resume = None if checkpoint is None else Resume(ray.put(checkpoint.state), checkpoint.steps,
+                                                        checkpoint.degrees)
         try:
-            self._submit(spec)
+            self._submit(spec, resume=resume)
         except QueueFullError:
             logger.warning("video %s could not be resumed: the video queue is full", spec.request_id)
             error = {"code": "interrupted", "message": "the job was interrupted by a router restart, and the queue "
                                                        "was full when it restarted; create it again"}
 
             async def record() -> None:
-                await self.store.set_status.remote(spec.request_id, "failed", error)
+                await self._to_store("set_status", spec.request_id, "failed", error)
             self._spawn(record())
 
     async def cancel(self, request_id: str) -> bool:
@@ -345,13 +349,17 @@ class Router:
         if gate is not None:
             self._received.setdefault(gate, Counter())[spec.kind.lane] += 1
 
-    def _submit(self, spec: RequestSpec, inputs: Any = None) -> None:
+    def _submit(self, spec: RequestSpec, inputs: Any = None, resume: Resume | None = None) -> None:
         # QueueFull/Duplicate go to the caller.
         try:
-            self.core.submit(spec, time.monotonic(), self._tail_s(spec), inputs)
+            self.core.submit(spec, time.monotonic(), self._tail_s(spec), inputs, resume)
         except QueueFullError:
             self.metrics.ended(spec, "refused")  # past the edge: what its gate did not catch
             raise
+        if resume is not None:  # its state holds its conditioning: ready now
+            self._kick.set()
+            self._published()
+            return
         if spec.template_id is not None and self.activation_stores:
             # A template spilled to disk comes back to memory while the edit waits (InstGenIE §4.2).
             for store in self.activation_stores.values():
@@ -516,6 +524,9 @@ class Router:
         for rid in outcome.recovered:
             self.metrics.recoveries.inc()
             logger.info("request %s lost its state to a worker fault; it resumes from its last checkpoint", rid)
+        for rid, resume in outcome.checkpointed:
+            if self.core.spec(rid).is_video:  # the store keeps it for a router restart
+                self._spawn(self._store_checkpoint(rid, resume))
         if outcome.denoised or outcome.failed or outcome.recovered:
             self._published()
 
@@ -559,7 +570,7 @@ class Router:
         rid = spec.request_id
         state = self.core.state(rid)
         try:
-            stored = await self.store.complete.remote(rid, frames, state.pauses, state.degrees)
+            stored = await self._to_store("complete", rid, frames, state.pauses, state.degrees)
         except Exception:
             logger.exception("storing video %s failed", rid)
             stored = False
@@ -572,6 +583,25 @@ class Router:
             self.core.forget(rid)
         self._published()
         self._kick.set()
+
+    async def _to_store(self, method: str, *args: Any) -> Any:
+        """A job-store call, made again while the store restarts (it reads its journal back, so
+        what was written before is there; each of these calls may be made twice)."""
+        deadline = time.monotonic() + STORE_RESTART_WAIT_S
+        while True:
+            try:
+                return await getattr(self.store, method).remote(*args)
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+                if time.monotonic() >= deadline:
+                    raise
+                logger.warning("the job store died under %s; calling it again", method)
+                await asyncio.sleep(1.0)
+
+    async def _store_checkpoint(self, rid: str, resume: Resume) -> None:
+        try:  # (the store resolves the state's ref: the bytes go worker to store)
+            await self._to_store("checkpoint", rid, resume.steps, resume.state, resume.degrees)
+        except Exception:
+            logger.exception("storing a checkpoint of video %s failed; a restart resumes it from an older one", rid)
 
     def _fail(self, rid: str, message: str) -> None:
         try:
@@ -608,7 +638,7 @@ class Router:
 
     async def _set_job_status(self, rid: str, status: str, error: dict[str, str] | None) -> None:
         try:
-            await self.store.set_status.remote(rid, status, error)
+            await self._to_store("set_status", rid, status, error)
         except Exception:
             logger.exception("could not record video %s as %s in the job store", rid, status)
 

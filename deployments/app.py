@@ -71,12 +71,13 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
         num_replicas=vd.num_replicas, max_ongoing_requests=16, ray_actor_options=_model_options(config, vd),
     ).bind(image_sources, vd.device, vd.torch_threads)
 
-    # One replica, apart from the router: a router restart loses no finished job.
+    # One replica, apart from the router: a router restart loses no finished job; its own writes
+    # through to `jobs.storage` (its default folder is named here, once a build).
     jobs = config.jobs
     store = serve.deployment(JobStore, name="JobStore").options(
         num_replicas=1, max_ongoing_requests=LONG_CALLS, ray_actor_options=actor_options(config, 0),
         logging_config=INTERNAL_LOGGING,
-    ).bind(jobs.ttl_s, jobs.max_bytes, jobs.max_jobs)
+    ).bind(jobs.ttl_s, jobs.max_bytes, jobs.max_jobs, jobs.journal_spec())
 
     cs = config.controlnet_service
     controlnets = None if not (cs.enabled and config.controlnets) else serve.deployment(

@@ -8,12 +8,15 @@ from __future__ import annotations
 import csv
 import os
 import re
+import tempfile
+import uuid
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from stepserve.deployments.job_journal import JournalSpec
 from stepserve.engine.addons.source import AddonKind, AddonSource
 from stepserve.engine.editing.loading_plan import SERVED_LOADINGS, LoadingPlanner
 from stepserve.engine.editing.masked_sd3 import CacheKind
@@ -510,6 +513,38 @@ class JobsConfig(_Strict):
         default=10_000, ge=1,
         description="Video job records kept; the oldest finished are dropped for new ones, and a create when every "
                     "record is still live gets 429.")
+    storage: Literal["memory", "disk", "redis"] = Field(
+        default="disk",
+        description="Where the job store writes what each call changed, before the call returns, so a restarted "
+                    "store loses no job, finished video, running video's checkpoint or remembered image response: "
+                    "'disk' (a folder on the store's node: `disk_dir`), 'redis' (`redis_url`: survives the node; a "
+                    "cluster whose store may restart elsewhere) or 'memory' (nothing survives the store).")
+    disk_dir: str | None = Field(
+        default=None,
+        description="The folder of 'disk' storage; None: a new folder under the temp dir each time the app is "
+                    "built (it survives the store's restarts, not a redeploy: name one to keep jobs across them).")
+    redis_url: str | None = Field(default=None, description="'redis' storage: e.g. redis://stepserve-redis:6379/1.")
+    redis_password_env: str | None = Field(
+        default=None, description="'redis' storage: the environment variable, where the store runs, holding the "
+                                  "password (never in the config).")
+    redis_prefix: str = Field(default="stepserve", min_length=1,
+                              description="'redis' storage: the prefix of the store's keys (one app a prefix).")
+
+    @model_validator(mode="after")
+    def _check_storage(self) -> "JobsConfig":
+        if self.storage == "redis" and not self.redis_url:
+            raise ValueError("jobs.storage 'redis' needs jobs.redis_url")
+        return self
+
+    def journal_spec(self) -> "JournalSpec | None":
+        """Where the store writes through (None: memory only); a default folder is named here, once."""
+        if self.storage == "memory":
+            return None
+        if self.storage == "redis":
+            return JournalSpec("redis", redis_url=self.redis_url, redis_password_env=self.redis_password_env,
+                               redis_prefix=self.redis_prefix)
+        folder = self.disk_dir or os.path.join(tempfile.gettempdir(), f"stepserve-jobs-{uuid.uuid4().hex[:12]}")
+        return JournalSpec("disk", disk_dir=folder)
 
 
 class ComponentConfig(_Strict):

@@ -10,6 +10,10 @@ from the front of FIFOs, so every call costs O(1) amortised plus what it evicts 
 Retirement order is the order calls arrive in, and TTL expiry trusts it to match `now`: if the
 wall clock steps back, entries retired after the step wait for the ones before it (they are
 evicted late, never early).
+
+The table notes what each call changed (`take_changes`), so a store can write just that through
+to durable storage (`job_journal`), and `restore` builds the same table again from what was
+written.
 """
 
 from __future__ import annotations
@@ -62,7 +66,8 @@ class JobRecord:
     pauses: int = 0
     sp_degrees: tuple[int, ...] = ()
     owner: str | None = None  # the tenant that made it (a digest of its API key); None: everyone's
-    resumes: int = 0  # times a starting router took it up again from the start (a router restart)
+    resumes: int = 0  # times a starting router took it up again (a router restart)
+    resumed_from_step: int = 0  # the step its last resume started from (its checkpoint's; 0: the start)
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -73,22 +78,60 @@ class JobRecord:
         return self.status in TERMINAL
 
 
+@dataclass(frozen=True)
+class Checkpoint:
+    """A running job's state as of a step: what a router restart resumes it from."""
+
+    steps: int  # steps done
+    state: Any  # the sampler's exported state (host memory)
+    degrees: tuple[int, ...]  # the SP degree of each of those steps
+
+
 @dataclass(slots=True)
 class _Entry:
     record: JobRecord
     result: Any = None
+    checkpoint: Checkpoint | None = None  # while it runs
+    order: int = 0  # its place in creation order (what `restore` sorts by)
     # Neighbours in creation order: a linked list makes `page` O(limit) from any cursor.
     prev: str | None = None
     next: str | None = None
 
 
+@dataclass(frozen=True)
+class StoredJob:
+    """One job as durable storage keeps it (`take_changes`, `restore`)."""
+
+    record: JobRecord
+    result: Any
+    checkpoint: Checkpoint | None
+    order: int
+    retired: int | None  # its retirement sequence number; None: live
+
+
 @dataclass(frozen=True, slots=True)
-class _Image:
+class StoredImage:
+    """A remembered image response, in the table and as durable storage keeps it."""
+
+    key: str  # its idempotency key
     digest: str
     body: Any
     nbytes: int
     stored_at: float
     seq: int
+
+
+@dataclass(frozen=True)
+class Changes:
+    """What calls changed since the last `take_changes`: jobs and images to write, and to remove."""
+
+    jobs: tuple[StoredJob, ...] = ()
+    removed_jobs: tuple[str, ...] = ()
+    images: tuple[StoredImage, ...] = ()
+    removed_images: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.jobs or self.removed_jobs or self.images or self.removed_images)
 
 
 class JobTable:
@@ -108,11 +151,14 @@ class JobTable:
         # Terminal job ids and remembered images, each oldest first, valued by a retirement
         # sequence number shared by both: byte-budget eviction takes the older of the two heads.
         self._retired: OrderedDict[str, int] = OrderedDict()
-        self._images: OrderedDict[str, _Image] = OrderedDict()
+        self._images: OrderedDict[str, StoredImage] = OrderedDict()
         self._seq = 0
+        self._order = 0
         self.bytes_stored = 0
         self.evictions = 0
         self.counts = {status: 0 for status in STATUSES}
+        self._changed_jobs: dict[str, None] = {}  # written or removed since `take_changes`
+        self._changed_images: dict[str, None] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -144,7 +190,9 @@ class JobTable:
             self._evict_job(next(iter(self._retired)))
         if len(self._entries) >= self.max_jobs:
             raise JobTableFull(f"all {self.max_jobs} job slots hold queued or running jobs; retry later")
-        entry = _Entry(record, prev=self._last)
+        self._order += 1
+        entry = _Entry(record, order=self._order, prev=self._last)
+        self._changed_jobs[record.job_id] = None
         if self._last is None:
             self._first = record.job_id
         else:
@@ -186,11 +234,11 @@ class JobTable:
         return True
 
     def resume_unfinished(self, max_resumes: int, error: dict[str, str],
-                          now: float) -> tuple[list[JobRecord], list[str]]:
+                          now: float) -> tuple[list[tuple[JobRecord, Checkpoint | None]], list[str]]:
         """The live jobs a starting router is to take up again (an earlier router's, lost with
-        its workers), queued anew with one resume more; and the ids of those resumed
-        `max_resumes` times already, which fail with `error` instead (a job that keeps taking
-        its router down must not do so forever)."""
+        its workers), queued anew with one resume more, each with its last checkpoint (None: from
+        the start); and the ids of those resumed `max_resumes` times already, which fail with
+        `error` instead (a job that keeps taking its router down must not do so forever)."""
         resumed, failed = [], []
         for job_id, entry in list(self._entries.items()):
             if entry.record.terminal:
@@ -199,9 +247,22 @@ class JobTable:
                 self.update_status(job_id, "failed", now, error)
                 failed.append(job_id)
             else:
-                self._set(entry, status="queued", resumes=entry.record.resumes + 1)
-                resumed.append(entry.record)
+                step = 0 if entry.checkpoint is None else entry.checkpoint.steps
+                self._set(entry, status="queued", resumes=entry.record.resumes + 1, resumed_from_step=step)
+                resumed.append((entry.record, entry.checkpoint))
         return resumed, failed
+
+    def checkpoint(self, job_id: str, checkpoint: Checkpoint) -> bool:
+        """Keep a running job's newer checkpoint; False (keeping nothing) for an unknown or ended
+        job, or one no newer than the checkpoint it has."""
+        entry = self._entries.get(job_id)
+        if entry is None or entry.record.terminal:
+            return False
+        if entry.checkpoint is not None and entry.checkpoint.steps >= checkpoint.steps:
+            return False
+        entry.checkpoint = checkpoint
+        self._changed_jobs[job_id] = None
+        return True
 
     def complete(self, job_id: str, result: Any, nbytes: int, now: float, **run: Any) -> bool:
         """Store a live job's result and mark it completed. False when the id is unknown or the
@@ -213,6 +274,7 @@ class JobTable:
             return False
         self._check_size(nbytes, f"job {job_id}'s result")
         entry.result = result
+        entry.checkpoint = None
         self._set(entry, status="completed", completed_at=now, result_bytes=nbytes, **run)
         self.bytes_stored += nbytes
         self._retire(job_id)
@@ -292,7 +354,8 @@ class JobTable:
         if key in self._images:
             return False
         self._check_size(nbytes, f"the image response for idempotency key {key!r}")
-        self._images[key] = _Image(digest, body, nbytes, now, self._next_seq())
+        self._images[key] = StoredImage(key, digest, body, nbytes, now, self._next_seq())
+        self._changed_images[key] = None
         self.bytes_stored += nbytes
         self._enforce_budget()
         return True
@@ -308,12 +371,62 @@ class JobTable:
             raise IdempotencyConflict(f"idempotency key {key!r} was used for a different image request")
         return image.body
 
+    # -- durable storage ---------------------------------------------------------------------
+
+    def take_changes(self) -> Changes:
+        """What changed since the last call: each changed job or image as it is now, and the ids
+        of those gone."""
+        jobs, gone = [], []
+        for job_id in self._changed_jobs:
+            entry = self._entries.get(job_id)
+            if entry is None:
+                gone.append(job_id)
+            else:
+                jobs.append(StoredJob(entry.record, entry.result, entry.checkpoint, entry.order,
+                                      self._retired.get(job_id)))
+        images, gone_images = [], []
+        for key in self._changed_images:
+            image = self._images.get(key)
+            if image is None:
+                gone_images.append(key)
+            else:
+                images.append(image)
+        self._changed_jobs.clear()
+        self._changed_images.clear()
+        return Changes(tuple(jobs), tuple(gone), tuple(images), tuple(gone_images))
+
+    def restore(self, jobs: list[StoredJob], images: list[StoredImage]) -> None:
+        """Build this (empty) table again from what `take_changes` gave, in any order: creation
+        order, retirement order and the byte count as they were."""
+        if self._entries or self._images:
+            raise ValueError("restore needs an empty table")
+        for job in sorted(jobs, key=lambda j: j.order):
+            entry = _Entry(job.record, job.result, job.checkpoint, job.order, prev=self._last)
+            if self._last is None:
+                self._first = job.record.job_id
+            else:
+                self._entries[self._last].next = job.record.job_id
+            self._last = job.record.job_id
+            self._entries[job.record.job_id] = entry
+            if job.record.idempotency_key is not None:
+                self._by_key[job.record.idempotency_key] = job.record.job_id
+            self.counts[job.record.status] += 1
+            self.bytes_stored += job.record.result_bytes
+            self._order = max(self._order, job.order)
+        for job in sorted((j for j in jobs if j.retired is not None), key=lambda j: j.retired):
+            self._retired[job.record.job_id] = job.retired
+        for image in sorted(images, key=lambda i: i.seq):
+            self._images[image.key] = image
+            self.bytes_stored += image.nbytes
+        self._seq = max([self._seq, *self._retired.values(), *(i.seq for i in images)])
+
     # -- internals ---------------------------------------------------------------------------
 
     def _set(self, entry: _Entry, **changes: Any) -> None:
         self.counts[entry.record.status] -= 1
         entry.record = dataclasses.replace(entry.record, **changes)
         self.counts[entry.record.status] += 1
+        self._changed_jobs[entry.record.job_id] = None
 
     def _next_seq(self) -> int:
         self._seq += 1
@@ -321,6 +434,8 @@ class JobTable:
 
     def _retire(self, job_id: str) -> None:
         self._retired[job_id] = self._next_seq()
+        self._entries[job_id].checkpoint = None  # it will not run again
+        self._changed_jobs[job_id] = None
 
     def _check_size(self, nbytes: int, what: str) -> None:
         if nbytes < 0:
@@ -344,10 +459,12 @@ class JobTable:
 
     def _evict_image(self, key: str) -> None:
         self.bytes_stored -= self._images.pop(key).nbytes
+        self._changed_images[key] = None
         self.evictions += 1
 
     def _remove(self, job_id: str) -> None:
         entry = self._entries.pop(job_id)
+        self._changed_jobs[job_id] = None
         record = entry.record
         if entry.prev is None:
             self._first = entry.next

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# Installs stepserve into the environment of a Python interpreter, pinned by .ci/constraints.txt:
-# the one install that ./dev (and so CI) and the Dockerfile share, so the image is what CI tests.
+# Installs stepserve into the environment of a Python interpreter: the one install that ./dev
+# (and so CI) and the Dockerfile share, so the image is what CI tests. Every dependency comes from
+# a lock file, one version each, with its files' hashes checked (scripts/lock.sh makes them from
+# the top-level pins in .ci/constraints.txt); then stepserve itself, with no dependency resolved.
 #
 #   scripts/install.sh PYTHON [dev|app]
 #
-#   dev  (default)  editable, with the test extras: ./dev and CI
-#   app             the package itself, no test extras: the container image
+#   dev  (default)  editable, with the test extras: ./dev and CI (requirements-dev.lock)
+#   app             the package itself and its Redis client, no test extras: the container
+#                   image (requirements.lock)
 #
 # torch goes first and alone: anything that resolves an unpinned torch pulls the multi-GB CUDA
 # build. Where it comes from is STEPSERVE_TORCH_INDEX:
@@ -49,8 +52,8 @@ torch_index() {
 torch=$(sed -n 's/^torch==\([^[:space:]#]*\).*/\1/p' "$CONSTRAINTS")
 [[ -n $torch ]] || die "$CONSTRAINTS pins no torch==VERSION"
 case $TARGET in
-    dev) package=(-e ".[test]") ;;
-    app) package=(".") ;;
+    dev) package=(-e .) lock=requirements-dev.lock ;;
+    app) package=(.) lock=requirements.lock ;;
     *) die "the target is dev or app, not '$TARGET'" ;;
 esac
 
@@ -65,5 +68,8 @@ else
     say "installing torch==$torch"
     "$PY" -m pip install -q "torch==$torch"
 fi
-say "installing stepserve (${package[*]}) pinned by $CONSTRAINTS"
-"$PY" -m pip install -q -c "$CONSTRAINTS" "${package[@]}"
+# torch is in no lock (its CPU and CUDA builds hash differently); it satisfies what needs it.
+say "installing the dependencies locked in $lock (hashes checked)"
+"$PY" -m pip install -q --require-hashes -r "$lock"
+say "installing stepserve (${package[*]})"
+"$PY" -m pip install -q --no-deps "${package[@]}"

@@ -160,6 +160,16 @@ class Outcome:
     denoised: tuple[tuple[str, object], ...] = ()  # (id, handle of its latents or frames): decode/store next
     failed: tuple[str, ...] = ()
     recovered: tuple[str, ...] = ()  # lost to a fault; resumes from a checkpoint or starts over
+    checkpointed: tuple[tuple[str, Resume], ...] = ()  # checkpoints adopted: what a restart could resume from
+
+
+@dataclass(frozen=True)
+class Resume:
+    """A state a request reached: its handle, the steps done, and the SP degree of each."""
+
+    state: object
+    steps: int
+    degrees: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -228,11 +238,13 @@ class RouterCore:
 
     # ---- requests in ----------------------------------------------------------------------
 
-    def submit(self, spec: RequestSpec, now: float, tail_s: float = 0.0, inputs: object | None = None) -> None:
+    def submit(self, spec: RequestSpec, now: float, tail_s: float = 0.0, inputs: object | None = None,
+               resume: Resume | None = None) -> None:
         """Queue a request. `tail_s`: the predicted time from its last denoising step to its
         response (decode, encoding, the way out); the scheduler plans denoising to end that
         much before the SLO. `inputs`: the handle of its control images, handed to the worker
-        that admits it."""
+        that admits it. `resume`: a state it reached before (a checkpoint kept outside the
+        router): it waits PAUSED there, ready, and the worker that admits it goes on from it."""
         old = self._requests.get(spec.request_id)
         if old is not None and not old.status.is_terminal:
             raise DuplicateRequestError(f"request {spec.request_id!r} is already {old.status.value}")
@@ -244,6 +256,12 @@ class RouterCore:
         deadline = math.inf if spec.slo_s is None else now + spec.slo_s - tail_s
         self._requests.pop(spec.request_id, None)
         record = RequestRecord(spec, now, deadline, inputs)
+        if resume is not None:
+            record.status = RequestStatus.PAUSED
+            record.host_state = record.checkpoint = resume.state
+            record.host_steps = record.checkpoint_steps = record.steps_done = record.steps_planned = resume.steps
+            record.degrees = list(resume.degrees)
+            record.ready_time = now
         self._requests[spec.request_id] = record
         self._count(record, +1)
         self._waiting[spec.request_id] = None
@@ -545,7 +563,7 @@ class RouterCore:
                 return None
             return record
 
-        failed, recovered, denoised = [], [], []
+        failed, recovered, denoised, checkpointed = [], [], [], []
         failures = {f.request_id: f for f in report.failed}
         if steps_run < sent.plan.steps:
             self._cut_short(worker, sent, sent.plan.steps - steps_run,
@@ -570,6 +588,7 @@ class RouterCore:
             record = current(rid)
             if record is not None and rid not in failures and steps >= record.checkpoint_steps:
                 record.checkpoint, record.checkpoint_steps = sent.handles[rid], steps
+                checkpointed.append((rid, Resume(sent.handles[rid], steps, tuple(record.degrees[:steps]))))
         for rid in sent.plan.export:
             record = current(rid)
             if record is not None and rid not in failures and record.host_from == (report.worker_id, report.plan_id):
@@ -581,7 +600,7 @@ class RouterCore:
                 record.denoised_time = now
                 self._set_status(record, RequestStatus.DECODING)
                 denoised.append((rid, sent.handles[rid]))
-        return Outcome(tuple(denoised), tuple(failed), tuple(recovered))
+        return Outcome(tuple(denoised), tuple(failed), tuple(recovered), tuple(checkpointed))
 
     def _cut_short(self, worker: WorkerRecord, sent: SentPlan, short: int, stepped: dict[str, RequestRecord | None]) -> None:
         """The plan ran `short` steps fewer than committed (no plan was sent after it, so its

@@ -125,3 +125,21 @@ def test_rerank_gives_the_rebuilt_world_s_ranks_and_the_snapshot_follows_them():
     h.submit(spec("a", steps=3))
     h.run()
     assert h.status("a") is S.FINISHED
+
+
+def test_a_new_router_resumes_a_request_from_a_checkpoint_an_older_one_adopted():
+    from stepserve.routing.core import Resume
+
+    old = Harness(workers=1, batch=2, checkpoint_interval_s=0.0)
+    old.submit(spec("v", steps=8, frames=5))
+    for _ in range(4):
+        old.round()
+    (rid, checkpoint), *_ = [pair for o in old.outcomes for pair in o.checkpointed][-1:]
+    assert rid == "v" and 0 < checkpoint.steps < 8 and len(checkpoint.degrees) == checkpoint.steps
+    new = Harness(workers=1, batch=2)  # the old one's workers are gone; the state is not
+    new.core.submit(spec("v", steps=8, frames=5), new.now, resume=checkpoint)
+    assert new.status("v") is S.PAUSED and new.core.state("v").steps_done == checkpoint.steps
+    new.run()
+    state = new.core.state("v")
+    assert state.status is S.FINISHED and state.steps_done == 8 and len(state.degrees) == 8
+    assert sum(len(p.stepping) for p in new.sent) == 8 - checkpoint.steps  # only the steps left

@@ -221,14 +221,15 @@ class FakeRouter:
 
     def restart(self) -> list[str]:
         """A new router replica: it knows nothing of the old one's requests and, starting up,
-        runs the unfinished jobs in the store again from the start, as the real router does (up
-        to `MAX_RESUMES` times). Returns the ids it resumed."""
+        runs the unfinished jobs in the store again, as the real router does (up to
+        `MAX_RESUMES` times; this fake from the start, whatever their checkpoints). Returns the ids
+        it resumed."""
         self.live.clear()
         resumed = settle(self.store.resume_unfinished(
             MAX_RESUMES, f"the job was interrupted by a router restart {MAX_RESUMES + 1} times; create it again"))
-        for record in resumed:
+        for record, _ in resumed:
             self._accept(record.spec)
-        return [record.job_id for record in resumed]
+        return [record.job_id for record, _ in resumed]
 
     def publish(self, **changes: Any) -> LoadReport:
         """A new load report (the version moves on), as the router publishes one on every change."""

@@ -94,9 +94,15 @@ def test_pods_run_unprivileged_and_keys_stay_on_the_head(service):
             assert container["securityContext"] == {"allowPrivilegeEscalation": False,
                                                     "capabilities": {"drop": ["ALL"]}}
     head, *workers = pods(service)
-    (key_env,) = head["spec"]["containers"][0]["env"]
-    assert key_env["valueFrom"]["secretKeyRef"]["name"] == "stepserve-api-keys"
-    assert all("env" not in c for w in workers for c in w["spec"]["containers"])  # the build hands digests
+
+    def secrets(pod):
+        return {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for c in pod["spec"]["containers"]
+                for e in c.get("env", ())}
+
+    # The API keys only where the app is built (it hands digests on); the job store's Redis
+    # password wherever the store may run.
+    assert secrets(head) == {"STEPSERVE_API_KEYS": "stepserve-api-keys", "STEPSERVE_REDIS_PASSWORD": "stepserve-redis"}
+    assert all(secrets(w) == {"STEPSERVE_REDIS_PASSWORD": "stepserve-redis"} for w in workers)
     models = [v for w in workers for v in w["spec"]["volumes"] if v["name"] == "models"]
     assert models and all(v["persistentVolumeClaim"]["readOnly"] for v in models)
     pvc = yaml.safe_load((K8S / "models-pvc.yaml").read_text())
