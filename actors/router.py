@@ -201,8 +201,8 @@ class Router:
         self._loops = [asyncio.create_task(self._schedule_loop(), name="schedule")]
         for wid in self.workers:
             self._start_reports(wid)
-        for future, started in loading.items():
-            self._begin_join(started, future)
+        for future, (index, wid, actor, handle) in loading.items():
+            self._starting[wid] = (self._spawn(self._join(index, wid, actor, handle, future)), handle)
         self.scaler = None if pool.scaling is None else PoolScaler(pool.scaling)
         if self.scaler is not None:
             self._loops.append(asyncio.create_task(self._scale_loop(), name="scale"))
@@ -649,11 +649,6 @@ class Router:
         self._report_ready[wid] = asyncio.Event()
         self._report_loops[wid] = asyncio.create_task(self._report_loop(wid), name=f"reports-{wid}")
 
-    def _begin_join(self, started: tuple[int, str, str, Any], loaded: Any) -> None:
-        """Track a worker `WorkerLauncher.start` made until it joins (`loaded`: its `ready` call)."""
-        index, wid, actor, handle = started
-        self._starting[wid] = (self._spawn(self._join(index, wid, actor, handle, loaded)), handle)
-
     async def _join(self, index: int, wid: str, actor: str, handle: Any, loaded: Any) -> None:
         """A started worker joins the pool once it has loaded its models. One that cannot is
         killed (the scaler starts another while the load still asks for it)."""
@@ -686,9 +681,9 @@ class Router:
             size = len(self.workers) - len(self.core.draining_workers) + len(self._starting)
             wanted = self.scaler.target(self.core.pool_load(time.monotonic()), size, time.monotonic())
             for _ in range(wanted - size):
-                started = self.launcher.start()
-                _, wid, _, handle = started
-                self._begin_join(started, handle.ready.remote())
+                index, wid, actor, handle = self.launcher.start()
+                joining = self._spawn(self._join(index, wid, actor, handle, handle.ready.remote()))
+                self._starting[wid] = (joining, handle)
                 self.metrics.pool_changes.labels("grow").inc()
                 logger.info("pool: %d -> %d workers; starting %s", size, wanted, wid)
             if wanted < size:
@@ -707,7 +702,9 @@ class Router:
             task.cancel()
             ray.kill(handle, no_restart=True)
         else:
-            wid = self.core.drain_least_loaded()
+            serving = [w for w in self.workers if w not in self.core.draining_workers]
+            by_load = sorted(serving, key=lambda w: (len(self.core.worker_record(w).residents), -self.core.rank(w)))
+            wid = next((w for w in by_load if self.core.drain(w)), None)
             if wid is None:
                 return  # every candidate holds a group over several workers: next time
             self._kick.set()  # its export plan goes out in the next round

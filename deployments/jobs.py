@@ -376,8 +376,6 @@ class JobTable:
     def take_changes(self) -> Changes:
         """What changed since the last call: each changed job or image as it is now, and the ids
         of those gone."""
-        if not (self._changed_jobs or self._changed_images):
-            return Changes()  # most calls (reads, polls) change nothing
         jobs, gone = [], []
         for job_id in self._changed_jobs:
             entry = self._entries.get(job_id)

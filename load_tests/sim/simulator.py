@@ -379,7 +379,9 @@ class Simulation:
                 del self._starting[wid]
                 self._held_s += now - self._held_from.pop(wid)
             else:
-                if self.core.drain_least_loaded() is not None:
+                by_load = sorted((w for w in self.lanes if w not in self.core.draining_workers),
+                                 key=lambda w: (len(self.core.worker_record(w).residents), -self.core.rank(w)))
+                if next((w for w in by_load if self.core.drain(w)), None) is not None:
                     self._request_decision()
         pool = len(self.lanes) + len(self._starting)
         if pool != self._pool[-1][1]:

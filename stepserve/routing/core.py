@@ -403,9 +403,7 @@ class RouterCore:
             free_at = worker.free_at()
             return worker.cuttable and free_at is not None and free_at - now > (worker.step_s or 0.0)
 
-        out = [self._workers[wid] for wid in self._with_drops if worth_it(self._workers[wid])]
-        out += [self._workers[wid] for wid in self._draining
-                if wid not in self._with_drops and worth_it(self._workers[wid])]
+        out = [self._workers[wid] for wid in {**self._with_drops, **self._draining} if worth_it(self._workers[wid])]
         if not (self.policy.joins_running and self._waiting):
             return out
         if self._stale:
@@ -739,15 +737,6 @@ class RouterCore:
         self._draining[worker_id] = None
         self._stale.add(worker_id)
         return True
-
-    def drain_least_loaded(self) -> str | None:
-        """Drain the serving worker holding least (the newest of equals); None when `drain`
-        refuses every one."""
-        serving = [w for w in self._workers.values() if w.alive and not w.draining]
-        for worker in sorted(serving, key=lambda w: (len(w.residents), -w.slot.rank)):
-            if self.drain(worker.slot.worker_id):
-                return worker.slot.worker_id
-        return None
 
     def drained(self, worker_id: str) -> bool:
         """It is draining and holds nothing: `remove_worker` may take it out."""
